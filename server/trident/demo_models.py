@@ -1,0 +1,537 @@
+"""Tiny, deterministic, random-weight vision-language demo checkpoints.
+
+``build_demo_model(arch, out_dir)`` writes a complete Hugging Face style
+checkpoint folder (config, safetensors weights, generation config, tokenizer,
+image processor, processor config and chat template) for a *small* model with
+RANDOM weights.  Nothing is downloaded: the tokenizer is a byte-level BPE that
+is trained on the fly on a fixed English corpus embedded in this module, and
+the model weights come from ``torch.manual_seed(seed)``.
+
+The output is byte-for-byte reproducible for a given ``(arch, seed)`` and
+installed library versions, loads with ``HF_HUB_OFFLINE=1`` and does not need
+torchvision (the image processors are the PIL backends).
+
+Supported architectures (``ARCHS``):
+
+* ``"llava"``   -> ``LlavaForConditionalGeneration`` (CLIP vision tower +
+  Llama text model), ``LlavaProcessor`` + ``CLIPImageProcessorPil``.
+  Every image becomes exactly 196 ``<image>`` tokens (224px, patch 16).
+* ``"qwen2vl"`` -> ``Qwen2VLForConditionalGeneration``, ``Qwen2VLProcessor``
+  + ``Qwen2VLImageProcessorPil``.  The number of ``<|image_pad|>`` tokens
+  depends on the image size (224x224 -> 64, 300x200 -> 54, at most 64).
+
+Load the result with::
+
+    from transformers import AutoProcessor, AutoModelForImageTextToText
+    processor = AutoProcessor.from_pretrained(out_dir)
+    model = AutoModelForImageTextToText.from_pretrained(out_dir)
+
+THE WEIGHTS ARE RANDOM: the generated text is gibberish.  These models exist
+to exercise serving / batching / image-token plumbing, not to answer anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+ARCHS = ("llava", "qwen2vl")
+
+# ---------------------------------------------------------------------------
+# Shape constants (kept as module constants so callers / tests can use them)
+# ---------------------------------------------------------------------------
+
+#: llava: CLIP input size and patch size -> (224 // 16) ** 2 = 196 tokens/image
+LLAVA_IMAGE_SIZE = 224
+LLAVA_PATCH_SIZE = 16
+LLAVA_IMAGE_TOKENS = (LLAVA_IMAGE_SIZE // LLAVA_PATCH_SIZE) ** 2  # 196
+
+#: qwen2vl: patch 14, merge 2 -> one image token per 28x28 pixel block
+QWEN_PATCH_SIZE = 14
+QWEN_MERGE_SIZE = 2
+QWEN_MIN_PIXELS = 4 * 28 * 28  # 3136 -> at least 4 image tokens
+QWEN_MAX_PIXELS = 224 * 224  # 50176 -> at most 64 image tokens
+
+INITIALIZER_RANGE = 0.1
+TARGET_VOCAB_SIZE = 3072
+
+RANDOM_WEIGHTS_NOTICE = "weights are RANDOM (demo model, not a trained model)"
+
+# ---------------------------------------------------------------------------
+# Fixed training corpus for the tokenizer
+# ---------------------------------------------------------------------------
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
+This image shows a small red house next to a tall green tree under a clear blue sky.
+In the photo, two children are playing with a yellow ball on the grass near the river.
+The cat is sleeping on a soft white pillow while the dog watches from the doorway.
+A man in a dark coat walks along the busy street, holding an umbrella in the rain.
+There is a wooden table with a bowl of apples, oranges and bananas in the kitchen.
+The mountains in the background are covered with snow, and the lake below is calm.
+A woman is reading a book on a bench in the park during a warm summer afternoon.
+The chart shows that sales increased steadily from January to June, then fell slightly.
+Describe the image in detail. What colors do you see? How many people are in the picture?
+What is the person on the left doing? Is it day or night? Where was this photo taken?
+The answer is yes. The answer is no. I am not sure, but it looks like a city at sunset.
+Please answer the question briefly. Explain your reasoning step by step.
+
+Once upon a time, in a quiet village at the edge of a great forest, there lived an old
+baker who woke up every morning before the sun. She lit the fire in her stone oven,
+mixed flour, water, salt and yeast, and shaped the dough into round loaves. By the time
+the first light touched the roofs, the whole street smelled of fresh bread. Travelers
+who passed through the village would stop at her shop, and she always had a kind word
+and a warm roll for anyone who was hungry. Years later, people still told stories about
+the baker and her bread, and about the little bell that rang whenever the door opened.
+
+Computers process information by following instructions written in programs. A program
+is a list of steps that tell the machine what to do with data. Modern processors can
+execute billions of simple operations every second. Memory stores both the program and
+the data it works on, while storage keeps files safe when the power is turned off.
+Networks connect computers so that they can exchange messages, share resources and
+cooperate on large tasks. A server waits for requests from clients and sends back
+responses. When many requests arrive at the same time, the server must schedule them
+fairly, batch similar work together, and avoid running out of memory.
+
+Language models predict the next token in a sequence. A tokenizer splits text into
+tokens, which are mapped to numbers called token ids. The model turns these ids into
+vectors, mixes information between positions with attention, and produces a score for
+every token in the vocabulary. Greedy decoding always picks the token with the highest
+score, while sampling draws a token at random according to the probabilities. Vision
+language models also accept images: an image encoder turns the picture into a grid of
+patch features, and a projector maps those features into the same space as the text
+embeddings. Special placeholder tokens mark where the image features are inserted.
+
+The weather today is cloudy with a chance of light rain in the evening. Temperatures
+will reach a high of eighteen degrees, with a gentle wind from the west. Tomorrow will
+be sunny and warmer, perfect for a walk along the beach or a picnic in the garden.
+Spring brings flowers and birds; summer brings long days and heat; autumn brings
+falling leaves in red, orange and gold; winter brings frost, snow and short, dark days.
+
+To make a simple soup, chop an onion, two carrots and a stalk of celery. Cook them
+slowly in a little oil until soft. Add a can of tomatoes, four cups of water or stock,
+a handful of lentils, and a pinch of salt and pepper. Let it simmer for thirty minutes,
+stirring from time to time. Serve hot with a slice of bread and a spoonful of yogurt.
+
+Shapes and colors: a red circle, a blue square, a green triangle, a yellow star, a
+purple hexagon, an orange rectangle, a black line, a white dot, a gray cloud, a pink
+heart, a brown box, a silver coin, a golden ring. The gradient goes from dark on the
+left to bright on the right, and from top to bottom the hue changes smoothly.
+
+Numbers and time: one, two, three, four, five, six, seven, eight, nine, ten, eleven,
+twelve, twenty, thirty, forty, fifty, hundred, thousand, million. Monday, Tuesday,
+Wednesday, Thursday, Friday, Saturday, Sunday. January, February, March, April, May,
+June, July, August, September, October, November, December. The meeting starts at
+9:30 and ends at 11:45. The train leaves at 18:05 from platform 3. It costs $12.99.
+
+Questions people ask: Can you help me? What does this sign say? How far is the station?
+Why is the sky blue? Who painted this picture? When does the store open? Which road
+leads to the harbor? How do I fix a flat tire? What is the capital of France? Paris is
+the capital of France, Berlin is the capital of Germany, and Tokyo is the capital of Japan.
+
+Science notes: water boils at one hundred degrees Celsius at sea level. Light travels
+faster than sound, which is why we see lightning before we hear thunder. Plants use
+sunlight, water and carbon dioxide to make sugar and release oxygen. The earth turns
+around its axis once a day and travels around the sun once a year. The moon reflects
+the light of the sun and changes its shape as it moves around the earth.
+
+History notes: people have built cities, roads, bridges and ships for thousands of
+years. Writing allowed them to record laws, trade, poems and memories. Printing made
+books cheaper, and libraries opened their doors to more readers. Later, the telegraph,
+the telephone, radio, television and the internet carried messages across the world
+faster than ever before.
+
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, i))
+
+{"role": "user", "content": "Hello! How are you today?"}
+{"role": "assistant", "content": "I am fine, thank you. How can I help you?"}
+User: What is in this image? Assistant: The image shows a cat sitting on a red chair.
+User: Count the apples. Assistant: There are three apples and one pear on the plate.
+User: Read the text on the sign. Assistant: The sign says "Open every day from 8 to 6".
+"""
+
+
+def _corpus_lines() -> list[str]:
+    """The fixed training corpus, plus some deterministic generated lines."""
+    lines = [ln for ln in _CORPUS.splitlines() if ln.strip()]
+    words = sorted(set(_CORPUS.replace("\n", " ").split()))
+    # capitalised / upper-case variants and numbers widen the merge table a bit
+    lines.append(" ".join(w.capitalize() for w in words))
+    lines.append(" ".join(w.upper() for w in words[::3]))
+    lines.extend(f"Item {i} costs {i * 7 % 100}.{i % 10}0 and weighs {i * 13 % 1000} grams." for i in range(400))
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Per-arch special tokens and chat templates
+# ---------------------------------------------------------------------------
+
+_LLAVA_SPECIALS = {
+    "unk_token": "<unk>",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "pad_token": "<pad>",
+}
+_LLAVA_EXTRA = ["<image>"]
+
+_QWEN_SPECIALS = {
+    "unk_token": "<unk>",
+    "bos_token": "<s>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+}
+_QWEN_EXTRA = [
+    "<|im_start|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+LLAVA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if not loop.first %}{{ ' ' }}{% endif -%}"
+    "{%- if message['role'] == 'system' -%}{{ 'SYSTEM: ' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'ASSISTANT: ' }}"
+    "{%- else -%}{{ 'USER: ' }}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] in ['image', 'image_url'] -%}{{ '<image>\\n' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ eos_token }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ ' ASSISTANT:' }}{%- endif -%}"
+)
+
+QWEN2VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] in ['image', 'image_url'] -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' -%}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+# ---------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------
+
+
+def _train_tokenizer(specials: dict[str, str], extra: list[str]):
+    """Train a deterministic byte-level BPE and wrap it as PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special_list = [specials["unk_token"], specials["bos_token"], specials["eos_token"], specials["pad_token"]]
+    special_list += extra
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TARGET_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=special_list,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+        padding_side="left",
+        extra_special_tokens=list(extra),
+        **specials,
+    )
+    return fast
+
+
+def _seed_everything(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _build_llava(tokenizer, seed: int):
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _token_map(tokenizer, "llava").items()}
+
+    vision = CLIPVisionConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        projection_dim=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_channels=3,
+        image_size=LLAVA_IMAGE_SIZE,
+        patch_size=LLAVA_PATCH_SIZE,
+        hidden_act="quick_gelu",
+        initializer_range=INITIALIZER_RANGE,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        initializer_range=INITIALIZER_RANGE,
+        rms_norm_eps=1e-5,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
+        tie_word_embeddings=False,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["image"],
+        image_seq_length=LLAVA_IMAGE_TOKENS,
+        vision_feature_select_strategy="default",  # drop CLS -> 196 patch features
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    config.initializer_range = INITIALIZER_RANGE
+    _seed_everything(seed)
+    model = LlavaForConditionalGeneration(config)
+
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": LLAVA_IMAGE_SIZE},
+        crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+        do_center_crop=True,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=LLAVA_PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS token (removed again by "default")
+        image_token="<image>",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+def _build_qwen2vl(tokenizer, seed: int):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _token_map(tokenizer, "qwen2vl").items()}
+    hidden = 512
+    heads = 8
+    head_dim = hidden // heads  # 64 -> rotary half-dim 32 = 16 + 8 + 8
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=heads,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+            initializer_range=INITIALIZER_RANGE,
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+            },
+            bos_token_id=ids["bos"],
+            eos_token_id=ids["eos"],
+            pad_token_id=ids["pad"],
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=4,
+            embed_dim=128,
+            hidden_size=hidden,  # output size of the patch merger = text hidden size
+            mlp_ratio=4,
+            num_heads=4,
+            in_channels=3,
+            patch_size=QWEN_PATCH_SIZE,
+            spatial_merge_size=QWEN_MERGE_SIZE,
+            temporal_patch_size=2,
+            initializer_range=INITIALIZER_RANGE,
+        ),
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+        tie_word_embeddings=False,
+    )
+    config.initializer_range = INITIALIZER_RANGE
+    _seed_everything(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+        patch_size=QWEN_PATCH_SIZE,
+        temporal_patch_size=2,
+        merge_size=QWEN_MERGE_SIZE,
+    )
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=QWEN2VL_CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+def _token_map(tokenizer, arch: str) -> dict[str, str]:
+    m = {
+        "unk": tokenizer.unk_token,
+        "bos": tokenizer.bos_token,
+        "eos": tokenizer.eos_token,
+        "pad": tokenizer.pad_token,
+    }
+    if arch == "llava":
+        m["image"] = "<image>"
+    else:
+        m.update(
+            im_start="<|im_start|>",
+            im_end="<|im_end|>",
+            vision_start="<|vision_start|>",
+            vision_end="<|vision_end|>",
+            image="<|image_pad|>",
+            video="<|video_pad|>",
+        )
+    return m
+
+
+def _canonicalize_json(path: Path) -> None:
+    """Rewrite a JSON file with sorted keys so that the bytes are stable."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def build_demo_model(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    log: Callable[[str], object] | None = print,
+) -> list[Path]:
+    """Write a small random-weight checkpoint + tokenizer + image processor + chat template to out_dir.
+
+    Returns the files written (sorted).  The weights are RANDOM; the resulting
+    model only produces gibberish, but it has the real architecture, real
+    processor and real image-placeholder expansion of ``arch`` (one of ``ARCHS``).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo arch {arch!r}; expected one of {ARCHS}")
+    log = log or (lambda *_a, **_k: None)
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+
+    import torch
+    from transformers import GenerationConfig
+
+    log(f"[demo-model] building {arch!r} demo model (seed={seed}) into {out}")
+    if arch == "llava":
+        specials, extra = _LLAVA_SPECIALS, _LLAVA_EXTRA
+    else:
+        specials, extra = _QWEN_SPECIALS, _QWEN_EXTRA
+    tokenizer = _train_tokenizer(specials, extra)
+    log(f"[demo-model] trained byte-level BPE tokenizer: {len(tokenizer)} tokens")
+
+    if arch == "llava":
+        model, processor = _build_llava(tokenizer, seed)
+    else:
+        model, processor = _build_qwen2vl(tokenizer, seed)
+    model = model.to(torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[demo-model] initialised {type(model).__name__} with {n_params:,} random parameters")
+
+    tok_ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in _token_map(tokenizer, arch).items()}
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok_ids["bos"],
+        eos_token_id=tok_ids["eos"],
+        pad_token_id=tok_ids["pad"],
+        do_sample=False,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    before = {p for p in out.rglob("*") if p.is_file()}
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    for p in sorted(out.glob("*.json")):
+        _canonicalize_json(p)
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    new_or_updated = files  # everything in the folder belongs to this build
+    del before
+
+    dt = time.perf_counter() - t0
+    log(f"[demo-model] special token ids: {json.dumps(tok_ids, sort_keys=True)}")
+    for p in new_or_updated:
+        log(f"[demo-model]   wrote {p} ({p.stat().st_size:,} bytes)")
+    log(
+        f"[demo-model] done in {dt:.1f}s: {arch} demo checkpoint at {out} "
+        f"({n_params:,} parameters, fp32, {len(files)} files)"
+    )
+    log(f"[demo-model] NOTE: {RANDOM_WEIGHTS_NOTICE}")
+    return files
+
+
+def _sha256_tree(path: str | Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (relative path -> hex digest)."""
+    root = Path(path)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+if __name__ == "__main__":  # pragma: no cover - manual helper
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("arch", choices=ARCHS)
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    build_demo_model(a.arch, a.out_dir, seed=a.seed)

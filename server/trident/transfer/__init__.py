@@ -1,0 +1,67 @@
+"""NIXL transfers between stage workers.
+
+One :class:`TransferEndpoint` per process: a NIXL agent, a send pool for what this process produces
+(:class:`TransferSender`) and a receive pool for what it reads (:class:`TransferReceiver`). Only the
+:class:`~trident.protocol.TransferRecord` crosses Triton; the bytes move by NIXL READ, after which the
+consumer's notification lets the producer free them (or the lease expires).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..config import TransferConfig
+from ..protocol import TransferRecord
+from .agent import NixlAgent, process_agent
+from .pool import MemoryPool, Region
+from .receiver import Received, TransferReceiver
+from .sender import TransferSender
+
+__all__ = [
+    "MemoryPool",
+    "NixlAgent",
+    "Received",
+    "Region",
+    "TransferEndpoint",
+    "TransferReceiver",
+    "TransferRecord",
+    "TransferSender",
+    "process_agent",
+]
+
+
+class TransferEndpoint:
+    """A process's sender and receiver on its one NIXL agent."""
+
+    def __init__(self, config: TransferConfig | None = None, agent: NixlAgent | None = None) -> None:
+        self.config = config or TransferConfig()
+        self.agent = agent or process_agent(self.config.backend)
+        self.sender = TransferSender(self.agent, self.config)
+        self.receiver = TransferReceiver(self.agent, self.config)
+
+    def publish(
+        self, tensors: Sequence[torch.Tensor], *, layout: str, extra: dict[str, Any] | None = None,
+        lease_s: float | None = None,
+    ) -> TransferRecord:
+        return self.sender.publish(tensors, layout=layout, extra=extra, lease_s=lease_s)
+
+    def fetch(self, record: TransferRecord | bytes) -> Received:
+        return self.receiver.fetch(record)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and metrics: regions in use per pool and lease outcomes."""
+        s = self.sender
+        return {
+            "send_regions_in_use": s.pool.in_use,
+            "recv_regions_in_use": self.receiver.pool.in_use,
+            "send_bytes_in_use": s.pool.bytes_in_use,
+            "published": s.published,
+            "released": s.released,
+            "expired": s.expired,
+            "fetched": self.receiver.fetched,
+        }
+
+    def close(self) -> None:
+        self.sender.close()

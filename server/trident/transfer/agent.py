@@ -1,0 +1,144 @@
+"""One NIXL agent per process, behind a lock.
+
+Creating a UCX backend costs ~0.5 s, so each process makes exactly one agent (:func:`process_agent`) and
+shares it between its sender and receiver. NIXL's Python agent is not thread-safe in the mode used here
+(no progress thread: that thread spins a whole core), so every call goes through one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+
+import torch
+
+from ..errors import PeerUnavailable, TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+
+class NixlAgent:
+    """A NIXL agent with a UCX backend, DRAM buffers and blocking READs."""
+
+    def __init__(self, name: str | None = None, backend: str = "UCX") -> None:
+        # Imported here so that modules which only describe transfers do not need NIXL's native libs.
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name or f"trident-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.Lock()
+        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        # The default error-handling mode can hang without a progress thread.
+        self._agent.create_backend(backend, {"ucx_error_handling_mode": "none"})
+        self._remotes: dict[str, bytes] = {}
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        log.info("NIXL agent %s ready (%s backend, metadata %d bytes)", self.name, backend, len(self.metadata))
+
+    def register(self, buffer: torch.Tensor) -> None:
+        """Register a CPU tensor's memory for transfers (do it once, at start-up).
+
+        The agent's metadata, which peers load to READ from us, covers the memory registered so far.
+        """
+        with self._lock:
+            self._agent.register_memory(buffer)
+            self.metadata = self._agent.get_agent_metadata()
+
+    def _connect(self, remote: str, metadata: bytes) -> None:
+        if self._remotes.get(remote) == metadata:
+            return
+        if remote in self._remotes:  # same name, new metadata: the peer restarted
+            self._agent.remove_remote_agent(remote)
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as e:  # nixl raises its own binding exceptions
+            raise PeerUnavailable(f"cannot load metadata of NIXL agent {remote!r}: {e}") from None
+        if isinstance(name, bytes):
+            name = name.decode()
+        if name != remote:
+            raise PeerUnavailable(f"agent metadata names {name!r}, the record names {remote!r}")
+        self._remotes[remote] = metadata
+
+    def read(
+        self,
+        remote: str,
+        metadata: bytes,
+        remote_regions: list[tuple[int, int]],
+        local_address: int,
+        notify: bytes,
+        timeout_s: float,
+    ) -> None:
+        """READ ``remote_regions`` back to back into local memory at ``local_address``; block until done.
+
+        The producer gets ``notify`` as a notification once the data has arrived.
+        """
+        local, offset = [], 0
+        for _, length in remote_regions:
+            local.append((local_address + offset, length, 0))
+            offset += length
+        remote_descs = [(addr, length, 0) for addr, length in remote_regions]
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._connect(remote, metadata)
+            try:
+                handle = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local, "DRAM"),
+                    self._agent.get_xfer_descs(remote_descs, "DRAM"),
+                    remote,
+                    notify,
+                )
+                state = self._agent.transfer(handle)
+            except Exception as e:
+                self._forget(remote)
+                raise PeerUnavailable(f"READ from NIXL agent {remote!r} failed: {type(e).__name__}: {e}") from None
+        try:
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"READ of {offset} bytes from {remote!r} took over {timeout_s:.1f} s")
+                time.sleep(0)  # let other threads at the lock between polls
+                with self._lock:
+                    try:
+                        state = self._agent.check_xfer_state(handle)
+                    except Exception as e:
+                        self._forget(remote)
+                        raise PeerUnavailable(f"READ from NIXL agent {remote!r} failed: {type(e).__name__}: {e}") from None
+            if state != "DONE":
+                self._forget(remote)
+                raise PeerUnavailable(f"READ from NIXL agent {remote!r} ended in state {state}")
+        finally:
+            with self._lock:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception as e:  # a failed transfer may refuse release; nothing more to do
+                    log.debug("release of transfer handle failed: %s", e)
+
+    def _forget(self, remote: str) -> None:
+        """Drop a peer after an error so the next record from it reconnects from its metadata."""
+        if self._remotes.pop(remote, None) is not None:
+            try:
+                self._agent.remove_remote_agent(remote)
+            except Exception as e:
+                log.debug("remove_remote_agent(%s) failed: %s", remote, e)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sending agent."""
+        with self._lock:
+            return self._agent.get_new_notifs()
+
+
+_process_agent: NixlAgent | None = None
+_process_lock = threading.Lock()
+
+
+def process_agent(backend: str = "UCX") -> NixlAgent:
+    """This process's agent, created on first use."""
+    global _process_agent
+    with _process_lock:
+        if _process_agent is None:
+            try:
+                _process_agent = NixlAgent(backend=backend)
+            except Exception as e:
+                raise TransferError(f"cannot create a NIXL agent with the {backend} backend: {e}") from e
+        return _process_agent

@@ -1,0 +1,72 @@
+"""Consumer side: READ a producer's regions into this process's receive pool."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import TransferConfig
+from ..errors import LeaseExpired
+from ..protocol import TransferRecord, unpack_tensors
+from .agent import NixlAgent
+from .pool import MemoryPool, Region
+
+
+class Received:
+    """Tensors read into the receive pool; call :meth:`release` (or use ``with``) when done with them.
+
+    The tensors are views into registered memory: copy what must outlive the release.
+    """
+
+    def __init__(self, pool: MemoryPool, region: Region, record: TransferRecord) -> None:
+        self._pool = pool
+        self._region: Region | None = region
+        self.record = record
+        self.tensors: list[torch.Tensor] = unpack_tensors(pool.view(region), record.tensors)
+
+    def release(self) -> None:
+        if self._region is not None:
+            self._pool.free(self._region)
+            self._region = None
+            self.tensors = []
+
+    def __enter__(self) -> "Received":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class TransferReceiver:
+    """Reads the tensors a :class:`~trident.protocol.TransferRecord` describes."""
+
+    def __init__(self, agent: NixlAgent, config: TransferConfig) -> None:
+        self.agent = agent
+        self.config = config
+        self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register)
+        self.fetched = 0
+
+    def fetch(self, record: TransferRecord | bytes) -> Received:
+        """READ the record's regions into a fresh region of the receive pool; the producer is notified."""
+        if not isinstance(record, TransferRecord):
+            record = TransferRecord.decode(record)
+        left = record.expires_at - time.time()
+        if left < self.config.lease_margin_s:
+            state = f"expired {-left:.2f} s ago" if left <= 0 else f"expires in {left:.2f} s, too soon to read safely"
+            raise LeaseExpired(f"lease {record.lease_id} from {record.agent} {state}")
+        region = self.pool.alloc(record.nbytes)
+        try:
+            self.agent.read(
+                record.agent,
+                record.agent_meta,
+                list(record.regions),
+                self.pool.address_of(region),
+                record.lease_id.encode(),
+                self.config.read_timeout_s,
+            )
+        except BaseException:
+            self.pool.free(region)
+            raise
+        self.fetched += 1
+        return Received(self.pool, region, record)

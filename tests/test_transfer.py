@@ -1,0 +1,174 @@
+"""trident.transfer: real NIXL READs between two OS processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import msgspec
+import pytest
+import torch
+
+from trident.config import MiB, TransferConfig
+from trident.errors import LeaseExpired, MalformedRecord, PeerUnavailable, PoolExhausted
+from trident.protocol import FORMAT_VERSION, TransferRecord
+from trident.transfer import MemoryPool, TransferEndpoint
+
+CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002)
+
+
+def _tensors(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(2, 196, 512, generator=g)
+    kv = [torch.randn(1, 8, 213, 64, generator=g) for _ in range(2 * 6)]
+    return {"embeddings": [emb], "kv": kv}
+
+
+def _producer(conn, config: TransferConfig) -> None:
+    """Child process: publishes on request and answers with the record, stats on request."""
+    ep = TransferEndpoint(config)
+    tensors = _tensors(0)
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "publish":
+            layout, lease_s = arg
+            conn.send(ep.publish(tensors[layout], layout=layout, extra={"n": 1}, lease_s=lease_s).encode())
+        elif cmd == "stats":
+            conn.send(ep.stats())
+        elif cmd == "exit":
+            ep.close()
+            conn.send("bye")
+            return
+
+
+class Producer:
+    def __init__(self, config: TransferConfig = CONFIG) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer, args=(child, config), daemon=True)
+        self.proc.start()
+
+    def call(self, cmd, arg=None, timeout=60):
+        self.conn.send((cmd, arg))
+        assert self.conn.poll(timeout), f"producer did not answer {cmd}"
+        return self.conn.recv()
+
+    def stats_when(self, pred, timeout=5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.call("stats")
+            if pred(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=10)
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+@pytest.fixture(scope="module")
+def consumer():
+    ep = TransferEndpoint(CONFIG)
+    yield ep
+    ep.close()
+
+
+@pytest.fixture
+def producer():
+    p = Producer()
+    yield p
+    p.stop()
+
+
+@pytest.mark.parametrize("layout", ["embeddings", "kv"])
+def test_byte_exact_and_pools_return_to_zero(consumer, producer, layout):
+    data = producer.call("publish", (layout, None))
+    record = TransferRecord.decode(data)
+    assert len(data) < 1024
+    assert record.extra == {"n": 1}
+    assert producer.call("stats")["send_regions_in_use"] == 1
+    expected = _tensors(0)[layout]
+    with consumer.fetch(data) as got:
+        assert consumer.stats()["recv_regions_in_use"] == 1
+        assert len(got.tensors) == len(expected)
+        for a, b in zip(got.tensors, expected):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert a.numpy().tobytes() == b.numpy().tobytes()
+        assert sum(t.numel() * 4 for t in got.tensors) == record.nbytes
+    assert consumer.stats()["recv_regions_in_use"] == 0
+    stats = producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
+    assert stats["send_regions_in_use"] == 0
+    assert stats["released"] == 1 and stats["expired"] == 0
+
+
+def test_expired_lease_frees_region_and_is_refused(consumer, producer):
+    data = producer.call("publish", ("embeddings", 0.3))
+    assert producer.call("stats")["send_regions_in_use"] == 1
+    stats = producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
+    assert stats["send_regions_in_use"] == 0 and stats["expired"] == 1
+    with pytest.raises(LeaseExpired, match="expired"):
+        consumer.fetch(data)
+    assert consumer.stats()["recv_regions_in_use"] == 0
+
+
+def test_dead_peer_is_a_clear_error(consumer):
+    p = Producer()
+    data = p.call("publish", ("kv", None))
+    p.proc.kill()
+    p.proc.join()
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnavailable):
+        consumer.fetch(data)
+    assert time.monotonic() - t0 < CONFIG.read_timeout_s
+    assert consumer.stats()["recv_regions_in_use"] == 0
+
+
+def test_many_transfers_interleaved(consumer, producer):
+    records = [producer.call("publish", ("kv", None)) for _ in range(5)]
+    assert producer.call("stats")["send_regions_in_use"] == 5
+    for data in reversed(records):
+        consumer.fetch(data).release()
+    stats = producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
+    assert stats["send_regions_in_use"] == 0 and stats["released"] == 5
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "empty"),
+        (b"\xc1garbage", "not valid msgpack"),
+        (msgspec.msgpack.encode([FORMAT_VERSION + 1, "kv"]), "version"),
+        (msgspec.msgpack.encode({"version": 1}), "format version"),
+        (msgspec.msgpack.encode([FORMAT_VERSION, "kv", "a", b"m", [[1, 16]], [["float32", [5]]], "l", 1e12]), "16 bytes"),
+        (msgspec.msgpack.encode([FORMAT_VERSION, "kv", "a", b"m", [[1, 16]], [["complex", [4]]], "l", 1e12]), "dtype"),
+        (msgspec.msgpack.encode([FORMAT_VERSION, "kv", 7]), "malformed"),
+    ],
+)
+def test_malformed_record(consumer, data, match):
+    with pytest.raises(MalformedRecord, match=match):
+        consumer.fetch(data)
+    assert consumer.stats()["recv_regions_in_use"] == 0
+
+
+def test_pool_allocator_merges_and_reports_exhaustion():
+    pool = MemoryPool("test", 4096)
+    a, b, c = pool.alloc(1000), pool.alloc(1000), pool.alloc(1000)
+    assert pool.in_use == 3
+    with pytest.raises(PoolExhausted, match="cannot fit 2000 bytes"):
+        pool.alloc(2000)
+    pool.free(b)
+    pool.free(a)
+    d = pool.alloc(2000)  # fits only if a and b merged
+    assert d.offset == 0
+    for r in (c, d):
+        pool.free(r)
+    assert pool.in_use == 0 and pool.alloc(4096).offset == 0
+    with pytest.raises(ValueError):
+        pool.free(c)
