@@ -35,6 +35,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -180,7 +182,7 @@ _LLAVA_SPECIALS = {
     "eos_token": "</s>",
     "pad_token": "<pad>",
 }
-_LLAVA_EXTRA = ["<image>"]
+_LLAVA_EXTRA = {"image_token": "<image>"}
 
 _QWEN_SPECIALS = {
     "unk_token": "<unk>",
@@ -188,13 +190,13 @@ _QWEN_SPECIALS = {
     "eos_token": "<|im_end|>",
     "pad_token": "<|endoftext|>",
 }
-_QWEN_EXTRA = [
-    "<|im_start|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
+_QWEN_EXTRA = {
+    "im_start_token": "<|im_start|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+}
 
 LLAVA_CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -244,13 +246,13 @@ QWEN2VL_CHAT_TEMPLATE = (
 # ---------------------------------------------------------------------------
 
 
-def _train_tokenizer(specials: dict[str, str], extra: list[str]):
+def _train_tokenizer(specials: dict[str, str], extra: dict[str, str]):
     """Train a deterministic byte-level BPE and wrap it as PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     special_list = [specials["unk_token"], specials["bos_token"], specials["eos_token"], specials["pad_token"]]
-    special_list += extra
+    special_list += list(extra.values())
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -269,7 +271,7 @@ def _train_tokenizer(specials: dict[str, str], extra: list[str]):
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
         padding_side="left",
-        extra_special_tokens=list(extra),
+        extra_special_tokens=dict(extra),  # named: tokenizer.image_token / .image_token_id ...
         **specials,
     )
     return fast
@@ -353,7 +355,7 @@ def _build_llava(tokenizer, seed: int):
 
 
 def _build_qwen2vl(tokenizer, seed: int):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers import PaddleOCRVLProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _token_map(tokenizer, "qwen2vl").items()}
@@ -411,10 +413,15 @@ def _build_qwen2vl(tokenizer, seed: int):
         temporal_patch_size=2,
         merge_size=QWEN_MERGE_SIZE,
     )
-    processor = Qwen2VLProcessor(
+    # NOTE: transformers 5.x ``Qwen2VLProcessor`` has a mandatory video processor, and every
+    # video processor needs torchvision (not installed here).  ``PaddleOCRVLProcessor`` is a
+    # built-in, image-only processor with the exact same expansion rule
+    # (``<|image_pad|>`` * grid_t*grid_h*grid_w // merge_size**2, ``tokenizer.image_token``) and it
+    # returns the same tensors (input_ids, attention_mask, mm_token_type_ids, pixel_values,
+    # image_grid_thw), so AutoProcessor can load it without torchvision.
+    processor = PaddleOCRVLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        video_processor=None,
         chat_template=QWEN2VL_CHAT_TEMPLATE,
     )
     return model, processor
@@ -441,10 +448,23 @@ def _token_map(tokenizer, arch: str) -> dict[str, str]:
     return m
 
 
-def _canonicalize_json(path: Path) -> None:
-    """Rewrite a JSON file with sorted keys so that the bytes are stable."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+def _quiet_progress_bars():
+    """Context manager: silence transformers' tqdm bars ("Writing model shards") while saving."""
+    import contextlib
+
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def cm():
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+
+    return cm()
 
 
 def build_demo_model(
@@ -456,34 +476,39 @@ def build_demo_model(
 ) -> list[Path]:
     """Write a small random-weight checkpoint + tokenizer + image processor + chat template to out_dir.
 
-    Returns the files written (sorted).  The weights are RANDOM; the resulting
-    model only produces gibberish, but it has the real architecture, real
-    processor and real image-placeholder expansion of ``arch`` (one of ``ARCHS``).
+    Returns the files written (sorted absolute-or-as-given paths inside ``out_dir``).
+    The weights are RANDOM: the model only produces gibberish, but it has the real
+    architecture, real processor and real image-placeholder expansion of ``arch``
+    (one of ``ARCHS``).  The output is byte-identical for the same ``arch``/``seed``
+    (and library versions).  Existing files of the same name in ``out_dir`` are
+    replaced; other files there are left alone.  The caller's global torch RNG
+    state is not modified.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown demo arch {arch!r}; expected one of {ARCHS}")
     log = log or (lambda *_a, **_k: None)
     out = Path(out_dir)
     t0 = time.perf_counter()
+    log(f"[demo-model] building {arch!r} demo model (seed={seed}) into {out} ...")
 
     import torch
     from transformers import GenerationConfig
 
-    log(f"[demo-model] building {arch!r} demo model (seed={seed}) into {out}")
-    if arch == "llava":
-        specials, extra = _LLAVA_SPECIALS, _LLAVA_EXTRA
-    else:
-        specials, extra = _QWEN_SPECIALS, _QWEN_EXTRA
+    specials, extra = (_LLAVA_SPECIALS, _LLAVA_EXTRA) if arch == "llava" else (_QWEN_SPECIALS, _QWEN_EXTRA)
     tokenizer = _train_tokenizer(specials, extra)
-    log(f"[demo-model] trained byte-level BPE tokenizer: {len(tokenizer)} tokens")
+    log(f"[demo-model] trained byte-level BPE tokenizer on the built-in corpus: {len(tokenizer)} tokens")
 
-    if arch == "llava":
-        model, processor = _build_llava(tokenizer, seed)
-    else:
-        model, processor = _build_qwen2vl(tokenizer, seed)
+    with torch.random.fork_rng(devices=[]):  # keep the caller's RNG stream untouched
+        if arch == "llava":
+            model, processor = _build_llava(tokenizer, seed)
+        else:
+            model, processor = _build_qwen2vl(tokenizer, seed)
     model = model.to(torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"[demo-model] initialised {type(model).__name__} with {n_params:,} random parameters")
+    log(
+        f"[demo-model] initialised {type(model).__name__} + {type(processor).__name__} "
+        f"({n_params / 1e6:.1f}M random fp32 parameters, initializer_range={INITIALIZER_RANGE})"
+    )
 
     tok_ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in _token_map(tokenizer, arch).items()}
     model.generation_config = GenerationConfig(
@@ -493,25 +518,39 @@ def build_demo_model(
         do_sample=False,
     )
 
+    # Save into a private temp folder next to out_dir, then move the files in: this tells
+    # us exactly which files were written and never leaves a half-written checkpoint.
     out.mkdir(parents=True, exist_ok=True)
-    before = {p for p in out.rglob("*") if p.is_file()}
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    for p in sorted(out.glob("*.json")):
-        _canonicalize_json(p)
-    files = sorted(p for p in out.rglob("*") if p.is_file())
-    new_or_updated = files  # everything in the folder belongs to this build
-    del before
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=out))
+    try:
+        with _quiet_progress_bars():
+            model.save_pretrained(tmp, safe_serialization=True)
+            processor.save_pretrained(tmp)
+        rel_files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+        for rel in rel_files:
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(tmp / rel, 0o644)  # some writers use mkstemp (0600)
+            os.replace(tmp / rel, out / rel)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    files = [out / rel for rel in rel_files]
 
     dt = time.perf_counter() - t0
     log(f"[demo-model] special token ids: {json.dumps(tok_ids, sort_keys=True)}")
-    for p in new_or_updated:
+    if arch == "llava":
+        log(f"[demo-model] each image -> {LLAVA_IMAGE_TOKENS} <image> tokens (images are resized/cropped to 224x224)")
+    else:
+        log(
+            "[demo-model] each image -> (H/28)*(W/28) <|image_pad|> tokens after smart-resize to "
+            f"{QWEN_MIN_PIXELS}..{QWEN_MAX_PIXELS} pixels (224x224 -> 64, 300x200 -> 54)"
+        )
+    for p in files:
         log(f"[demo-model]   wrote {p} ({p.stat().st_size:,} bytes)")
     log(
-        f"[demo-model] done in {dt:.1f}s: {arch} demo checkpoint at {out} "
-        f"({n_params:,} parameters, fp32, {len(files)} files)"
+        f"[demo-model] done in {dt:.1f}s: {arch} demo checkpoint in {out} "
+        f"({len(files)} files, {n_params:,} parameters, fp32)"
     )
-    log(f"[demo-model] NOTE: {RANDOM_WEIGHTS_NOTICE}")
+    log(f"[demo-model] NOTE: {RANDOM_WEIGHTS_NOTICE}; its output is gibberish.")
     return files
 
 

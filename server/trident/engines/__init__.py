@@ -1,0 +1,1 @@
+"""Engines behind the stage workers; role interfaces in :mod:`trident.engines.base`."""

@@ -1,0 +1,347 @@
+"""The reference engine: transformers model classes on PyTorch (CPU, fp32).
+
+It is the correctness oracle: encode -> prefill -> decode here reproduces ``model.generate()`` token for
+token under greedy sampling. :class:`HFEncoder` and :class:`HFPrefiller` run one request at a time;
+:class:`HFDecoder` runs the steps of all active requests as one batch (continuous batching: requests
+join and leave between steps) over a slot-based KV store, :class:`BatchKV`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import InvalidRequest
+from ..processor import Processor, SamplingParams, TextStream, sample
+from .base import DecodeEvent, DecodeRequest, ImageEmbeddings, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model_path: str | Path, arch: str):
+    """A checkpoint's transformers model in fp32 with SDPA attention, in eval mode."""
+    from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    cls = {"llava": LlavaForConditionalGeneration, "qwen2vl": Qwen2VLForConditionalGeneration}[arch]
+    model = cls.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+class HFModel:
+    """A loaded checkpoint: processor + model, shared by the roles one worker serves."""
+
+    def __init__(self, model_path: str | Path) -> None:
+        self.processor = Processor(model_path)
+        self.arch = self.processor.arch.name
+        self.model = load_model(model_path, self.arch)
+        text = self.model.config.text_config
+        self.num_layers: int = text.num_hidden_layers
+        self.kv_heads: int = text.num_key_value_heads
+        self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
+
+
+class HFEncoder:
+    """Images -> projected embeddings, all images of a request in one vision-tower batch."""
+
+    def __init__(self, model: HFModel) -> None:
+        self.m = model
+
+    @torch.inference_mode()
+    def encode(self, images: list) -> ImageEmbeddings:
+        if not images:
+            raise InvalidRequest("encode needs at least one image")
+        inputs = self.m.processor.pixel_inputs(images)
+        core, cfg = self.m.model.model, self.m.model.config
+        if self.m.arch == "llava":
+            out = core.get_image_features(
+                pixel_values=inputs["pixel_values"],
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            )
+            grid = None
+        else:
+            out = core.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+            grid = inputs["image_grid_thw"].tolist()
+        features = list(out.pooler_output)
+        return ImageEmbeddings(torch.cat(features), [f.shape[0] for f in features], grid)
+
+
+class HFPrefiller:
+    """Prompt ids + image embeddings -> the prompt's KV cache and the first sampled token."""
+
+    def __init__(self, model: HFModel) -> None:
+        self.m = model
+
+    @torch.inference_mode()
+    def prefill(
+        self, prompt_ids: list[int], images: ImageEmbeddings | None, params: SamplingParams, seed: int
+    ) -> PrefillResult:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        self.m.processor.check_length(len(prompt_ids))
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        kwargs: dict = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
+        qwen = self.m.arch == "qwen2vl"
+        if images is not None and images.token_counts:
+            expected = int((ids == self.m.processor.image_token_id).sum())
+            if expected != sum(images.token_counts):
+                raise InvalidRequest(
+                    f"the prompt has {expected} image tokens but the embeddings cover {sum(images.token_counts)}"
+                )
+            features = torch.split(images.embeddings, images.token_counts)
+            kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+            if qwen:
+                kwargs["image_grid_thw"] = torch.tensor(images.grid_thw, dtype=torch.long)
+                kwargs["mm_token_type_ids"] = (ids == self.m.processor.image_token_id).int()
+        with self.m.lock:
+            if qwen:
+                self.m.model.model.rope_deltas = None  # stateful in transformers: start fresh
+            out = self.m.model(**kwargs, logits_to_keep=1)
+        rope_delta = 0
+        if qwen and getattr(out, "rope_deltas", None) is not None:
+            rope_delta = int(out.rope_deltas.reshape(-1)[0])
+        cache = out.past_key_values
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        first = sample(out.logits[0, -1], params, seed, step=0)
+        return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed)
+
+
+def new_seed(params: SamplingParams) -> int:
+    """The request's seed, or a fresh one for unseeded sampling."""
+    return params.seed if params.seed is not None else random.getrandbits(48)
+
+
+class BatchKV:
+    """KV caches of the active decode requests, one row per request, for transformers' attention layers.
+
+    Per layer, keys and values live in ``(rows, kv_heads, length, head_dim)`` buffers; request ``i`` holds
+    positions ``0 .. lens[i]-1`` of row ``i``. Rows ``0 .. n-1`` are the active requests (a leaving request's
+    row is filled with the last one), so a step runs over one dense batch. It implements the two methods of
+    transformers' ``Cache`` the attention layers call: :meth:`update` and :meth:`get_seq_length`.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype=torch.float32) -> None:
+        self.shape = (kv_heads, head_dim)
+        self.dtype = dtype
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.num_layers = num_layers
+        self.lens: list[int] = []
+        self._alloc(rows=4, length=256)
+
+    @property
+    def n(self) -> int:
+        return len(self.lens)
+
+    def _alloc(self, rows: int, length: int) -> None:
+        h, d = self.shape
+        old_k, old_v = self.k, self.v
+        self.k = [torch.zeros(rows, h, length, d, dtype=self.dtype) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(rows, h, length, d, dtype=self.dtype) for _ in range(self.num_layers)]
+        if old_k and self.lens:
+            n, span = self.n, max(self.lens)
+            for layer in range(self.num_layers):
+                self.k[layer][:n, :, :span] = old_k[layer][:n, :, :span]
+                self.v[layer][:n, :, :span] = old_v[layer][:n, :, :span]
+
+    def _ensure(self, rows: int, length: int) -> None:
+        cur_rows, cur_len = self.k[0].shape[0], self.k[0].shape[2]
+        if rows > cur_rows or length > cur_len:
+            self._alloc(max(rows, cur_rows * (2 if rows > cur_rows else 1)), max(length, cur_len * (2 if length > cur_len else 1)))
+
+    def add(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Copy one request's prefill KV (per layer, ``(1, kv_heads, L, head_dim)``) into a new row."""
+        length = kv[0][0].shape[2]
+        self._ensure(self.n + 1, length + 1)
+        row = self.n
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer][row, :, :length] = k[0]
+            self.v[layer][row, :, :length] = v[0]
+        self.lens.append(length)
+        return row
+
+    def remove(self, row: int) -> None:
+        """Drop a row; the last row moves into its place."""
+        last = self.n - 1
+        if row != last:
+            span = self.lens[last]
+            for layer in range(self.num_layers):
+                self.k[layer][row, :, :span] = self.k[layer][last, :, :span]
+                self.v[layer][row, :, :span] = self.v[layer][last, :, :span]
+            self.lens[row] = self.lens[last]
+        self.lens.pop()
+
+    # -- one decode step ------------------------------------------------------------------------
+    def begin_step(self) -> torch.Tensor:
+        """Prepare for a step that appends one token per row; returns the attention mask."""
+        self._span = max(self.lens) + 1
+        self._ensure(self.n, self._span)
+        self._lens_t = torch.tensor(self.lens, dtype=torch.long)
+        self._rows = torch.arange(self.n)
+        positions = torch.arange(self._span)
+        return (positions[None, :] <= self._lens_t[:, None])[:, None, None, :]  # (n, 1, 1, span)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k[self._rows, :, self._lens_t] = key_states[:, :, 0]
+        v[self._rows, :, self._lens_t] = value_states[:, :, 0]
+        return k[: self.n, :, : self._span], v[: self.n, :, : self._span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._span - 1
+
+    def end_step(self) -> None:
+        self.lens = [n + 1 for n in self.lens]
+
+
+class TokenStream:
+    """The events of one decode request, as an iterator; :meth:`cancel` ends it early."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._q: queue.Queue[DecodeEvent | BaseException] = queue.Queue()
+        self.cancelled = False
+
+    def put(self, item: DecodeEvent | BaseException) -> None:
+        self._q.put(item)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def get(self, timeout: float | None = None) -> DecodeEvent:
+        item = self._q.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[DecodeEvent]:
+        while True:
+            event = self.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+class _Active:
+    """Decode state of one request in the batch."""
+
+    def __init__(self, req: DecodeRequest, stream: TokenStream, text: TextStream) -> None:
+        self.req, self.stream, self.text = req, stream, text
+        self.last_token = req.first_token
+        self.generated = 0
+
+
+class HFDecoder:
+    """Continuous-batching decode: one background thread steps all active requests together."""
+
+    def __init__(self, model: HFModel, max_batch: int = 64) -> None:
+        self.m = model
+        self.max_batch = max_batch
+        self._pending: queue.Queue[tuple[DecodeRequest, TokenStream]] = queue.Queue()
+        self._active: list[_Active] = []  # index == row in the BatchKV
+        self._kv = BatchKV(model.num_layers, model.kv_heads, model.head_dim)
+        self._stop = threading.Event()
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="trident-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: DecodeRequest) -> TokenStream:
+        stream = TokenStream(request.request_id)
+        self._pending.put((request, stream))
+        return stream
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pending.put(None)  # type: ignore[arg-type]  # wake the loop
+        self._thread.join(timeout=5)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._admit(block=not self._active)
+                if self._active:
+                    self._step()
+            except Exception as e:  # fail the requests in flight, keep serving new ones
+                log.exception("decode step failed")
+                for a in self._active:
+                    a.stream.put(e)
+                self._active.clear()
+                self._kv = BatchKV(self.m.num_layers, self.m.kv_heads, self.m.head_dim)
+
+    def _admit(self, block: bool) -> None:
+        while len(self._active) < self.max_batch:
+            try:
+                item = self._pending.get(block=block, timeout=0.1 if block else None)
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            req, stream = item
+            block = False
+            active = _Active(req, stream, self.m.processor.text_stream(req.params))
+            # The first token was sampled by prefill: emit it before it enters the batch.
+            if self._emit(active, req.first_token, req.prompt_len):
+                continue
+            self._kv.add(req.kv)
+            self._active.append(active)
+
+    def _emit(self, a: _Active, token: int, cache_len: int) -> bool:
+        """Send one generated token; True when the request is finished."""
+        a.generated += 1
+        a.last_token = token
+        params = a.req.params
+        if a.stream.cancelled:
+            a.stream.put(DecodeEvent([], "", "abort", a.generated))
+            return True
+        is_eos = token in self.m.processor.eos_token_ids and not params.ignore_eos
+        text = "" if is_eos else a.text.push(token)
+        reason = None
+        if is_eos or a.text.stopped:
+            reason = "stop"
+        elif a.generated >= params.max_tokens or cache_len + 1 >= self.m.processor.max_model_len:
+            reason = "length"
+        if reason is not None and not a.text.stopped:
+            text += a.text.flush()
+        a.stream.put(DecodeEvent([token], text, reason, a.generated))
+        return reason is not None
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        model, kv = self.m.model, self._kv
+        tokens = torch.tensor([[a.last_token] for a in self._active], dtype=torch.long)
+        mask = kv.begin_step()
+        positions = kv._lens_t + torch.tensor([a.req.rope_delta for a in self._active], dtype=torch.long)
+        lm = model.model.language_model
+        hidden = lm(
+            inputs_embeds=lm.embed_tokens(tokens),
+            position_ids=positions[:, None],
+            attention_mask=mask,
+            past_key_values=kv,
+            use_cache=True,
+        ).last_hidden_state
+        logits = model.lm_head(hidden[:, -1])
+        kv.end_step()
+        self.steps += 1
+        finished = []
+        for row, a in enumerate(self._active):
+            token = sample(logits[row], a.req.params, a.req.seed, step=a.generated)
+            if self._emit(a, token, kv.lens[row]):
+                finished.append(row)
+        for row in reversed(finished):  # highest first, so moved rows stay valid
+            kv.remove(row)
+            last = self._active.pop()
+            if row < len(self._active):
+                self._active[row] = last
