@@ -7,7 +7,7 @@ dataclasses of tensors and ints, which the workers move between processes with :
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -45,6 +45,7 @@ class DecodeRequest:
     rope_delta: int = 0
     seed: int = 0
     request_id: str = ""
+    on_admit: Callable[[], None] | None = None  # called once ``kv`` has been copied and may be freed
 
 
 @dataclass

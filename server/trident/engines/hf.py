@@ -291,12 +291,15 @@ class HFDecoder:
                 return
             req, stream = item
             block = False
-            active = _Active(req, stream, self.m.processor.text_stream(req.params))
-            # The first token was sampled by prefill: emit it before it enters the batch.
-            if self._emit(active, req.first_token, req.prompt_len):
-                continue
-            self._kv.add(req.kv)
-            self._active.append(active)
+            try:
+                active = _Active(req, stream, self.m.processor.text_stream(req.params))
+                # The first token was sampled by prefill: emit it before the request enters the batch.
+                if not self._emit(active, req.first_token, req.prompt_len):
+                    self._kv.add(req.kv)
+                    self._active.append(active)
+            finally:
+                if req.on_admit is not None:
+                    req.on_admit()
 
     def _emit(self, a: _Active, token: int, cache_len: int) -> bool:
         """Send one generated token; True when the request is finished."""

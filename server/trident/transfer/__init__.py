@@ -50,6 +50,9 @@ class TransferEndpoint:
     def fetch(self, record: TransferRecord | bytes) -> Received:
         return self.receiver.fetch(record)
 
+    def discard(self, record: TransferRecord) -> None:
+        self.receiver.discard(record)
+
     def stats(self) -> dict[str, int]:
         """Counters for tests and metrics: regions in use per pool and lease outcomes."""
         s = self.sender

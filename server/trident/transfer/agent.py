@@ -122,6 +122,16 @@ class NixlAgent:
             except Exception as e:
                 log.debug("remove_remote_agent(%s) failed: %s", remote, e)
 
+    def notify(self, remote: str, metadata: bytes, message: bytes) -> None:
+        """Send a notification to a peer without transferring anything."""
+        with self._lock:
+            self._connect(remote, metadata)
+            try:
+                self._agent.send_notif(remote, message)
+            except Exception as e:
+                self._forget(remote)
+                raise PeerUnavailable(f"notifying NIXL agent {remote!r} failed: {type(e).__name__}: {e}") from None
+
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent."""
         with self._lock:

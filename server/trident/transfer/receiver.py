@@ -70,3 +70,7 @@ class TransferReceiver:
             raise
         self.fetched += 1
         return Received(self.pool, region, record)
+
+    def discard(self, record: TransferRecord) -> None:
+        """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
+        self.agent.notify(record.agent, record.agent_meta, record.lease_id.encode())
