@@ -43,7 +43,7 @@ def gradient_image(width: int, height: int) -> "PIL_Image.Image":
     x = np.linspace(0, 255, width, dtype=np.float32)[None, :].repeat(height, 0)
     y = np.linspace(0, 255, height, dtype=np.float32)[:, None].repeat(width, 1)
     rgb = np.stack([x, y, 255.0 - 0.5 * (x + y)], axis=-1).astype(np.uint8)
-    return PIL_Image.fromarray(rgb, mode="RGB")
+    return PIL_Image.fromarray(rgb)  # HxWx3 uint8 -> RGB
 
 
 def sha256_tree(root: Path) -> dict[str, str]:
@@ -199,6 +199,9 @@ def test_chat_template(built):
         assert not no_gen.endswith("<|im_start|>assistant\n")
         assert "<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>" in one_img
         assert two_img.count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+    # image parts given only by key (no "type") also count as images
+    keyed = [{"role": "user", "content": [{"image": "img.png"}, {"type": "text", "text": "Describe."}]}]
+    assert p.apply_chat_template(keyed, add_generation_prompt=True, tokenize=False) == one_img
     # the tokenizer carries the same template
     assert built.tokenizer.apply_chat_template(msgs_str, add_generation_prompt=True, tokenize=False) == a
 
@@ -227,6 +230,21 @@ def test_generate_two_images_and_text_only(built):
     assert int((inputs["input_ids"] == built.model.config.image_token_id).sum()) == 0
     assert new.shape == (1, 24) and len(set(new[0].tolist())) > 3
     assert isinstance(built.tokenizer.decode(new[0], skip_special_tokens=True), str)
+
+
+def test_chat_template_tokenize_with_inline_image(built):
+    """processor.apply_chat_template(tokenize=True) loads inline PIL images and expands them."""
+    img = gradient_image(300, 200)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Hi?"}]}]
+    inputs = built.processor.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    ids = inputs["input_ids"][0].tolist()
+    assert ids.count(built.model.config.image_token_id) == EXPECTED_IMAGE_TOKENS[(built.arch, (300, 200))]
+    assert ids.count(built.tokenizer.bos_token_id) <= 1
+    with torch.inference_mode():
+        out = built.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == len(ids) + 4
 
 
 def test_generate_is_deterministic_and_batch_consistent(built):

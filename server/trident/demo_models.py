@@ -14,11 +14,24 @@ torchvision (the image processors are the PIL backends).
 Supported architectures (``ARCHS``):
 
 * ``"llava"``   -> ``LlavaForConditionalGeneration`` (CLIP vision tower +
-  Llama text model), ``LlavaProcessor`` + ``CLIPImageProcessorPil``.
-  Every image becomes exactly 196 ``<image>`` tokens (224px, patch 16).
-* ``"qwen2vl"`` -> ``Qwen2VLForConditionalGeneration``, ``Qwen2VLProcessor``
-  + ``Qwen2VLImageProcessorPil``.  The number of ``<|image_pad|>`` tokens
-  depends on the image size (224x224 -> 64, 300x200 -> 54, at most 64).
+  Llama text model, plain multi-head attention), ``LlavaProcessor`` +
+  ``CLIPImageProcessorPil``.  Every image (any size: resized + center-cropped
+  to 224x224) becomes exactly 196 ``<image>`` tokens (patch 16, CLS dropped).
+* ``"qwen2vl"`` -> ``Qwen2VLForConditionalGeneration`` (text uses GQA, M-RoPE),
+  ``PaddleOCRVLProcessor`` + ``Qwen2VLImageProcessorPil``.  The number of
+  ``<|image_pad|>`` tokens depends on the image size (224x224 -> 64,
+  300x200 -> 54, at most 64, at least 4).
+
+  Why not ``Qwen2VLProcessor``?  In transformers 5.x it *requires* a video
+  processor and all video processors require torchvision, so neither
+  ``AutoProcessor`` nor ``Qwen2VLProcessor.from_pretrained`` can load a
+  Qwen2-VL processor without torchvision.  ``PaddleOCRVLProcessor`` is a
+  built-in image-only processor whose expansion rule is identical
+  (``<|image_pad|>`` x ``grid_t*grid_h*grid_w // merge_size**2``) and whose
+  outputs (input_ids, attention_mask, mm_token_type_ids, pixel_values,
+  image_grid_thw) are exactly what ``Qwen2VLForConditionalGeneration`` takes.
+  Loading it logs a harmless one-time deprecation warning about
+  ``image_processor_class``.
 
 Load the result with::
 
@@ -208,7 +221,8 @@ LLAVA_CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}"
     "{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ['image', 'image_url'] -%}{{ '<image>\\n' }}"
+    "{%- if item['type'] in ['image', 'image_url'] or 'image' in item or 'image_url' in item -%}"
+    "{{ '<image>\\n' }}"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
     "{%- endif -%}"
     "{%- endfor -%}"
@@ -227,9 +241,9 @@ QWEN2VL_CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}"
     "{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ['image', 'image_url'] -%}"
+    "{%- if item['type'] in ['image', 'image_url'] or 'image' in item or 'image_url' in item -%}"
     "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'video' -%}"
+    "{%- elif item['type'] == 'video' or 'video' in item -%}"
     "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
     "{%- endif -%}"
@@ -284,7 +298,6 @@ def _seed_everything(seed: int) -> None:
 
 
 def _build_llava(tokenizer, seed: int):
-    import torch
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -314,7 +327,7 @@ def _build_llava(tokenizer, seed: int):
         intermediate_size=1024,
         num_hidden_layers=6,
         num_attention_heads=8,
-        num_key_value_heads=4,
+        num_key_value_heads=8,  # MHA here; the qwen2vl demo covers GQA (4 kv heads)
         max_position_embeddings=4096,
         initializer_range=INITIALIZER_RANGE,
         rms_norm_eps=1e-5,

@@ -250,6 +250,7 @@ class HFDecoder:
         self._kv = BatchKV(model.num_layers, model.kv_heads, model.head_dim)
         self._stop = threading.Event()
         self.steps = 0
+        self.max_batch_seen = 0
         self._thread = threading.Thread(target=self._loop, name="trident-decode", daemon=True)
         self._thread.start()
 
@@ -268,6 +269,7 @@ class HFDecoder:
         self._thread.join(timeout=5)
 
     # -- the loop -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -297,6 +299,9 @@ class HFDecoder:
                 if not self._emit(active, req.first_token, req.prompt_len):
                     self._kv.add(req.kv)
                     self._active.append(active)
+            except Exception as e:  # this request cannot join; the batch goes on
+                log.exception("decode request %s could not join the batch", req.request_id)
+                stream.put(e)
             finally:
                 if req.on_admit is not None:
                     req.on_admit()
@@ -338,6 +343,7 @@ class HFDecoder:
         logits = model.lm_head(hidden[:, -1])
         kv.end_step()
         self.steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, kv.n)
         finished = []
         for row, a in enumerate(self._active):
             token = sample(logits[row], a.req.params, a.req.seed, step=a.generated)
