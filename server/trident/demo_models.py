@@ -575,15 +575,3 @@ def _sha256_tree(path: str | Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
-
-
-if __name__ == "__main__":  # pragma: no cover - manual helper
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("arch", choices=ARCHS)
-    ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    build_demo_model(a.arch, a.out_dir, seed=a.seed)

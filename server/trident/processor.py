@@ -110,14 +110,15 @@ class Processor:
     """Tokenizer + image processor of a checkpoint folder."""
 
     def __init__(self, model_path: str | Path) -> None:
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         self.path = Path(model_path)
         self.config = AutoConfig.from_pretrained(self.path)
         self.arch = arch_of(self.config)
-        hf = AutoProcessor.from_pretrained(self.path)
-        self.tokenizer = hf.tokenizer
-        self.image_processor = hf.image_processor
+        # Loaded apart rather than through AutoProcessor: Qwen2-VL's processor needs a video processor,
+        # which needs torchvision, which has no CPU build on PyPI.
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.image_processor = AutoImageProcessor.from_pretrained(self.path)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.arch.image_token)
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         text_config = getattr(self.config, "text_config", self.config)
