@@ -1,5 +1,7 @@
 """``trident``: the command line.
 
+    trident serve [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--http-port --grpc-port --metrics-port]
+    trident worker STAGE --model PATH --url URL      (started by `serve`)
     trident build-demo-model --arch llava|qwen2vl OUT
     trident bench transfer
     trident bench decode [--model PATH | --arch llava|qwen2vl]
@@ -41,10 +43,73 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .config import MiB, TransferConfig
+    from .launcher import ALL_MODES, ServeSettings, serve
+
+    modes = ALL_MODES if "all" in args.mode else tuple(dict.fromkeys(args.mode))
+    settings = ServeSettings(
+        model=args.model, modes=modes, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, access_token=args.access_token, threads_per_worker=args.threads,
+        transfer=TransferConfig(send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB),
+    )
+    return serve(settings)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from .config import MiB, TransferConfig
+    from .workers.serve import run_worker
+
+    torch.set_num_threads(args.threads)
+    transfer = TransferConfig(
+        send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB, lease_s=args.lease_s
+    )
+    token = os.environ.get("TRIDENT_ACCESS_TOKEN")
+    return run_worker(args.stage, args.model, args.url, token, transfer, args.stats_dir, args.model_store)
+
+
+def _add_pool_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--send-pool-mib", type=int, default=256, help="registered send pool per worker (default: 256)")
+    p.add_argument("--recv-pool-mib", type=int, default=256, help="registered receive pool per worker (default: 256)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trident", description="Disaggregated multimodal LLM serving on Triton.")
     p.add_argument("--log-level", default="WARNING", help="Python logging level (default: WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
+
+    sv = sub.add_parser("serve", help="serve a model in one or more deployment modes on Triton")
+    sv.add_argument("--model", help="checkpoint folder (default: the LLaVA demo model, built on first use)")
+    sv.add_argument(
+        "--mode", nargs="+", default=["all"], choices=["epd", "e_pd", "e_p_d", "ep_d", "all"],
+        help="deployment modes to serve, each as its entry model (default: all)",
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="address Triton listens on (default: 127.0.0.1)")
+    sv.add_argument("--http-port", type=int, default=8000)
+    sv.add_argument("--grpc-port", type=int, default=8001)
+    sv.add_argument("--metrics-port", type=int, default=8002)
+    sv.add_argument(
+        "--access-token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
+        help="token for Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: generated and printed)",
+    )
+    sv.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default: 1)")
+    _add_pool_flags(sv)
+    sv.set_defaults(func=_serve)
+
+    w = sub.add_parser("worker", help="bind one stage model into a running Triton (started by serve)")
+    w.add_argument("stage", choices=["generate", "encode", "prefill", "decode", "encode_prefill", "prefill_decode"])
+    w.add_argument("--model", required=True, help="checkpoint folder")
+    w.add_argument("--url", required=True, help="Triton HTTP URL, e.g. http://127.0.0.1:8000")
+    w.add_argument(
+        "--model-store", help="the server's model repository folder on this host (needed for ensembles over the stage)"
+    )
+    w.add_argument("--stats-dir", help="folder to keep <stage>.json transfer/decode counters in")
+    w.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    w.add_argument("--lease-s", type=float, default=60.0, help="lease on published regions (default: 60)")
+    _add_pool_flags(w)
+    w.set_defaults(func=_worker)
 
     d = sub.add_parser("build-demo-model", help="write a small random-weight demo checkpoint")
     d.add_argument("--arch", choices=["llava", "qwen2vl"], default="llava", help="model family (default: llava)")

@@ -575,3 +575,24 @@ def _sha256_tree(path: str | Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+DEMO_FORMAT = 1  # bump when the builder changes what it writes
+
+
+def demo_model_cache() -> Path:
+    """Folder the demo checkpoints are cached in (``$TRIDENT_CACHE`` or ``~/.cache/trident``)."""
+    root = os.environ.get("TRIDENT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trident"
+    )
+    return Path(root)
+
+
+def default_demo_model(arch: str = "llava", log: Callable[[str], object] | None = print) -> Path:
+    """The cached demo checkpoint of ``arch``, built on first use."""
+    path = demo_model_cache() / f"demo-{arch}-v{DEMO_FORMAT}"
+    if not (path / "config.json").is_file():
+        if log:
+            log(f"[demo-model] building the {arch} demo model into {path} (first use)")
+        build_demo_model(arch, path, log=log)
+    return path

@@ -134,17 +134,21 @@ class Processor:
     def count_placeholders(self, text: str) -> int:
         return text.count(self.arch.placeholder)
 
+    def check_placeholders(self, text: str, num_images: int) -> None:
+        """The prompt must carry the image placeholder exactly once per image."""
+        found = self.count_placeholders(text)
+        if found != num_images:
+            raise InvalidRequest(
+                f"the prompt has {found} image placeholder(s) {self.arch.placeholder!r} "
+                f"but the request carries {num_images} image(s)"
+            )
+
     def prompt_ids(self, text: str, image_token_counts: list[int]) -> list[int]:
         """Token ids of ``text`` with image ``i``'s placeholder expanded to ``image_token_counts[i]`` tokens.
 
         The prompt must carry the placeholder exactly once per image, and fit the context window.
         """
-        found = self.count_placeholders(text)
-        if found != len(image_token_counts):
-            raise InvalidRequest(
-                f"the prompt has {found} image placeholder(s) {self.arch.placeholder!r} "
-                f"but the request carries {len(image_token_counts)} image(s)"
-            )
+        self.check_placeholders(text, len(image_token_counts))
         stray = text.replace(self.arch.placeholder, "").count(self.arch.image_token)
         if stray:
             raise InvalidRequest(f"the prompt has {self.arch.image_token!r} outside an image placeholder")

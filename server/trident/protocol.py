@@ -143,3 +143,65 @@ def specs_for(tensors: list[torch.Tensor]) -> tuple[TensorSpec, ...]:
         else:
             specs.append(TensorSpec(name, shape))
     return tuple(specs)
+
+
+# -- Triton tensors -------------------------------------------------------------------------------
+# The entry interface is Triton's vLLM backend's; stage models add the transfer records.
+# (name, numpy dtype, shape, optional)
+TensorDef = tuple[str, type, tuple[int, ...], bool]
+
+ENTRY_INPUTS: list[TensorDef] = [
+    ("text_input", bytes, (1,), False),
+    ("image", bytes, (-1,), True),
+    ("stream", bool, (1,), True),
+    ("sampling_parameters", bytes, (1,), True),
+    ("exclude_input_in_output", bool, (1,), True),
+    ("return_finish_reason", bool, (1,), True),
+    ("return_num_input_tokens", bool, (1,), True),
+    ("return_num_output_tokens", bool, (1,), True),
+]
+ENTRY_OUTPUTS: list[TensorDef] = [
+    ("text_output", bytes, (-1,), False),
+    ("finish_reason", bytes, (-1,), False),
+    ("num_input_tokens", "uint32", (-1,), False),
+    ("num_output_tokens", "uint32", (-1,), False),
+]
+_OUTPUT_CONTROLS = [t for t in ENTRY_INPUTS if t[0] in ("stream", "exclude_input_in_output") or t[0].startswith("return_")]
+_SAMPLING = ("sampling_parameters", bytes, (1,), True)
+
+EMBEDDING_META: TensorDef = ("embedding_meta", bytes, (1,), False)
+KV_META: TensorDef = ("kv_meta", bytes, (1,), False)
+
+# stage model -> (inputs, outputs, decoupled)
+STAGE_MODELS: dict[str, tuple[list[TensorDef], list[TensorDef], bool]] = {
+    "generate": (ENTRY_INPUTS, ENTRY_OUTPUTS, True),
+    "encode": ([("image", bytes, (-1,), True)], [EMBEDDING_META], False),
+    "prefill": (
+        [("text_input", bytes, (1,), False), ("embedding_meta", bytes, (1,), True), _SAMPLING],
+        [KV_META],
+        False,
+    ),
+    "decode": (
+        [("kv_meta", bytes, (1,), False), ("text_input", bytes, (1,), True), _SAMPLING, *_OUTPUT_CONTROLS],
+        ENTRY_OUTPUTS,
+        True,
+    ),
+    "encode_prefill": (
+        [("text_input", bytes, (1,), False), ("image", bytes, (-1,), True), _SAMPLING],
+        [KV_META],
+        False,
+    ),
+    "prefill_decode": (
+        [("text_input", bytes, (1,), False), ("embedding_meta", bytes, (1,), True), _SAMPLING, *_OUTPUT_CONTROLS],
+        ENTRY_OUTPUTS,
+        True,
+    ),
+}
+
+# deployment mode (entry model name) -> the stage models it chains
+MODES: dict[str, tuple[str, ...]] = {
+    "epd": ("generate",),
+    "e_pd": ("encode", "prefill_decode"),
+    "e_p_d": ("encode", "prefill", "decode"),
+    "ep_d": ("encode_prefill", "decode"),
+}

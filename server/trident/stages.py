@@ -1,17 +1,20 @@
-"""The data path of each stage, independent of Triton: an engine role plus the transfer layer.
+"""The data path of each stage, independent of Triton: engine roles joined by the transfer layer.
 
-- :func:`encode_stage`: images -> embeddings in the send pool -> ``embedding_meta`` record
-- :func:`prefill_stage`: prompt + ``embedding_meta`` (READ, then released) -> KV in the send pool -> ``kv_meta``
-- :func:`decode_stage`: ``kv_meta`` (READ; released once the decoder has copied it into its batch) -> events
+Building blocks (a stage worker chains the ones its stage model needs):
 
-The stage workers bind these to Triton tensors; tests call them directly in separate processes.
+- :func:`publish_embeddings` / :func:`receive_embeddings`: image embeddings across processes
+- :func:`prepare_prompt` + :func:`run_prefill`: prompt ids with placeholders expanded, KV cache + first token
+- :func:`publish_kv` / :func:`receive_kv`: a prefilled request across processes
+
+and the three disaggregated stages built from them: :func:`encode_stage`, :func:`prefill_stage`,
+:func:`decode_stage`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from .engines.base import DecodeRequest, Decoder, Encoder, ImageEmbeddings, Prefiller
+from .engines.base import DecodeRequest, Decoder, Encoder, ImageEmbeddings, Prefiller, PrefillResult
 from .engines.hf import new_seed
 from .errors import MalformedRecord
 from .processor import Processor, SamplingParams
@@ -22,21 +25,101 @@ EMBEDDINGS = "embeddings"
 KV = "kv"
 
 
-def encode_stage(encoder: Encoder, endpoint: TransferEndpoint, images: list) -> TransferRecord:
-    """Encode a request's images and publish the embeddings."""
-    emb = encoder.encode(images)
+def _record(data: TransferRecord | bytes, layout: str, keys: tuple[str, ...]) -> TransferRecord:
+    record = data if isinstance(data, TransferRecord) else TransferRecord.decode(data)
+    if record.layout != layout:
+        raise MalformedRecord(f"expected a {layout!r} record, got {record.layout!r}")
+    missing = [k for k in keys if k not in record.extra]
+    if missing:
+        raise MalformedRecord(f"{layout} record lacks {', '.join(missing)}")
+    return record
+
+
+# -- embeddings -------------------------------------------------------------------------------------
+def publish_embeddings(endpoint: TransferEndpoint, emb: ImageEmbeddings) -> TransferRecord:
     extra: dict[str, Any] = {"token_counts": emb.token_counts}
     if emb.grid_thw is not None:
         extra["grid_thw"] = emb.grid_thw
     return endpoint.publish([emb.embeddings], layout=EMBEDDINGS, extra=extra)
 
 
-def _expect(record: TransferRecord, layout: str, keys: tuple[str, ...]) -> None:
-    if record.layout != layout:
-        raise MalformedRecord(f"expected a {layout!r} record, got {record.layout!r}")
-    missing = [k for k in keys if k not in record.extra]
-    if missing:
-        raise MalformedRecord(f"{layout} record lacks {', '.join(missing)}")
+def receive_embeddings(
+    endpoint: TransferEndpoint, processor: Processor, text: str, data: TransferRecord | bytes
+) -> tuple[list[int], ImageEmbeddings, Callable[[], None]]:
+    """Check the prompt against an ``embedding_meta``, then READ the embeddings.
+
+    Returns the prompt ids, the embeddings (views into the receive pool) and the function that frees them.
+    A prompt that does not match is refused before the READ, and the producer is told to free its copy.
+    """
+    record = _record(data, EMBEDDINGS, ("token_counts",))
+    counts = [int(c) for c in record.extra["token_counts"]]
+    try:
+        prompt = prepare_prompt(processor, text, counts)
+    except Exception:
+        endpoint.discard(record)
+        raise
+    received = endpoint.fetch(record)
+    return prompt, ImageEmbeddings(received.tensors[0], counts, record.extra.get("grid_thw")), received.release
+
+
+# -- prefill ------------------------------------------------------------------------------------------
+def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int]) -> list[int]:
+    """Prompt ids with each image placeholder expanded; checks placeholders and the context window."""
+    prompt = processor.prompt_ids(text, image_token_counts)
+    processor.check_length(len(prompt))
+    return prompt
+
+
+def run_prefill(
+    prefiller: Prefiller, prompt: list[int], images: ImageEmbeddings | None, params: SamplingParams
+) -> PrefillResult:
+    return prefiller.prefill(prompt, images, params, new_seed(params))
+
+
+def decode_request(result: PrefillResult, params: SamplingParams, request_id: str = "") -> DecodeRequest:
+    """Continue a prefill in this process (no transfer)."""
+    return DecodeRequest(
+        kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
+        rope_delta=result.rope_delta, seed=result.seed, request_id=request_id,
+    )
+
+
+# -- KV cache -------------------------------------------------------------------------------------------
+def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> TransferRecord:
+    extra = {
+        "prompt_len": result.prompt_len,
+        "first_token": result.first_token,
+        "rope_delta": result.rope_delta,
+        "seed": result.seed,
+    }
+    return endpoint.publish([t for kv in result.kv for t in kv], layout=KV, extra=extra)
+
+
+def receive_kv(
+    endpoint: TransferEndpoint, data: TransferRecord | bytes, params: SamplingParams, request_id: str = ""
+) -> DecodeRequest:
+    """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it."""
+    record = _record(data, KV, ("prompt_len", "first_token", "rope_delta", "seed"))
+    if any(spec.count % 2 for spec in record.tensors):
+        raise MalformedRecord("kv record must hold (k, v) pairs")
+    received = endpoint.fetch(record)
+    t, extra = received.tensors, record.extra
+    return DecodeRequest(
+        kv=list(zip(t[0::2], t[1::2])),
+        first_token=int(extra["first_token"]),
+        prompt_len=int(extra["prompt_len"]),
+        params=params,
+        rope_delta=int(extra["rope_delta"]),
+        seed=int(extra["seed"]),
+        request_id=request_id,
+        on_admit=received.release,
+    )
+
+
+# -- the three disaggregated stages -----------------------------------------------------------------------
+def encode_stage(encoder: Encoder, endpoint: TransferEndpoint, images: list) -> TransferRecord:
+    """Encode a request's images and publish the embeddings."""
+    return publish_embeddings(endpoint, encoder.encode(images))
 
 
 def prefill_stage(
@@ -48,36 +131,14 @@ def prefill_stage(
     params: SamplingParams,
 ) -> TransferRecord:
     """Prefill a prompt (with the images an ``embedding_meta`` points to) and publish its KV cache."""
-    images: ImageEmbeddings | None = None
-    received = None
-    if embedding_meta is not None:
-        record = embedding_meta if isinstance(embedding_meta, TransferRecord) else TransferRecord.decode(embedding_meta)
-        _expect(record, EMBEDDINGS, ("token_counts",))
-        counts = list(record.extra["token_counts"])
-        try:
-            prompt = processor.prompt_ids(text, counts)
-            processor.check_length(len(prompt))
-        except Exception:
-            endpoint.discard(record)  # a bad prompt must not hold the encoder's memory until the lease ends
-            raise
-        received = endpoint.fetch(record)
-        images = ImageEmbeddings(received.tensors[0], counts, record.extra.get("grid_thw"))
-    else:
-        prompt = processor.prompt_ids(text, [])
+    if embedding_meta is None:
+        return publish_kv(endpoint, run_prefill(prefiller, prepare_prompt(processor, text, []), None, params))
+    prompt, images, release = receive_embeddings(endpoint, processor, text, embedding_meta)
     try:
-        seed = new_seed(params)
-        result = prefiller.prefill(prompt, images, params, seed)
+        result = run_prefill(prefiller, prompt, images, params)
     finally:
-        if received is not None:
-            received.release()
-    tensors = [t for kv in result.kv for t in kv]
-    extra = {
-        "prompt_len": result.prompt_len,
-        "first_token": result.first_token,
-        "rope_delta": result.rope_delta,
-        "seed": result.seed,
-    }
-    return endpoint.publish(tensors, layout=KV, extra=extra)
+        release()
+    return publish_kv(endpoint, result)
 
 
 def decode_stage(
@@ -85,21 +146,4 @@ def decode_stage(
     request_id: str = "",
 ):
     """READ a prefilled request's KV cache and start decoding it; returns the decoder's event stream."""
-    record = kv_meta if isinstance(kv_meta, TransferRecord) else TransferRecord.decode(kv_meta)
-    _expect(record, KV, ("prompt_len", "first_token", "rope_delta", "seed"))
-    if any(spec.count % 2 for spec in record.tensors):
-        raise MalformedRecord("kv record must hold (k, v) pairs")
-    received = endpoint.fetch(record)
-    t = received.tensors
-    extra = record.extra
-    request = DecodeRequest(
-        kv=list(zip(t[0::2], t[1::2])),
-        first_token=int(extra["first_token"]),
-        prompt_len=int(extra["prompt_len"]),
-        params=params,
-        rope_delta=int(extra["rope_delta"]),
-        seed=int(extra["seed"]),
-        request_id=request_id,
-        on_admit=received.release,
-    )
-    return decoder.submit(request)
+    return decoder.submit(receive_kv(endpoint, kv_meta, params, request_id))

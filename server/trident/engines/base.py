@@ -74,6 +74,7 @@ class Prefiller(Protocol):
 
 
 class Decoder(Protocol):
-    def submit(self, request: DecodeRequest) -> "Iterator[DecodeEvent]":
-        """Start decoding; iterate the returned stream for events until one has a ``finish_reason``."""
+    def submit(self, request: DecodeRequest, loop=None) -> "Iterator[DecodeEvent]":
+        """Start decoding; iterate the returned stream (``async for`` when given an asyncio loop) for events
+        until one has a ``finish_reason``."""
         ...

@@ -8,12 +8,13 @@ join and leave between steps) over a slot-based KV store, :class:`BatchKV`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import random
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
@@ -203,15 +204,24 @@ class BatchKV:
 
 
 class TokenStream:
-    """The events of one decode request, as an iterator; :meth:`cancel` ends it early."""
+    """The events of one decode request; iterate it (``for``, or ``async for`` when made with a loop).
 
-    def __init__(self, request_id: str) -> None:
+    The decode thread puts events in; with an asyncio ``loop`` they are handed over thread-safely to that
+    loop, so an async worker awaits them without holding a thread per request. :meth:`cancel` ends the
+    request at the next step.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.request_id = request_id
-        self._q: queue.Queue[DecodeEvent | BaseException] = queue.Queue()
+        self._loop = loop
+        self._q: queue.Queue | asyncio.Queue = asyncio.Queue() if loop is not None else queue.Queue()
         self.cancelled = False
 
     def put(self, item: DecodeEvent | BaseException) -> None:
-        self._q.put(item)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        else:
+            self._q.put(item)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -227,6 +237,15 @@ class TokenStream:
             event = self.get()
             yield event
             if event.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[DecodeEvent]:
+        while True:
+            item = await self._q.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
                 return
 
 
@@ -254,8 +273,9 @@ class HFDecoder:
         self._thread = threading.Thread(target=self._loop, name="trident-decode", daemon=True)
         self._thread.start()
 
-    def submit(self, request: DecodeRequest) -> TokenStream:
-        stream = TokenStream(request.request_id)
+    def submit(self, request: DecodeRequest, loop: asyncio.AbstractEventLoop | None = None) -> TokenStream:
+        """Queue a request; it joins the batch before the next step."""
+        stream = TokenStream(request.request_id, loop)
         self._pending.put((request, stream))
         return stream
 

@@ -7,6 +7,7 @@ shares it between its sender and receiver. NIXL's Python agent is not thread-saf
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -20,12 +21,31 @@ from ..errors import PeerUnavailable, TransferError, TransferTimeout
 log = logging.getLogger(__name__)
 
 
+def _nixl_api():
+    """NIXL's agent classes, imported on first use (modules that only describe transfers skip its libs).
+
+    The ``nixl`` shim picks the wheel matching the CUDA stack the process has loaded; when that wheel is
+    absent (e.g. tritonclient's cuda-python says CUDA 13 on a machine with ``nixl-cu12``), use whichever
+    backend wheel is installed.
+    """
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as first:
+        for name in ("nixl_cu12", "nixl_cu13"):
+            try:
+                api = importlib.import_module(f"{name}._api")
+                return api.nixl_agent, api.nixl_agent_config
+            except ImportError:
+                continue
+        raise first
+    return nixl_agent, nixl_agent_config
+
+
 class NixlAgent:
     """A NIXL agent with a UCX backend, DRAM buffers and blocking READs."""
 
     def __init__(self, name: str | None = None, backend: str = "UCX") -> None:
-        # Imported here so that modules which only describe transfers do not need NIXL's native libs.
-        from nixl._api import nixl_agent, nixl_agent_config
+        nixl_agent, nixl_agent_config = _nixl_api()
 
         self.name = name or f"trident-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()

@@ -1,0 +1,240 @@
+"""``trident serve``: start Triton, the stage workers the chosen modes need, load the entry models, supervise.
+
+Order matters: PyTriton starts Triton with ``--load-model=*`` and an ensemble whose steps are not bound
+fails to load, so the entry models are loaded through the repository API only after every stage model
+is ready. Stopping (Ctrl-C / SIGTERM) stops the workers (they unbind), then Triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import TransferConfig
+from .protocol import MODES
+from .repository import REPOSITORY, install_entry_model
+
+log = logging.getLogger("trident.launcher")
+
+ALL_MODES = tuple(MODES)
+
+
+class ServeSettings(BaseModel):
+    """Settings of ``trident serve`` (flags, or ``TRIDENT_*`` environment variables for the token)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = None  # checkpoint folder; None: the LLaVA demo model
+    modes: tuple[str, ...] = ALL_MODES
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    access_token: str | None = None  # repository-API token; generated when None
+    threads_per_worker: int = Field(1, ge=1)
+    startup_timeout_s: float = 300.0
+    repository: str = str(REPOSITORY)
+    workspace: str | None = None
+    transfer: TransferConfig = TransferConfig()
+
+
+def stages_for(modes: tuple[str, ...]) -> list[str]:
+    """The stage models the modes use, each once, in a stable order."""
+    out: list[str] = []
+    for mode in modes:
+        for stage in MODES[mode]:
+            if stage not in out:
+                out.append(stage)
+    return out
+
+
+def _server_environment() -> None:
+    """Environment the Triton server and its python-backend stubs inherit (see ENVIRONMENT.md)."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir:  # the stub links libpython: use this interpreter's, not the system's
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
+    bindir = str(Path(sys.executable).parent)
+    if not os.environ.get("PATH", "").startswith(bindir):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+class Launcher:
+    """Owns every process ``trident serve`` starts."""
+
+    def __init__(self, settings: ServeSettings, out=print) -> None:
+        self.s = settings
+        self.out = out
+        self.token = settings.access_token or os.environ.get("TRIDENT_ACCESS_TOKEN") or secrets.token_urlsafe(24)
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.triton = None
+        self._tmp: str | None = None
+        self.workspace = Path(settings.workspace or self._make_tmp())
+        self.model_path: str | None = settings.model
+        self._stopping = False
+
+    def _make_tmp(self) -> str:
+        self._tmp = tempfile.mkdtemp(prefix="trident-")
+        return self._tmp
+
+    @property
+    def stats_dir(self) -> Path:
+        return self.workspace / "stats"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.s.host}:{self.s.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.s.host}:{self.s.grpc_port}"
+
+    # -- start ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        t0 = time.monotonic()
+        unknown = [m for m in self.s.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
+        if self.model_path is None:
+            from .demo_models import default_demo_model
+
+            self.model_path = str(default_demo_model("llava", log=self.out))
+        self.out(f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}")
+        self.out(f"[trident] repository-API access token: {self.token}")
+        self._start_triton()
+        stages = stages_for(self.s.modes)
+        for stage in stages:
+            self._start_worker(stage)
+        self.out(f"[trident] waiting for stage workers: {', '.join(stages)}")
+        self._wait_ready(stages)
+        for mode in self.s.modes:
+            self.load_entry_model(mode)
+        self.out(
+            f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
+            f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics  entry models: {', '.join(self.s.modes)}"
+        )
+
+    def _start_triton(self) -> None:
+        from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+        from pytriton.utils.workspace import Workspace
+
+        _server_environment()
+        self.out(f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics {self.s.metrics_port}")
+        config = TritonConfig(
+            http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
+            metrics_port=self.s.metrics_port, exit_timeout_secs=3, log_verbose=0,
+        )
+        self.triton = Triton(
+            config=config,
+            workspace=Workspace(self.workspace / "triton"),
+            security_config=TritonSecurityConfig(access_token=self.token),
+        )
+        self.triton.run()
+        self.model_store = self.workspace / "triton" / "model-store"
+
+    def _start_worker(self, stage: str) -> None:
+        cmd = [
+            sys.executable, "-m", "trident.cli", "worker", stage,
+            "--model", str(self.model_path),
+            "--url", self.http_url,
+            "--stats-dir", str(self.stats_dir),
+            "--model-store", str(self.model_store),
+            "--threads", str(self.s.threads_per_worker),
+            "--send-pool-mib", str(self.s.transfer.send_pool_bytes >> 20),
+            "--recv-pool-mib", str(self.s.transfer.recv_pool_bytes >> 20),
+            "--lease-s", str(self.s.transfer.lease_s),
+        ]
+        env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
+        self.workers[stage] = subprocess.Popen(cmd, env=env)
+        self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")
+
+    def _client(self):
+        import tritonclient.http as httpclient
+
+        return httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"triton-access-token": self.token}
+
+    def _wait_ready(self, stages: list[str]) -> None:
+        client = self._client()
+        deadline = time.monotonic() + self.s.startup_timeout_s
+        pending = set(stages)
+        while pending:
+            for stage in list(pending):
+                proc = self.workers[stage]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker {stage} exited with code {proc.returncode} during start-up")
+                try:
+                    if client.is_model_ready(stage):
+                        pending.discard(stage)
+                        self.out(f"[trident] stage model {stage} is ready")
+                except Exception:  # server still settling
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
+            time.sleep(0.2)
+
+    def load_entry_model(self, mode: str) -> None:
+        install_entry_model(mode, self.model_store, Path(self.s.repository))
+        self._client().load_model(mode, headers=self.headers)
+        self.out(f"[trident] entry model {mode} loaded")
+
+    # -- run and stop -------------------------------------------------------------------------------
+    def supervise(self) -> None:
+        """Block until a signal or until a worker dies (then stop everything: a missing stage breaks its modes)."""
+        stop = {"signal": None}
+
+        def _handler(signum, _frame):
+            stop["signal"] = signum
+
+        signal.signal(signal.SIGINT, _handler)
+        signal.signal(signal.SIGTERM, _handler)
+        while stop["signal"] is None:
+            for stage, proc in self.workers.items():
+                if proc.poll() is not None:
+                    self.out(f"[trident] worker {stage} exited with code {proc.returncode}; shutting down")
+                    return
+            time.sleep(0.5)
+        self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for stage, proc in self.workers.items():
+            if proc.poll() is None:
+                proc.terminate()
+        for stage, proc in self.workers.items():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.out(f"[trident] worker {stage} did not stop; killing it")
+                proc.kill()
+                proc.wait()
+        if self.triton is not None:
+            self.triton.stop()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self.out("[trident] stopped")
+
+
+def serve(settings: ServeSettings) -> int:
+    launcher = Launcher(settings)
+    try:
+        launcher.start()
+        launcher.supervise()
+    finally:
+        launcher.stop()
+    return 0

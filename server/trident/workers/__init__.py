@@ -1,0 +1,8 @@
+"""Stage workers: each binds one stage model into a running Triton server through PyTriton.
+
+One module per stage model (``encode``, ``prefill``, ``decode``, ``encode_prefill``, ``prefill_decode``,
+``generate``) defines its inference function over a :class:`~trident.workers.common.WorkerContext`;
+:mod:`trident.workers.serve` loads the engine, binds the model and serves until stopped.
+"""
+
+STAGES = ("generate", "encode", "prefill", "decode", "encode_prefill", "prefill_decode")
