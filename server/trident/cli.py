@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(
         model=args.model, modes=modes, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, access_token=args.access_token, threads_per_worker=args.threads,
+        workspace=args.workspace,
         transfer=TransferConfig(send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB),
     )
     return serve(settings)
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="token for Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: generated and printed)",
     )
     sv.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default: 1)")
+    sv.add_argument("--workspace", help="new folder for the server's files: model store, logs, worker stats (default: temporary)")
     _add_pool_flags(sv)
     sv.set_defaults(func=_serve)
 

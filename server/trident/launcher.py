@@ -129,10 +129,14 @@ class Launcher:
         from pytriton.utils.workspace import Workspace
 
         _server_environment()
-        self.out(f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics {self.s.metrics_port}")
+        self.out(
+            f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
+            f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
+        )
         config = TritonConfig(
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
             metrics_port=self.s.metrics_port, exit_timeout_secs=3, log_verbose=0,
+            log_file=self.workspace / "triton.log",
         )
         self.triton = Triton(
             config=config,

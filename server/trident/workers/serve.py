@@ -9,11 +9,13 @@ import os
 import shutil
 import signal
 import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
 
 from ..config import TransferConfig
+from ..errors import TridentError
 from ..protocol import STAGE_MODELS
 from . import STAGES
 from .common import WorkerContext
@@ -62,6 +64,21 @@ def _write_stats(ctx: WorkerContext, path: Path, stop: threading.Event) -> None:
             return
 
 
+class _PlainErrors:
+    """Stand-in for the ``traceback`` module inside PyTriton's proxy, which sends a failed request's error
+    to the client as a formatted traceback: Trident's own errors go as ``Class: message`` instead."""
+
+    def __getattr__(self, name):
+        return getattr(traceback, name)
+
+    @staticmethod
+    def format_exception(exc, value=None, tb=None, *args, **kwargs):
+        error = value if value is not None else exc
+        if isinstance(error, TridentError):
+            return [f"{type(error).__name__}: {error}"]
+        return traceback.format_exception(exc, value, tb, *args, **kwargs)
+
+
 def _remote_triton(url: str, access_token: str | None, model_store: str | None):
     """PyTriton's RemoteTriton; with ``model_store`` (the server's repository folder, on this host) the
     stage model's files are written there and loaded by name instead of uploaded as an override.
@@ -96,7 +113,10 @@ def run_worker(
     stage: str, model_path: str, url: str, access_token: str | None, transfer: TransferConfig,
     stats_dir: str | None = None, model_store: str | None = None,
 ) -> int:
+    import pytriton.proxy.inference
     from pytriton.model_config import ModelConfig, Tensor
+
+    pytriton.proxy.inference.traceback = _PlainErrors()
 
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")

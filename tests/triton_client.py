@@ -1,0 +1,95 @@
+"""Small tritonclient helpers for the end-to-end tests: one entry-model request over gRPC or HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import queue
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str | None
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    responses: int
+
+
+def b64(png: bytes) -> str:
+    return base64.b64encode(png).decode()
+
+
+def entry_inputs(text: str, images: list[str], params: dict | str | None, stream: bool, exclude: bool = True):
+    """(name, numpy array, Triton dtype) of an entry-model request."""
+    out = [("text_input", np.array([text.encode()], dtype=np.object_), "BYTES")]
+    if images:
+        out.append(("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+    if params is not None:
+        sp = params if isinstance(params, str) else json.dumps(params)
+        out.append(("sampling_parameters", np.array([sp.encode()], dtype=np.object_), "BYTES"))
+    out.append(("stream", np.array([stream]), "BOOL"))
+    out.append(("exclude_input_in_output", np.array([exclude]), "BOOL"))
+    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+        out.append((flag, np.array([True]), "BOOL"))
+    return out
+
+
+def _scalar(result, name):
+    value = result.as_numpy(name)
+    if value is None or value.size == 0:
+        return None
+    v = value.reshape(-1)[0]
+    return v.decode() if isinstance(v, bytes) else int(v)
+
+
+def grpc_generate(url: str, model: str, text: str, images: list[str], params, stream: bool, timeout: float = 120) -> Result:
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, arr, dtype in entry_inputs(text, images, params, stream):
+        i = grpcclient.InferInput(name, arr.shape, dtype)
+        i.set_data_from_numpy(arr)
+        inputs.append(i)
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        parts, last, n = [], {}, 0
+        while True:
+            result, error = q.get(timeout=timeout)
+            if error is not None:
+                raise error
+            response = result.get_response()
+            final = response.parameters.get("triton_final_response")
+            text_out = result.as_numpy("text_output")
+            if text_out is not None and text_out.size:
+                n += 1
+                parts.append(text_out.reshape(-1)[0].decode())
+                for name in ("finish_reason", "num_input_tokens", "num_output_tokens"):
+                    if result.as_numpy(name) is not None:
+                        last[name] = _scalar(result, name)
+            if final is not None and final.bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return Result("".join(parts), last.get("finish_reason"), last.get("num_input_tokens"), last.get("num_output_tokens"), n)
+
+
+def http_generate(url: str, model: str, text: str, images: list[str], params, timeout: float = 120):
+    """POST /v2/models/<model>/generate; returns (status code, JSON body)."""
+    import requests
+
+    body: dict = {"text_input": text, "exclude_input_in_output": True, "return_finish_reason": True,
+                  "return_num_input_tokens": True, "return_num_output_tokens": True}
+    if images:
+        body["image"] = images
+    if params is not None:
+        body["sampling_parameters"] = params if isinstance(params, str) else json.dumps(params)
+    r = requests.post(f"http://{url}/v2/models/{model}/generate", json=body, timeout=timeout)
+    return r.status_code, r.json()
