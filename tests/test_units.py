@@ -1,0 +1,66 @@
+"""Fast unit tests: sampling parameters, text streaming, image decoding, the repository files."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from conftest import make_image, png_bytes
+from trident.errors import InvalidRequest
+from trident.media import decode_base64_image
+from trident.processor import SamplingParams, TextStream
+from trident.protocol import MODES
+from trident.repository import REPOSITORY, render_ensemble
+
+
+def test_sampling_params_parse_and_errors():
+    p = SamplingParams.from_json('{"max_tokens": 5, "temperature": 0, "stop": "x", "unknown_field": 1}')
+    assert (p.max_tokens, p.greedy, p.stop) == (5, True, ["x"])
+    assert SamplingParams.from_json(None) == SamplingParams() == SamplingParams.from_json(b"")
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        SamplingParams.from_json("{nope")
+    with pytest.raises(InvalidRequest, match="must be a JSON object"):
+        SamplingParams.from_json("[1, 2]")
+    with pytest.raises(InvalidRequest, match="top_p"):
+        SamplingParams.from_json('{"top_p": 1.5}')
+
+
+class _ByteTokenizer:
+    """Each token id is one byte; decoding replaces broken UTF-8 like real tokenizers do."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _stream(text: str, stop: list[str]) -> tuple[str, bool]:
+    ts = TextStream(_ByteTokenizer(), stop)
+    out = "".join(ts.push(b) for b in text.encode())
+    return out + ts.flush(), ts.stopped
+
+
+def test_text_stream_stop_strings_and_partial_characters():
+    assert _stream("hello world", []) == ("hello world", False)
+    assert _stream("hello world. more", ["."]) == ("hello world", True)
+    assert _stream("abcSTOPdef", ["STOP"]) == ("abc", True)
+    assert _stream("abcSTdef", ["STOP"]) == ("abcSTdef", False)  # held back, then released
+    ts = TextStream(_ByteTokenizer(), [])
+    assert [ts.push(b) for b in "é!".encode()] == ["", "é", "!"]  # no half character is emitted
+
+
+def test_decode_base64_image_forms_and_errors():
+    png = png_bytes(make_image(32, 16, 0))
+    raw = base64.b64encode(png)
+    assert decode_base64_image(raw).size == (32, 16)
+    assert decode_base64_image("data:image/png;base64," + raw.decode()).size == (32, 16)
+    with pytest.raises(InvalidRequest, match="image 2 is not valid base64"):
+        decode_base64_image("%%%", 2)
+    with pytest.raises(InvalidRequest, match="could not be decoded"):
+        decode_base64_image(base64.b64encode(b"plain text"))
+    with pytest.raises(InvalidRequest, match="not base64-encoded"):
+        decode_base64_image("data:image/png,rawbytes")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_repository_is_in_step_with_protocol(mode):
+    assert (REPOSITORY / mode / "config.pbtxt").read_text() == render_ensemble(mode)
