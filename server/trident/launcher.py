@@ -141,7 +141,10 @@ class Launcher:
         self.triton = Triton(
             config=config,
             workspace=Workspace(self.workspace / "triton"),
-            security_config=TritonSecurityConfig(access_token=self.token),
+            # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards.
+            security_config=TritonSecurityConfig(
+                access_token=self.token, restricted_endpoints=["model-repository", "shared-memory", "trace", "logging"]
+            ),
         )
         self.triton.run()
         self.model_store = self.workspace / "triton" / "model-store"
