@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import torch
 
 from conftest import chat_prompt, make_image, png_bytes
 from triton_client import b64, grpc_generate, http_generate
+from trident.netutil import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +27,11 @@ GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 IMAGE_SPECS = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300, 200, 2)], "text-only": []}
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class Server:
     """`trident serve` in a subprocess on free ports; stopped with SIGTERM like a user's Ctrl-C."""
 
-    def __init__(self, model: str, workspace: Path, modes: list[str] | None = None) -> None:
-        self.http_port, self.grpc_port, self.metrics_port = _free_ports(3)
+    def __init__(self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None) -> None:
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.workspace = workspace
         self.token = "test-token-123"
         cmd = [
@@ -50,6 +40,8 @@ class Server:
             "--metrics-port", str(self.metrics_port), "--workspace", str(workspace),
             "--access-token", self.token, "--mode", *(modes or ["all"]),
         ]
+        if load is not None:
+            cmd += ["--load", *load]
         self.log: list[str] = []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -92,7 +84,8 @@ class Server:
 
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def server(request, demo_models, tmp_path_factory):
-    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("serve") / "ws")
+    # ep_d's stages run but its entry model is loaded by a test, as a user adds a mode while serving.
+    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("serve") / "ws", load=["epd", "e_pd", "e_p_d"])
     try:
         srv.wait_ready()
         srv.arch = request.param
@@ -132,6 +125,18 @@ def reference(server):
             "num_input_tokens": inputs["input_ids"].shape[1],
         }
     return cases
+
+
+def test_add_mode_while_serving(server, reference):
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(server.http)
+    assert not admin.is_model_ready("ep_d")
+    assert admin.is_model_ready("e_p_d")
+    admin.load_model("ep_d", headers={"triton-access-token": server.token})
+    assert admin.is_model_ready("ep_d")
+    c = reference["one-image"]
+    assert grpc_generate(server.grpc, "ep_d", c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
 
 
 @pytest.mark.parametrize("case", list(IMAGE_SPECS))

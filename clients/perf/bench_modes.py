@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,17 +29,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from trident.netutil import free_ports
+
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def demo_image(seed: int = 0) -> Image.Image:

@@ -48,8 +48,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .launcher import ALL_MODES, ServeSettings, serve
 
     modes = ALL_MODES if "all" in args.mode else tuple(dict.fromkeys(args.mode))
+    load = None if args.load is None else (ALL_MODES if "all" in args.load else tuple(dict.fromkeys(args.load)))
     settings = ServeSettings(
-        model=args.model, modes=modes, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        model=args.model, modes=modes, load=load, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, access_token=args.access_token, threads_per_worker=args.threads,
         workspace=args.workspace,
         transfer=TransferConfig(send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB),
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--mode", nargs="+", default=["all"], choices=["epd", "e_pd", "e_p_d", "ep_d", "all"],
         help="deployment modes to serve, each as its entry model (default: all)",
+    )
+    sv.add_argument(
+        "--load", nargs="*", choices=["epd", "e_pd", "e_p_d", "ep_d", "all"],
+        help="entry models to load at start (default: those of --mode); the others can be loaded later "
+        "through Triton's repository API",
     )
     sv.add_argument("--host", default="127.0.0.1", help="address Triton listens on (default: 127.0.0.1)")
     sv.add_argument("--http-port", type=int, default=8000)

@@ -36,7 +36,8 @@ class ServeSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str | None = None  # checkpoint folder; None: the LLaVA demo model
-    modes: tuple[str, ...] = ALL_MODES
+    modes: tuple[str, ...] = ALL_MODES  # modes whose stage workers run
+    load: tuple[str, ...] | None = None  # entry models loaded at start (default: all of ``modes``)
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -102,9 +103,12 @@ class Launcher:
     # -- start ------------------------------------------------------------------------------------
     def start(self) -> None:
         t0 = time.monotonic()
-        unknown = [m for m in self.s.modes if m not in MODES]
+        unknown = [m for m in (*self.s.modes, *(self.s.load or ())) if m not in MODES]
         if unknown:
             raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
+        missing = {m: s for m in (self.s.load or ()) for s in MODES[m] if s not in stages_for(self.s.modes)}
+        if missing:
+            raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
         if self.model_path is None:
             from .demo_models import default_demo_model
 
@@ -117,11 +121,16 @@ class Launcher:
             self._start_worker(stage)
         self.out(f"[trident] waiting for stage workers: {', '.join(stages)}")
         self._wait_ready(stages)
-        for mode in self.s.modes:
+        # Every entry model goes into the repository, so any mode whose stages run can be loaded later
+        # through the repository API; the chosen ones are loaded now.
+        for mode in MODES:
+            install_entry_model(mode, self.model_store, Path(self.s.repository))
+        load = self.s.load if self.s.load is not None else self.s.modes
+        for mode in load:
             self.load_entry_model(mode)
         self.out(
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
-            f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics  entry models: {', '.join(self.s.modes)}"
+            f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics  entry models: {', '.join(load) or 'none'}"
         )
 
     def _start_triton(self) -> None:
@@ -194,7 +203,6 @@ class Launcher:
             time.sleep(0.2)
 
     def load_entry_model(self, mode: str) -> None:
-        install_entry_model(mode, self.model_store, Path(self.s.repository))
         self._client().load_model(mode, headers=self.headers)
         self.out(f"[trident] entry model {mode} loaded")
 
