@@ -52,10 +52,22 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(
         model=args.model, modes=modes, load=load, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, access_token=args.access_token, threads_per_worker=args.threads,
-        workspace=args.workspace,
+        workspace=args.workspace, openai_port=args.openai_port,
+        frontend_args=_frontend_argv(args),
         transfer=TransferConfig(send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB),
     )
     return serve(settings)
+
+
+def _frontend_argv(args: argparse.Namespace) -> list[str]:
+    out = ["--default-mode", args.default_mode]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
+    if args.allow_private_media_urls:
+        out.append("--allow-private-media-urls")
+    if args.allowed_media_dir:
+        out += ["--allowed-media-dir", args.allowed_media_dir]
+    return out
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -70,6 +82,33 @@ def _worker(args: argparse.Namespace) -> int:
     )
     token = os.environ.get("TRIDENT_ACCESS_TOKEN")
     return run_worker(args.stage, args.model, args.url, token, transfer, args.stats_dir, args.model_store)
+
+
+def _frontend(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .frontend.app import FrontendConfig, default_model_name, run_frontend
+    from .media import MediaPolicy
+
+    config = FrontendConfig(
+        model_name=args.served_model_name or default_model_name(args.model),
+        model_path=args.model,
+        default_mode=args.default_mode,
+        media=MediaPolicy(
+            allow_private_urls=args.allow_private_media_urls,
+            allowed_media_dir=Path(args.allowed_media_dir) if args.allowed_media_dir else None,
+        ),
+    )
+    return run_frontend(config, args.grpc_url, args.host, args.port)
+
+
+def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", help="model id of the OpenAI API (default: the checkpoint folder's name)")
+    p.add_argument("--default-mode", default="e_p_d", choices=["epd", "e_pd", "e_p_d", "ep_d"],
+                   help="mode the bare model id maps to; '<id>:<mode>' picks another (default: e_p_d)")
+    p.add_argument("--allow-private-media-urls", action="store_true",
+                   help="let image URLs resolve to private/loopback addresses")
+    p.add_argument("--allowed-media-dir", help="folder local image paths may come from (default: none allowed)")
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -101,10 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--access-token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
         help="token for Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: generated and printed)",
     )
+    sv.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port; 0 turns it off (default: 9000)")
+    _add_frontend_flags(sv)
     sv.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default: 1)")
     sv.add_argument("--workspace", help="new folder for the server's files: model store, logs, worker stats (default: temporary)")
     _add_pool_flags(sv)
     sv.set_defaults(func=_serve)
+
+    f = sub.add_parser("frontend", help="OpenAI-compatible HTTP server over the entry models (started by serve)")
+    f.add_argument("--model", required=True, help="checkpoint folder (for its chat template)")
+    f.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton gRPC address")
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--port", type=int, default=9000)
+    _add_frontend_flags(f)
+    f.set_defaults(func=_frontend)
 
     w = sub.add_parser("worker", help="bind one stage model into a running Triton (started by serve)")
     w.add_argument("stage", choices=["generate", "encode", "prefill", "decode", "encode_prefill", "prefill_decode"])

@@ -42,6 +42,8 @@ class ServeSettings(BaseModel):
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    openai_port: int = 9000  # 0: no OpenAI frontend
+    frontend_args: list[str] = []
     access_token: str | None = None  # repository-API token; generated when None
     threads_per_worker: int = Field(1, ge=1)
     startup_timeout_s: float = 300.0
@@ -128,9 +130,13 @@ class Launcher:
         load = self.s.load if self.s.load is not None else self.s.modes
         for mode in load:
             self.load_entry_model(mode)
+        openai = ""
+        if self.s.openai_port:
+            self._start_frontend()
+            openai = f"  OpenAI http://{self.s.host}:{self.s.openai_port}/v1"
         self.out(
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
-            f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics  entry models: {', '.join(load) or 'none'}"
+            f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
         )
 
     def _start_triton(self) -> None:
@@ -173,6 +179,28 @@ class Launcher:
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         self.workers[stage] = subprocess.Popen(cmd, env=env)
         self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")
+
+    def _start_frontend(self) -> None:
+        import urllib.request
+
+        cmd = [
+            sys.executable, "-m", "trident.cli", "frontend", "--model", str(self.model_path),
+            "--grpc-url", self.grpc_url, "--host", self.s.host, "--port", str(self.s.openai_port),
+            *self.s.frontend_args,
+        ]
+        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the OpenAI frontend exited with code {proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(f"http://{self.s.host}:{self.s.openai_port}/health", timeout=2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the OpenAI frontend did not answer /health within 60 s") from None
+                time.sleep(0.2)
 
     def _client(self):
         import tritonclient.http as httpclient

@@ -9,6 +9,11 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
@@ -52,3 +57,74 @@ def open_image(raw: bytes, index: int = 0) -> Image.Image:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise InvalidRequest(f"image {index} could not be decoded as an image: {e}") from None
+
+
+# -- image URLs of the OpenAI API (frontend) -------------------------------------------------------------
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where the frontend may take images from."""
+
+    allow_private_urls: bool = False  # http(s) URLs resolving to private/loopback/link-local addresses
+    allowed_media_dir: Path | None = None  # local paths (file:// or absolute) only below this folder
+    max_bytes: int = MAX_IMAGE_BYTES
+    timeout_s: float = 10.0
+
+
+def _check_public(host: str, policy: MediaPolicy) -> None:
+    if policy.allow_private_urls:
+        return
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        raise InvalidRequest(f"image URL host {host!r} does not resolve: {e}") from None
+    for info in infos:
+        addr = ipaddress.ip_address(info[4][0])
+        if addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_reserved or addr.is_multicast:
+            raise InvalidRequest(
+                f"image URL host {host!r} resolves to the non-public address {addr}; "
+                "start the server with --allow-private-media-urls to allow it"
+            )
+
+
+async def image_url_to_base64(url: str, policy: MediaPolicy, index: int = 0) -> str:
+    """An OpenAI ``image_url`` (data URL, http(s) URL or allowed local path) as validated base64."""
+    if url.startswith("data:"):
+        decode_base64_image(url, index)  # validates
+        return url.split(",", 1)[1]
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        import httpx
+
+        if not parsed.hostname:
+            raise InvalidRequest(f"image {index} URL has no host")
+        _check_public(parsed.hostname, policy)
+        try:
+            async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
+                async with client.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        raise InvalidRequest(f"image {index} URL answered HTTP {response.status_code}")
+                    data = bytearray()
+                    async for part in response.aiter_bytes():
+                        data += part
+                        if len(data) > policy.max_bytes:
+                            raise InvalidRequest(f"image {index} URL is larger than {policy.max_bytes >> 20} MiB")
+        except httpx.HTTPError as e:
+            raise InvalidRequest(f"image {index} URL could not be fetched: {type(e).__name__}") from None
+        raw = bytes(data)
+    elif parsed.scheme in ("file", ""):
+        path = Path(parsed.path if parsed.scheme == "file" else url).resolve()
+        root = policy.allowed_media_dir
+        if root is None or not path.is_relative_to(root.resolve()):
+            raise InvalidRequest(
+                f"image {index} path {str(path)!r} is outside the allowed media folder"
+                + ("" if root else " (none is set: start the server with --allowed-media-dir)")
+            )
+        if not path.is_file():
+            raise InvalidRequest(f"image {index} path {str(path)!r} is not a file")
+        if path.stat().st_size > policy.max_bytes:
+            raise InvalidRequest(f"image {index} file is larger than {policy.max_bytes >> 20} MiB")
+        raw = path.read_bytes()
+    else:
+        raise InvalidRequest(f"image {index} URL scheme {parsed.scheme!r} is not supported (data:, http(s), file)")
+    open_image(raw, index)  # validates
+    return base64.b64encode(raw).decode()

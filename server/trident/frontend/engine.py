@@ -1,0 +1,137 @@
+"""What the HTTP layer needs from a generation engine, and its Triton gRPC implementation."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+import numpy as np
+
+
+class EngineError(Exception):
+    """A failed generation: ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a generation; the last one has ``finish_reason`` and the token counts."""
+
+    text: str
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+
+
+class Engine(Protocol):
+    async def generate(
+        self, mode: str, prompt: str, images: list[str], sampling: dict, request_id: str
+    ) -> AsyncIterator[Chunk]:
+        """Stream a generation from entry model ``mode``; images are base64 strings."""
+        ...
+
+    async def ready_modes(self, modes: list[str]) -> list[str]:
+        """The entry models among ``modes`` that are loaded and ready."""
+        ...
+
+
+def _scalar(result, name):
+    value = result.as_numpy(name)
+    if value is None or value.size == 0:
+        return None
+    v = value.reshape(-1)[0]
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else int(v)
+
+
+def _status_of(message: str) -> int:
+    if "InvalidRequest" in message or "MalformedRecord" in message:
+        return 400
+    if "unknown model" in message or "is not found" in message or "not ready" in message or "unavailable" in message:
+        return 503
+    return 500
+
+
+class TritonEngine:
+    """Streams from Triton entry models over gRPC (``tritonclient.grpc.aio``)."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self._grpc = grpcclient
+        self.url = url
+        self._client = None
+
+    @property
+    def client(self):
+        """The gRPC client, made inside the serving event loop on first use."""
+        if self._client is None:
+            self._client = self._grpc.InferenceServerClient(self.url)
+        return self._client
+
+    def _inputs(self, prompt: str, images: list[str], sampling: dict) -> list:
+        g = self._grpc
+        spec = [
+            ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+            ("stream", np.array([True]), "BOOL"),
+            ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
+            ("exclude_input_in_output", np.array([True]), "BOOL"),
+            ("return_finish_reason", np.array([True]), "BOOL"),
+            ("return_num_input_tokens", np.array([True]), "BOOL"),
+            ("return_num_output_tokens", np.array([True]), "BOOL"),
+        ]
+        if images:
+            spec.append(("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+        out = []
+        for name, arr, dtype in spec:
+            t = g.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            out.append(t)
+        return out
+
+    async def generate(self, mode, prompt, images, sampling, request_id):
+        request = {"model_name": mode, "inputs": self._inputs(prompt, images, sampling), "request_id": request_id}
+
+        async def requests():
+            yield request
+
+        try:
+            async for result, error in self.client.stream_infer(requests()):
+                if error is not None:
+                    message = str(error.message() if hasattr(error, "message") else error)
+                    raise EngineError(_status_of(message), _clean(message))
+                chunk = Chunk(
+                    text=_scalar(result, "text_output") or "",
+                    finish_reason=_scalar(result, "finish_reason"),
+                    num_input_tokens=_scalar(result, "num_input_tokens"),
+                    num_output_tokens=_scalar(result, "num_output_tokens"),
+                )
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        except EngineError:
+            raise
+        except Exception as e:  # connection refused, server gone
+            raise EngineError(503, f"the Triton server at {self.url} is unavailable: {type(e).__name__}") from None
+
+    async def ready_modes(self, modes):
+        ready = []
+        for mode in modes:
+            try:
+                if await self.client.is_model_ready(mode):
+                    ready.append(mode)
+            except Exception:
+                pass
+        return ready
+
+
+def _clean(message: str) -> str:
+    """The Trident error inside a Triton error message (which may wrap it in ensemble and stub text)."""
+    for marker in ("InvalidRequest: ", "MalformedRecord: "):
+        if marker in message:
+            return message.split(marker, 1)[1].split("\n")[0].strip()
+    return message

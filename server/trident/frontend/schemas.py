@@ -1,0 +1,77 @@
+"""OpenAI request and response bodies (the subset Trident serves)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension, sent by load generators
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        """The entry models' ``sampling_parameters``."""
+        out: dict[str, Any] = {"max_tokens": self.max_tokens or default_max_tokens, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.stop:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        out = super().sampling(default_max_tokens)
+        if self.max_completion_tokens is not None:
+            out["max_tokens"] = self.max_completion_tokens
+        return out
+
+
+class CompletionRequest(_Sampling):
+    prompt: str
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
