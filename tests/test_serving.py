@@ -30,14 +30,19 @@ IMAGE_SPECS = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300,
 class Server:
     """`trident serve` in a subprocess on free ports; stopped with SIGTERM like a user's Ctrl-C."""
 
-    def __init__(self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None) -> None:
-        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+    def __init__(
+        self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
+        self.model_path = model
         self.workspace = workspace
         self.token = "test-token-123"
         cmd = [
             sys.executable, "-m", "trident.cli", "serve", "--model", model,
             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-            "--metrics-port", str(self.metrics_port), "--workspace", str(workspace),
+            "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
+            "--workspace", str(workspace), *(extra or []),
             "--access-token", self.token, "--mode", *(modes or ["all"]),
         ]
         if load is not None:

@@ -1,0 +1,167 @@
+"""The OpenAI-compatible frontend, driven by the official `openai` client against a real `trident serve`."""
+
+from __future__ import annotations
+
+import base64
+import re
+import urllib.request
+
+import pytest
+
+from conftest import make_image, png_bytes
+from test_serving import GREEDY, MODES, Server
+from triton_client import b64, grpc_generate
+
+pytestmark = pytest.mark.slow
+
+NAME = "demo"
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "ok.png").write_bytes(png_bytes(make_image(200, 150, 7)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(demo_models, tmp_path_factory, media_dir):
+    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("oai") / "ws",
+                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", max_retries=0)
+
+
+def _messages(url: str, text: str = "Describe the picture in detail, please.") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def image_png():
+    return png_bytes(make_image(224, 224, 1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_with_image_equals_entry_model(server, client, image_png, mode):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the picture in detail, please."}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    expected = grpc_generate(server.grpc, mode, prompt, [b64(image_png)], GREEDY, stream=True)
+
+    r = client.chat.completions.create(model=f"{NAME}:{mode}", messages=_messages(_data_url(image_png)),
+                                       max_tokens=GREEDY["max_tokens"], temperature=0)
+    assert r.choices[0].message.content == expected.text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (expected.num_input_tokens, GREEDY["max_tokens"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    stream = client.chat.completions.create(model=f"{NAME}:{mode}", messages=_messages(_data_url(image_png)),
+                                            max_tokens=GREEDY["max_tokens"], temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text, usage, reasons, n = "", None, [], 0
+    for chunk in stream:
+        if chunk.choices:
+            n += 1
+            text += chunk.choices[0].delta.content or ""
+            reasons.append(chunk.choices[0].finish_reason)
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == expected.text and n > 1
+    assert reasons[-1] == "length"
+    assert usage.completion_tokens == GREEDY["max_tokens"] and usage.prompt_tokens == expected.num_input_tokens
+
+
+def test_bare_model_id_is_the_default_mode_and_models_list(client, image_png):
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {NAME, *(f"{NAME}:{m}" for m in MODES)}
+    a = client.chat.completions.create(model=NAME, messages=_messages(_data_url(image_png)), max_tokens=8, temperature=0)
+    b = client.chat.completions.create(model=f"{NAME}:e_p_d", messages=_messages(_data_url(image_png)), max_tokens=8,
+                                       temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_completions_and_local_media(client, media_dir):
+    r = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].text
+    ok = client.chat.completions.create(model=NAME, messages=_messages(str(media_dir / "ok.png")), max_tokens=4)
+    assert ok.usage.completion_tokens == 4
+
+
+BAD = {
+    "invalid base64": (_messages("data:image/png;base64,@@not-base64@@"), {}, 400, "not valid base64"),
+    "not an image": (_messages(_data_url(b"hello, not an image")), {}, 400, "could not be decoded as an image"),
+    "private url": (_messages("http://127.0.0.1:9/cat.png"), {}, 400, "non-public address"),
+    "outside media dir": (_messages("/etc/hostname"), {}, 400, "outside the allowed media folder"),
+    "n=2": (_messages("data:,"), {"n": 2}, 400, "n=2 is not supported"),
+    "unknown model": (_messages("data:,"), {"model": "gpt-17"}, 404, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("problem", list(BAD))
+def test_errors(client, image_png, problem):
+    import openai
+
+    messages, extra, status, message = BAD[problem]
+    kwargs = {"model": NAME, "messages": messages, "max_tokens": 4, **extra}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(**kwargs)
+    assert info.value.status_code == status
+    assert message in info.value.body["message"]
+    # still serving
+    assert client.chat.completions.create(model=NAME, messages=_messages(_data_url(image_png)), max_tokens=2)
+
+
+def test_metrics_count_requests(server, client, image_png):
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics") as r:
+            return r.read().decode()
+
+    def value(text: str, name: str, labels: str) -> float:
+        m = re.search(rf"^{name}{{{labels}}} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = scrape()
+    for _ in range(3):
+        client.chat.completions.create(model=f"{NAME}:ep_d", messages=_messages(_data_url(image_png)), max_tokens=4)
+    with pytest.raises(Exception):
+        client.chat.completions.create(model=f"{NAME}:ep_d", messages=_messages(_data_url(image_png)), max_tokens=4,
+                                       extra_body={"top_p": 7})
+    after = scrape()
+    labels = 'endpoint="chat",mode="ep_d"'
+    assert value(after, "trident_requests_total", labels) - value(before, "trident_requests_total", labels) == 3
+    assert value(after, "trident_generation_tokens_total", 'mode="ep_d"') - value(
+        before, "trident_generation_tokens_total", 'mode="ep_d"') == 12
+    assert "trident_time_to_first_token_seconds_bucket" in after
+
+
+def test_triton_down_is_503(demo_models):
+    from fastapi.testclient import TestClient
+
+    from trident.frontend.app import FrontendConfig, create_app
+    from trident.frontend.engine import TritonEngine
+    from trident.netutil import free_ports
+
+    app = create_app(FrontendConfig(model_name=NAME, model_path=demo_models["llava"]),
+                     TritonEngine(f"127.0.0.1:{free_ports(1)[0]}"))
+    with TestClient(app) as http:
+        r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
