@@ -8,7 +8,9 @@ STAMP   = $(VENV)/.installed
 CUDART  = $(VENV)/lib/python3.11/site-packages/nvidia/cuda_runtime/lib
 SERVE_ARGS ?=
 
-.PHONY: install perf-tools serve test bench bench-serve clean
+BENCH_VENV = .venv-bench
+
+.PHONY: install perf-tools bench-tools serve test bench bench-engine clean
 
 install: $(STAMP)
 
@@ -32,12 +34,21 @@ serve: install
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
-bench: install
+# aiperf wants numpy 2 and a newer transformers: it gets a venv of its own.
+bench-tools: perf-tools
+	@test -x $(BENCH_VENV)/bin/aiperf || { $(PYTHON) -m venv $(BENCH_VENV) && \
+		$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check aiperf==0.13.0; }
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet --disable-pip-version-check "matplotlib>=3.8,<3.10"
+
+# Every mode: perf_analyzer (Triton gRPC) + aiperf (OpenAI API) + the in-process engine; writes docs/benchmarks.md.
+bench: bench-tools
+	HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=$(CUDART) $(PY) clients/perf/bench_modes.py \
+		--aiperf $(BENCH_VENV)/bin/aiperf --report docs/benchmarks.md
+
+# The engine-level benchmarks: NIXL transfer vs memcpy, batched decode.
+bench-engine: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident bench transfer
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident bench decode
 
-bench-serve: perf-tools
-	HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=$(CUDART) $(PY) clients/perf/bench_modes.py
-
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache

@@ -1,24 +1,22 @@
 #!/usr/bin/env python3
-"""perf_analyzer against every entry model (gRPC streaming), beside the in-process hf engine.
+"""Benchmark every deployment mode: perf_analyzer on the Triton entry models, aiperf on the OpenAI API.
 
-Starts `trident serve` on the LLaVA demo model (all modes) on free ports, runs perf_analyzer (from the
-tritonclient 2.51 wheel) at each concurrency with one image + prompt per request, greedy, a fixed number
-of new tokens (ignore_eos), then runs the same requests through the hf engine in this process. Prints
-TTFT and output tokens/s per mode, with ratios to the in-process figures.
+Starts `trident serve` on the LLaVA demo model (all modes) on free ports. For each mode and concurrency:
+perf_analyzer (tritonclient 2.51 wheel) over gRPC streaming with inputs from make_inputs.py, and, given
+--aiperf, aiperf against /v1/chat/completions with synthetic images. The same requests also run through
+the hf engine in this process. Prints a table per mode (throughput, TTFT p50/p99, ITL, tokens/s) and,
+given --report, writes it as Markdown with a PNG chart beside it.
 
-    make bench-serve        (installs perf_analyzer's system library first)
+    make bench        (installs perf_analyzer's system library and aiperf first)
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from make_inputs import perf_analyzer_inputs
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
@@ -41,7 +40,8 @@ def demo_image(seed: int = 0) -> Image.Image:
 
 def start_server(model: str, workspace: Path, ports: list[int]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--workspace", str(workspace),
-           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+           "--openai-port", str(ports[3])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
     for line in proc.stdout:
@@ -66,10 +66,52 @@ def perf_analyzer(url: str, mode: str, concurrency: int, data: Path, requests: i
         raise RuntimeError(f"perf_analyzer failed for {mode}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     doc = json.loads(export.read_text())
     reqs = [r for exp in doc["experiments"] for r in exp["requests"] if r.get("response_timestamps")]
-    ttft = [(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in reqs]
-    start = min(r["timestamp"] for r in reqs)
-    end = max(r["response_timestamps"][-1] for r in reqs)
-    return {"requests": len(reqs), "ttft_ms": statistics.median(ttft), "span_s": (end - start) / 1e9}
+    return _summary(
+        ttft_ms=[(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in reqs],
+        itl_ms=[(b - a) / 1e6 for r in reqs for a, b in zip(r["response_timestamps"], r["response_timestamps"][1:])],
+        requests=len(reqs),
+        span_s=(max(r["response_timestamps"][-1] for r in reqs) - min(r["timestamp"] for r in reqs)) / 1e9,
+    )
+
+
+def _summary(ttft_ms: list[float], itl_ms: list[float], requests: int, span_s: float) -> dict:
+    return {
+        "requests": requests,
+        "span_s": span_s,
+        "req_s": requests / span_s,
+        "ttft_p50": float(np.percentile(ttft_ms, 50)),
+        "ttft_p99": float(np.percentile(ttft_ms, 99)),
+        "itl_p50": float(np.percentile(itl_ms, 50)) if itl_ms else float("nan"),
+    }
+
+
+def aiperf(aiperf_bin: str, url: str, model: str, tokenizer: str, concurrency: int, requests: int,
+           new_tokens: int, out_dir: Path) -> dict:
+    """aiperf against the OpenAI chat endpoint, one synthetic 224 px image per request, streaming."""
+    art = out_dir / f"aiperf-{model.replace(':', '-')}-c{concurrency}"
+    cmd = [
+        aiperf_bin, "profile", "--model", model, "--tokenizer", tokenizer, "--use-server-token-count",
+        "--url", url, "--endpoint-type", "chat", "--streaming", "--concurrency", str(concurrency),
+        "--request-count", str(requests), "--image-batch-size", "1", "--image-width-mean", "224",
+        "--image-height-mean", "224", "--prompt-input-tokens-mean", "32", "--prompt-output-tokens-mean",
+        str(new_tokens), "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+        "--output-artifact-dir", str(art), "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
+    ]
+    # aiperf loads a local tokenizer folder only outside HF offline mode (offline it looks in the hub cache).
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"aiperf failed for {model}:\n{run.stdout[-3000:]}\n{run.stderr[-2000:]}")
+    d = json.loads((art / "profile_export_aiperf.json").read_text())
+    return {
+        "requests": int(d["request_count"]["avg"]),
+        "span_s": d["benchmark_duration"]["avg"],
+        "req_s": d["request_throughput"]["avg"],
+        "ttft_p50": d["time_to_first_token"]["p50"],
+        "ttft_p99": d["time_to_first_token"]["p99"],
+        "itl_p50": d["inter_token_latency"]["p50"],
+        "tok_s": d["output_token_throughput"]["avg"],
+    }
 
 
 def in_process(model_path: str, text: str, image: Image.Image, params_json: str, concurrency: int, n: int) -> dict:
@@ -86,15 +128,19 @@ def in_process(model_path: str, text: str, image: Image.Image, params_json: str,
     params = SamplingParams.from_json(params_json)
     lock = threading.Lock()  # one compute thread for encode + prefill, like a worker
     ttfts: list[float] = []
+    itls: list[float] = []
 
     def one() -> None:
         t0 = time.perf_counter()
         with lock:
             emb = enc.encode([image])
             result = run_prefill(pre, prepare_prompt(model.processor, text, emb.token_counts), emb, params)
-        first = None
+        first = prev = None
         for _ in dec.submit(decode_request(result, params)):
-            first = first or time.perf_counter()
+            now = time.perf_counter()
+            if prev is not None:
+                itls.append((now - prev) * 1000)
+            first, prev = first or now, now
         ttfts.append((first - t0) * 1000)
 
     def worker(count: int) -> None:
@@ -103,6 +149,7 @@ def in_process(model_path: str, text: str, image: Image.Image, params_json: str,
 
     one()  # warm-up
     ttfts.clear()
+    itls.clear()
     per = max(1, n // concurrency)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(per,)) for _ in range(concurrency)]
@@ -112,7 +159,7 @@ def in_process(model_path: str, text: str, image: Image.Image, params_json: str,
         t.join()
     span = time.perf_counter() - t0
     dec.close()
-    return {"requests": per * concurrency, "ttft_ms": statistics.median(ttfts), "span_s": span}
+    return _summary(ttfts, itls, per * concurrency, span)
 
 
 def main() -> int:
@@ -121,55 +168,106 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=12, help="requests per measurement window; perf_analyzer measures 3 (default: 12)")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--aiperf", help="aiperf executable: also load the OpenAI endpoint with it")
+    ap.add_argument("--report", help="write the tables as Markdown here, with a PNG chart beside it")
     args = ap.parse_args()
 
     from trident.demo_models import default_demo_model
 
     model = args.model or str(default_demo_model("llava"))
-    text = "<s>USER: <image>\nDescribe the picture in detail, please. ASSISTANT:"
-    image = demo_image()
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    params = json.dumps({"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True})
+    sampling = {"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
     data = work / "input.json"
-    data.write_text(json.dumps({"data": [{
-        "text_input": [text],
-        "image": {"content": [base64.b64encode(buf.getvalue()).decode()], "shape": [1]},
-        "stream": [True],
-        "sampling_parameters": [params],
-        "exclude_input_in_output": [True],
-    }]}))
+    data.write_text(json.dumps(perf_analyzer_inputs("llava", 1, (224, 224), 8, sampling)))
 
-    ports = free_ports(3)
+    ports = free_ports(4)
     server = start_server(model, work / "ws", ports)
-    rows = []
+    rows: list[tuple[str, str, int, dict]] = []  # (mode, tool, concurrency, summary)
     try:
         for c in args.concurrency:
             for mode in MODES:
                 r = perf_analyzer(f"127.0.0.1:{ports[1]}", mode, c, data, args.requests, work)
-                rows.append((mode, c, r))
+                r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
+                rows.append((mode, "perf_analyzer", c, r))
                 print(f"  perf_analyzer {mode:6} c={c}: {r}", flush=True)
+                if args.aiperf:
+                    name = f"{Path(model).name}:{mode}"
+                    r = aiperf(args.aiperf, f"http://127.0.0.1:{ports[3]}", name, model, c, 3 * args.requests,
+                               args.new_tokens, work)
+                    rows.append((mode, "aiperf (OpenAI)", c, r))
+                    print(f"  aiperf        {mode:6} c={c}: {r}", flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
+    image = demo_image()
     for c in args.concurrency:
-        r = in_process(model, text, image, params, c, 3 * args.requests)  # as many as perf_analyzer measures
-        rows.append(("in-process", c, r))
+        r = in_process(model, PROMPT, image, json.dumps(sampling), c, 3 * args.requests)
+        r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
+        rows.append(("in-process", "hf engine", c, r))
         print(f"  in-process hf     c={c}: {r}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
-    base = {c: r for m, c, r in rows if m == "in-process"}
-    print(f"\nLLaVA demo model, 1 image (224 px) + prompt, {args.new_tokens} new tokens, greedy, gRPC streaming; "
-          f"{os.cpu_count()} CPU cores")
-    print(f"{'mode':>10} | {'conc':>4} | {'TTFT ms':>8} | {'tok/s':>7} | {'TTFT vs in-proc':>15} | {'tok/s vs in-proc':>16}")
-    for mode, c, r in rows:
-        tps = r["requests"] * args.new_tokens / r["span_s"]
-        b = base[c]
-        btps = b["requests"] * args.new_tokens / b["span_s"]
-        print(f"{mode:>10} | {c:>4} | {r['ttft_ms']:>8.1f} | {tps:>7.1f} | {r['ttft_ms'] / b['ttft_ms']:>14.2f}x | "
-              f"{tps / btps:>15.2f}x")
+    base = {c: r for m, _, c, r in rows if m == "in-process"}
+    title = (f"LLaVA demo model (random weights), 1 image 224 px + prompt, {args.new_tokens} new tokens, greedy, "
+             f"streaming; {os.cpu_count()} CPU cores, hf engine")
+    header = ["mode", "tool", "conc", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "tok/s", "tok/s vs in-process"]
+    lines = []
+    for mode, tool, c, r in rows:
+        lines.append([mode, tool, str(c), f"{r['req_s']:.2f}", f"{r['ttft_p50']:.1f}", f"{r['ttft_p99']:.1f}",
+                      f"{r['itl_p50']:.1f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base[c]['tok_s']:.2f}x"])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    print("\n" + title)
+    print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for line in lines:
+        print(" | ".join(v.rjust(w) for v, w in zip(line, widths)))
+    if args.report:
+        write_report(Path(args.report), title, header, lines, rows, args.concurrency)
     return 0
+
+
+PROMPT = "<s>USER: <image>\nDescribe the picture in detail, please. ASSISTANT:"
+
+
+def write_report(path: Path, title: str, header: list[str], lines: list[list[str]], rows, concurrency) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chart = path.with_suffix(".png")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [*MODES, "in-process"]
+    tools = ["perf_analyzer", "aiperf (OpenAI)", "hf engine"]
+    width = 0.8 / (len(tools) * len(concurrency))
+    for ax, key, ylabel in ((axes[0], "tok_s", "output tokens/s"), (axes[1], "ttft_p50", "TTFT p50 (ms)")):
+        k = 0
+        for c in concurrency:
+            for tool in tools:
+                values = [next((r[key] for m, t, cc, r in rows if m == mode and t == tool and cc == c), 0.0)
+                          for mode in labels]
+                if any(values):
+                    xs = [i + (k - len(tools) * len(concurrency) / 2 + 0.5) * width for i in range(len(labels))]
+                    ax.bar(xs, values, width, label=f"{tool}, c={c}")
+                k += 1
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(chart, dpi=110)
+    md = [
+        "# Benchmarks", "", title, "",
+        "Written by `make bench` (`clients/perf/bench_modes.py`). perf_analyzer drives the Triton entry models over "
+        "gRPC streaming; aiperf drives the OpenAI-compatible `/v1/chat/completions` with synthetic images; "
+        "`hf engine` runs the same requests through the engine roles in one process (no Triton, no transfers).",
+        "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+        *("| " + " | ".join(line) + " |" for line in lines),
+        "", f"![throughput and TTFT per mode]({chart.name})", "",
+    ]
+    path.write_text("\n".join(md))
+    print(f"wrote {path} and {chart}")
 
 
 if __name__ == "__main__":
