@@ -165,3 +165,41 @@ def test_triton_down_is_503(demo_models):
         r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
         assert http.get("/health").status_code == 503
+
+
+def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, image_png, tmp_path):
+    """An http image URL is fetched (here from a local server, so private URLs must be allowed)."""
+    import functools
+    import http.server
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from trident.frontend.app import FrontendConfig, create_app
+    from trident.frontend.engine import TritonEngine
+    from trident.media import MediaPolicy
+
+    (tmp_path / "cat.png").write_bytes(image_png)
+    (tmp_path / "big.bin").write_bytes(b"\0" * (2 << 20))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        app = create_app(
+            FrontendConfig(model_name=NAME, model_path=server.model_path,
+                           media=MediaPolicy(allow_private_urls=True, max_bytes=1 << 20)),
+            TritonEngine(server.grpc),
+        )
+        body = {"model": NAME, "max_tokens": 8, "temperature": 0}
+        with TestClient(app) as http_client:
+            by_url = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/cat.png")})
+            by_data = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(_data_url(image_png))})
+            assert by_url.status_code == 200, by_url.text
+            assert by_url.json()["choices"][0]["message"] == by_data.json()["choices"][0]["message"]
+            too_big = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/big.bin")})
+            assert too_big.status_code == 400 and "larger than 1 MiB" in too_big.json()["error"]["message"]
+            missing = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/none.png")})
+            assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
+    finally:
+        httpd.shutdown()
