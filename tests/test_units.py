@@ -64,3 +64,19 @@ def test_decode_base64_image_forms_and_errors():
 @pytest.mark.parametrize("mode", list(MODES))
 def test_repository_is_in_step_with_protocol(mode):
     assert (REPOSITORY / mode / "config.pbtxt").read_text() == render_ensemble(mode)
+
+
+def test_llava_demo_weights_use_the_hub_layout_and_load(demo_models):
+    """vLLM reads LLaVA's CLIP weights only as vision_tower.vision_model.*; transformers must load them too."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlavaForConditionalGeneration
+
+    saved = load_file(f"{demo_models['llava']}/model.safetensors")
+    assert not [k for k in saved if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")]
+    model = LlavaForConditionalGeneration.from_pretrained(demo_models["llava"], dtype=torch.float32)
+    params = dict(model.named_parameters())
+    for key, value in saved.items():
+        if key.startswith("vision_tower.vision_model."):
+            loaded = params["model.vision_tower." + key[len("vision_tower.vision_model."):]]
+            assert torch.equal(loaded, value), key

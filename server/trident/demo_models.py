@@ -480,6 +480,19 @@ def _quiet_progress_bars():
     return cm()
 
 
+def _legacy_vision_names(path: Path) -> None:
+    """Store LLaVA's CLIP weights as ``vision_tower.vision_model.*`` (the layout of LLaVA checkpoints on the
+    hub). transformers 5 saves ``vision_tower.*`` but loads both; vLLM loads only the hub layout."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    renamed = {
+        ("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, path, metadata={"format": "pt"})
+
+
 def build_demo_model(
     arch: str,
     out_dir: str | Path,
@@ -539,6 +552,8 @@ def build_demo_model(
         with _quiet_progress_bars():
             model.save_pretrained(tmp, safe_serialization=True)
             processor.save_pretrained(tmp)
+        if arch == "llava":
+            _legacy_vision_names(tmp / "model.safetensors")
         rel_files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
         for rel in rel_files:
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -577,7 +592,7 @@ def _sha256_tree(path: str | Path) -> dict[str, str]:
     }
 
 
-DEMO_FORMAT = 1  # bump when the builder changes what it writes
+DEMO_FORMAT = 2  # bump when the builder changes what it writes
 
 
 def demo_model_cache() -> Path:
