@@ -4,8 +4,6 @@ turning decode events into entry-interface responses."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -18,9 +16,6 @@ from ..errors import InvalidRequest
 from ..media import decode_base64_image
 from ..processor import SamplingParams
 from ..transfer import TransferEndpoint
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class WorkerContext:
@@ -149,10 +144,6 @@ def single(requests: list) -> Any:
     if len(requests) != 1:
         raise InvalidRequest(f"expected one request per call, got {len(requests)}")
     return requests[0]
-
-
-def dumps_stats(stats: dict) -> str:
-    return json.dumps(stats, sort_keys=True)
 
 
 # -- pieces of the stages that keep data in this process --------------------------------------------------
