@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from make_inputs import perf_analyzer_inputs
+from make_inputs import chat_prompt, perf_analyzer_inputs
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
@@ -225,7 +225,7 @@ def main() -> int:
     return 0
 
 
-PROMPT = "<s>USER: <image>\nDescribe the picture in detail, please. ASSISTANT:"
+PROMPT = chat_prompt("llava", "Describe the picture in detail, please.", 1)
 
 
 def write_report(path: Path, title: str, header: list[str], lines: list[list[str]], rows, concurrency) -> None:

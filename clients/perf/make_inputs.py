@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-PLACEHOLDERS = {"llava": "<image>", "qwen2vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from grpc_stream import PLACEHOLDERS, chat_prompt  # noqa: E402  (the clients' one chat format)
+
 TOPICS = ["the colors", "the shapes", "the layout", "the mood", "the light", "the textures", "the objects", "the scene"]
 
 
@@ -28,11 +30,7 @@ def synthetic_png(width: int, height: int, seed: int) -> bytes:
 
 
 def prompt(arch: str, n_images: int, i: int) -> str:
-    text = f"Describe {TOPICS[i % len(TOPICS)]} of the picture in detail, please."
-    images = PLACEHOLDERS[arch] * n_images
-    if arch == "qwen2vl":
-        return f"<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
-    return f"<s>USER: {images}\n{text} ASSISTANT:"
+    return chat_prompt(arch, f"Describe {TOPICS[i % len(TOPICS)]} of the picture in detail, please.", n_images)
 
 
 def perf_analyzer_inputs(arch: str, n_images: int, size: tuple[int, int], requests: int, sampling: dict) -> dict:
