@@ -1,7 +1,7 @@
 """``trident``: the command line.
 
-    trident serve [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--http-port --grpc-port --metrics-port]
-    trident worker STAGE --model PATH --url URL      (started by `serve`)
+    trident serve [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--backend hf|vllm] [--http-port ...]
+    trident worker STAGE --model PATH --url URL [--backend hf|vllm]     (started by `serve`)
     trident build-demo-model --arch llava|qwen2vl OUT
     trident bench transfer
     trident bench decode [--model PATH | --arch llava|qwen2vl]
@@ -43,6 +43,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_config(args: argparse.Namespace):
+    from .config import VLLMConfig
+
+    return VLLMConfig(
+        dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
+        enforce_eager=args.vllm_eager, cpu_bind=args.vllm_cpu_bind,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .config import MiB, TransferConfig
     from .launcher import ALL_MODES, ServeSettings, serve
@@ -53,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, modes=modes, load=load, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, access_token=args.access_token, threads_per_worker=args.threads,
         workspace=args.workspace, openai_port=args.openai_port, worker_python=args.worker_python,
-        frontend_args=_frontend_argv(args),
+        frontend_args=_frontend_argv(args), backend=args.backend, vllm=_vllm_config(args),
         transfer=TransferConfig(send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB),
     )
     return serve(settings)
@@ -73,15 +82,19 @@ def _frontend_argv(args: argparse.Namespace) -> list[str]:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    from .config import MiB, TransferConfig
+    from .config import MiB, TransferConfig, VLLMConfig
     from .workers.serve import run_worker
 
     torch.set_num_threads(args.threads)
+    vllm = VLLMConfig.model_validate_json(args.vllm_config) if args.vllm_config else None
     transfer = TransferConfig(
         send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB, lease_s=args.lease_s
     )
     token = os.environ.get("TRIDENT_ACCESS_TOKEN")
-    return run_worker(args.stage, args.model, args.url, token, transfer, args.stats_dir, args.model_store)
+    return run_worker(
+        args.stage, args.model, args.url, token, transfer, args.stats_dir, args.model_store, args.backend, vllm,
+        args.threads,
+    )
 
 
 def _frontend(args: argparse.Namespace) -> int:
@@ -109,6 +122,26 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-private-media-urls", action="store_true",
                    help="let image URLs resolve to private/loopback addresses")
     p.add_argument("--allowed-media-dir", help="folder local image paths may come from (default: none allowed)")
+
+
+def _add_backend_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend", choices=["hf", "vllm"], default="hf",
+        help="engine of the stage workers: hf (PyTorch + transformers, the reference) or vllm (needs an "
+        "environment with vLLM: see --worker-python) (default: hf)",
+    )
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vllm engine (with --backend vllm)")
+    g.add_argument("--vllm-kv-cache-gib", type=float, default=1.0, help="KV cache per vLLM engine, GiB (default: 1)")
+    g.add_argument("--vllm-max-model-len", type=int, help="context window (default: the model's)")
+    g.add_argument("--vllm-dtype", help="model dtype (default: float32 on CPU, the checkpoint's on GPU)")
+    g.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run without compiled graphs (default: on CPU only)")
+    g.add_argument("--vllm-cpu-bind", default="nobind",
+                   help="vLLM CPU thread binding: nobind (share the cores among workers), auto, or core lists "
+                   "like '0-3' (default: nobind)")
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -149,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(env TRIDENT_WORKER_PYTHON; default: this one)",
     )
     sv.add_argument("--workspace", help="new folder for the server's files: model store, logs, worker stats (default: temporary)")
+    _add_backend_flag(sv)
     _add_pool_flags(sv)
+    _add_vllm_flags(sv)
     sv.set_defaults(func=_serve)
 
     f = sub.add_parser("frontend", help="OpenAI-compatible HTTP server over the entry models (started by serve)")
@@ -170,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--stats-dir", help="folder to keep <stage>.json transfer/decode counters in")
     w.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     w.add_argument("--lease-s", type=float, default=60.0, help="lease on published regions (default: 60)")
+    _add_backend_flag(w)
+    w.add_argument("--vllm-config", help="the vllm engine's settings as JSON (trident.config.VLLMConfig)")
     _add_pool_flags(w)
     w.set_defaults(func=_worker)
 

@@ -25,3 +25,21 @@ class TransferConfig(BaseModel):
     )
     poll_interval_s: float = Field(0.005, gt=0, description="how often the producer polls for release notifications")
     backend: str = "UCX"
+
+
+class VLLMConfig(BaseModel):
+    """Settings of the ``vllm`` engine's stage workers; the defaults run the demo on a CPU or a GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: str | None = Field(None, description="model dtype (default: float32 on CPU, the checkpoint's on GPU)")
+    max_model_len: int | None = Field(None, gt=0, description="context window (default: the model's)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache memory per engine, GiB")
+    enforce_eager: bool | None = Field(None, description="no compiled graphs (default: on CPU only)")
+    cpu_bind: str = Field(
+        "nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind' shares the cores among workers, 'auto' or "
+        "core lists such as '0-3' pin the engine's threads"
+    )
+    nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
+    nixl_threads: int = Field(1, ge=1, description="NIXL progress threads of the NixlConnector")
+    log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")

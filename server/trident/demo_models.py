@@ -554,6 +554,8 @@ def build_demo_model(
             processor.save_pretrained(tmp)
         if arch == "llava":
             _legacy_vision_names(tmp / "model.safetensors")
+        else:
+            _write_video_processor_config(tmp)
         rel_files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
         for rel in rel_files:
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -592,7 +594,28 @@ def _sha256_tree(path: str | Path) -> dict[str, str]:
     }
 
 
-DEMO_FORMAT = 2  # bump when the builder changes what it writes
+def _write_video_processor_config(out: Path) -> None:
+    """vLLM loads Qwen2-VL through ``Qwen2VLProcessor``, whose video processor must find its config file.
+    Written as JSON because the video processor class itself needs torchvision to be created."""
+    config = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS},
+        "patch_size": QWEN_PATCH_SIZE,
+        "temporal_patch_size": 2,
+        "merge_size": QWEN_MERGE_SIZE,
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (out / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+DEMO_FORMAT = 3  # bump when the builder changes what it writes
 
 
 def demo_model_cache() -> Path:

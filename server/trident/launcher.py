@@ -21,7 +21,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .config import TransferConfig
+from .config import TransferConfig, VLLMConfig
+from .netutil import free_ports
 from .protocol import MODES
 from .repository import REPOSITORY, install_entry_model
 
@@ -50,6 +51,8 @@ class ServeSettings(BaseModel):
     repository: str = str(REPOSITORY)
     workspace: str | None = None
     worker_python: str | None = None  # interpreter of the stage workers (default: this one)
+    backend: str = "hf"  # engine of the stage workers: hf | vllm
+    vllm: VLLMConfig = VLLMConfig()
     transfer: TransferConfig = TransferConfig()
 
 
@@ -116,7 +119,8 @@ class Launcher:
             from .demo_models import default_demo_model
 
             self.model_path = str(default_demo_model("llava", log=self.out))
-        self.out(f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}")
+        self._check_backend()
+        self.out(f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}; {self.s.backend} engine")
         self.out(f"[trident] repository-API access token: {self.token}")
         self._start_triton()
         stages = stages_for(self.s.modes)
@@ -139,6 +143,17 @@ class Launcher:
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
         )
+
+    def _check_backend(self) -> None:
+        if self.s.backend != "vllm":
+            return
+        python = self.s.worker_python or sys.executable
+        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+        if subprocess.run([python, "-c", probe]).returncode != 0:
+            raise RuntimeError(
+                f"--backend vllm: the workers' Python ({python}) cannot import vllm. Install it with "
+                "`make install-vllm` and pass --worker-python .venv-vllm/bin/python (or set TRIDENT_WORKER_PYTHON)"
+            )
 
     def _start_triton(self) -> None:
         from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
@@ -179,7 +194,13 @@ class Launcher:
             "--send-pool-mib", str(self.s.transfer.send_pool_bytes >> 20),
             "--recv-pool-mib", str(self.s.transfer.recv_pool_bytes >> 20),
             "--lease-s", str(self.s.transfer.lease_s),
+            "--backend", self.s.backend,
         ]
+        if self.s.backend == "vllm":
+            vllm = self.s.vllm
+            if stage in ("prefill", "encode_prefill", "decode") and vllm.nixl_port is None:
+                vllm = vllm.model_copy(update={"nixl_port": free_ports(1)[0]})  # each KV worker its own
+            cmd += ["--vllm-config", vllm.model_dump_json(exclude_none=True)]
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         self.workers[stage] = subprocess.Popen(cmd, env=env)
         self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import ipaddress
 import socket
@@ -42,6 +43,15 @@ def decode_base64_image(data: bytes | str, index: int = 0) -> Image.Image:
     except (binascii.Error, ValueError) as e:
         raise InvalidRequest(f"image {index} is not valid base64: {e}") from None
     return open_image(raw, index)
+
+
+def image_digest(image: Image.Image) -> str:
+    """A content id of a decoded image (mode, size, pixels): equal ids mean equal images, e.g. for a
+    prefix cache keyed by image."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
 
 
 def open_image(raw: bytes, index: int = 0) -> Image.Image:

@@ -130,6 +130,21 @@ class Processor:
         out = self.image_processor(images=images, return_tensors="pt")
         return {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
 
+    def image_layout(self, images: list) -> tuple[list[int], list[list[int]] | None]:
+        """Embedding count of each image, and Qwen2-VL's (t, h, w) patch grids (None for LLaVA), without
+        running the vision tower."""
+        out = self.image_processor(images=images, return_tensors="pt")
+        if "image_grid_thw" in out:
+            grids = out["image_grid_thw"].tolist()
+            merge = self.image_processor.merge_size
+            return [t * h * w // (merge * merge) for t, h, w in grids], grids
+        vision = self.config.vision_config
+        height, width = out["pixel_values"].shape[-2:]
+        per_image = (height // vision.patch_size) * (width // vision.patch_size)
+        if getattr(self.config, "vision_feature_select_strategy", "default") == "full":
+            per_image += 1  # the CLS token is kept
+        return [per_image] * len(images), None
+
     # -- prompt (prefill stage) -------------------------------------------------------------------
     def count_placeholders(self, text: str) -> int:
         return text.count(self.arch.placeholder)

@@ -6,17 +6,23 @@ Building blocks (a stage worker chains the ones its stage model needs):
 - :func:`prepare_prompt` + :func:`run_prefill`: prompt ids with placeholders expanded, KV cache + first token
 - :func:`publish_kv` / :func:`receive_kv`: a prefilled request across processes
 
-and the three disaggregated stages built from them: :func:`encode_stage`, :func:`prefill_stage`,
-:func:`decode_stage`.
+the three disaggregated stages built from them: :func:`encode_stage`, :func:`prefill_stage`,
+:func:`decode_stage`; and :class:`HFStageEngine`, which serves them to the stage workers.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from .engines.base import DecodeRequest, Decoder, Encoder, ImageEmbeddings, Prefiller, PrefillResult
+from .config import TransferConfig
+from .engines.base import (
+    DecodeRequest, Decoder, Encoder, Generation, ImageEmbeddings, Prefiller, PrefillResult,
+)
 from .engines.hf import new_seed
 from .errors import MalformedRecord
+from .media import image_digest
 from .processor import Processor, SamplingParams
 from .protocol import TransferRecord
 from .transfer import TransferEndpoint
@@ -36,8 +42,12 @@ def _record(data: TransferRecord | bytes, layout: str, keys: tuple[str, ...]) ->
 
 
 # -- embeddings -------------------------------------------------------------------------------------
-def publish_embeddings(endpoint: TransferEndpoint, emb: ImageEmbeddings) -> TransferRecord:
+def publish_embeddings(
+    endpoint: TransferEndpoint, emb: ImageEmbeddings, image_ids: list[str] | None = None
+) -> TransferRecord:
     extra: dict[str, Any] = {"token_counts": emb.token_counts}
+    if image_ids is not None:
+        extra["image_ids"] = image_ids  # content ids, for engines whose caches are keyed by image
     if emb.grid_thw is not None:
         extra["grid_thw"] = emb.grid_thw
     return endpoint.publish([emb.embeddings], layout=EMBEDDINGS, extra=extra)
@@ -119,7 +129,7 @@ def receive_kv(
 # -- the three disaggregated stages -----------------------------------------------------------------------
 def encode_stage(encoder: Encoder, endpoint: TransferEndpoint, images: list) -> TransferRecord:
     """Encode a request's images and publish the embeddings."""
-    return publish_embeddings(endpoint, encoder.encode(images))
+    return publish_embeddings(endpoint, encoder.encode(images), [image_digest(im) for im in images])
 
 
 def prefill_stage(
@@ -147,3 +157,78 @@ def decode_stage(
 ):
     """READ a prefilled request's KV cache and start decoding it; returns the decoder's event stream."""
     return decoder.submit(receive_kv(endpoint, kv_meta, params, request_id))
+
+
+# -- the hf engine as a stage engine ---------------------------------------------------------------------
+class HFStageEngine:
+    """The ``hf`` engine behind :class:`~trident.engines.base.StageEngine`: the roles a stage needs, this
+    process's transfer endpoint, and one compute thread for blocking work (encode, prefill, READs)."""
+
+    def __init__(self, model_path: str, roles: tuple[str, ...], transfer: TransferConfig | None) -> None:
+        from .engines.hf import HFDecoder, HFEncoder, HFModel, HFPrefiller
+
+        self.model = HFModel(model_path)
+        self.processor = self.model.processor
+        self.endpoint = TransferEndpoint(transfer) if transfer is not None else None
+        self.encoder = HFEncoder(self.model) if "encoder" in roles else None
+        self.prefiller = HFPrefiller(self.model) if "prefiller" in roles else None
+        self.decoder = HFDecoder(self.model) if "decoder" in roles else None
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="trident-compute")
+
+    async def _run(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    async def encode(self, images: list) -> bytes:
+        return (await self._run(encode_stage, self.encoder, self.endpoint, images)).encode()
+
+    def _prefill(self, text: str, params: SamplingParams, images: list, embedding_meta: bytes | None):
+        if images:
+            self.processor.check_placeholders(text, len(images))  # before spending time on the vision tower
+            emb = self.encoder.encode(images)
+            return run_prefill(self.prefiller, prepare_prompt(self.processor, text, emb.token_counts), emb, params)
+        if embedding_meta is None:
+            return run_prefill(self.prefiller, prepare_prompt(self.processor, text, []), None, params)
+        prompt, emb, release = receive_embeddings(self.endpoint, self.processor, text, embedding_meta)
+        try:
+            return run_prefill(self.prefiller, prompt, emb, params)
+        finally:
+            release()
+
+    async def prefill(
+        self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
+    ) -> bytes:
+        result = await self._run(self._prefill, text, params, list(images), embedding_meta)
+        return publish_kv(self.endpoint, result).encode()
+
+    async def generate(
+        self, text: str | None, params: SamplingParams, *, images: list = (),
+        embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
+    ) -> Generation:
+        if kv_meta is not None:
+            request = await self._run(receive_kv, self.endpoint, kv_meta, params)
+        else:
+            result = await self._run(self._prefill, text, params, list(images), embedding_meta)
+            request = decode_request(result, params)
+        stream = self.decoder.submit(request, asyncio.get_running_loop())
+
+        async def events():
+            try:
+                async for event in stream:
+                    yield event
+            finally:
+                stream.cancel()  # no-op once finished; stops a request whose client went away
+
+        return Generation(request.prompt_len, events())
+
+    def stats(self) -> dict:
+        out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
+        if self.decoder is not None:
+            out["decode_active"] = self.decoder.active
+        return out
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self._compute.shutdown(wait=False, cancel_futures=True)

@@ -1,13 +1,15 @@
-"""The three roles an engine plays, and what passes between them.
+"""What an engine offers the stage workers, and what passes between its parts.
 
-A stage worker holds one engine object per role it serves; the records between roles are plain
-dataclasses of tensors and ints, which the workers move between processes with :mod:`trident.transfer`.
+A stage worker talks to one :class:`StageEngine`: the stage-level operations (encode images, prefill a
+prompt, generate a stream of tokens) with the records that cross Triton (``embedding_meta``, ``kv_meta``)
+as bytes. The ``hf`` engine builds them from three roles (:class:`Encoder`, :class:`Prefiller`,
+:class:`Decoder`) joined by :mod:`trident.transfer`; the ``vllm`` engine from vLLM engines.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import AsyncIterator, Callable, Iterator, Protocol
 
 import torch
 
@@ -78,3 +80,42 @@ class Decoder(Protocol):
         """Start decoding; iterate the returned stream (``async for`` when given an asyncio loop) for events
         until one has a ``finish_reason``."""
         ...
+
+
+@dataclass
+class Generation:
+    """A started generation: the prompt's length and its events (close ``events`` to stop it early)."""
+
+    num_input_tokens: int
+    events: AsyncIterator[DecodeEvent]
+
+
+class StageEngine(Protocol):
+    """The stage-level operations a worker calls; one object per worker, whatever stage it binds.
+
+    Records come and go as bytes (``None`` when there is nothing to pass on, e.g. no images). Bad input
+    raises :class:`~trident.errors.InvalidRequest`.
+    """
+
+    async def encode(self, images: list) -> bytes:
+        """PIL images -> ``embedding_meta`` (the embeddings stay with this worker until read)."""
+        ...
+
+    async def prefill(
+        self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
+    ) -> bytes:
+        """A prompt with raw ``images`` or the embeddings of ``embedding_meta`` -> ``kv_meta``."""
+        ...
+
+    async def generate(
+        self, text: str | None, params: SamplingParams, *, images: list = (),
+        embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
+    ) -> Generation:
+        """Start generating from raw ``images``, from ``embedding_meta`` or from a prefill's ``kv_meta``."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters for operators and tests (pool regions, active requests, KV cache usage)."""
+        ...
+
+    def close(self) -> None: ...

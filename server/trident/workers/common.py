@@ -1,50 +1,17 @@
-"""What every stage worker shares: the context (engine roles, transfer endpoint), request parsing and
-turning decode events into entry-interface responses."""
+"""What every stage worker shares: request parsing and turning a generation into entry-interface responses."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import numpy as np
 
-from ..engines.base import DecodeEvent
-from ..engines.hf import HFDecoder, HFEncoder, HFModel, HFPrefiller
+from ..engines.base import DecodeEvent, Generation
 from ..errors import InvalidRequest
 from ..media import decode_base64_image
 from ..processor import SamplingParams
-from ..transfer import TransferEndpoint
-
-@dataclass
-class WorkerContext:
-    """A worker's engine roles and transfer endpoint; blocking work runs on one compute thread."""
-
-    model: HFModel
-    endpoint: TransferEndpoint | None
-    encoder: HFEncoder | None = None
-    prefiller: HFPrefiller | None = None
-    decoder: HFDecoder | None = None
-
-    def __post_init__(self) -> None:
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="trident-compute")
-
-    @property
-    def processor(self):
-        return self.model.processor
-
-    async def run(self, fn: Callable, *args) -> Any:
-        """Run blocking work (encode, prefill, a READ) off the event loop, one at a time."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
-
-    def close(self) -> None:
-        if self.decoder is not None:
-            self.decoder.close()
-        if self.endpoint is not None:
-            self.endpoint.close()
-        self._compute.shutdown(wait=False, cancel_futures=True)
-
 
 # -- request inputs -------------------------------------------------------------------------------------
 def _first(request, name: str):
@@ -75,11 +42,16 @@ def bytes_input(request, name: str) -> bytes | None:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-def images(request) -> list:
+def _decode_images(request) -> list:
     value = request.data.get("image") if hasattr(request, "data") else request.get("image")
     if value is None:
         return []
     return [decode_base64_image(v, i) for i, v in enumerate(np.asarray(value).reshape(-1))]
+
+
+async def images(request) -> list:
+    """The request's images, decoded off the event loop (a large PNG takes a while)."""
+    return await asyncio.to_thread(_decode_images, request)
 
 
 def sampling(request) -> SamplingParams:
@@ -105,15 +77,25 @@ def _string(value: str) -> np.ndarray:
     return np.array([value.encode("utf-8")], dtype=np.object_)
 
 
-def record_output(name: str, record) -> dict[str, np.ndarray]:
-    return {name: np.array([record.encode()], dtype=np.object_)}
+def record_output(name: str, record: bytes | None) -> dict[str, np.ndarray]:
+    """A record as a STRING[1] output; an empty one when there is nothing to pass on."""
+    return {name: np.array([record or b""], dtype=np.object_)}
 
 
 async def entry_responses(
-    events: AsyncIterator[DecodeEvent], opts: OutputOptions, prompt: str | None, num_input_tokens: int
+    generation: Generation, opts: OutputOptions, prompt: str | None
 ) -> AsyncIterator[list[dict[str, np.ndarray]]]:
-    """Decode events -> entry responses: one per event when streaming, else one with the whole text."""
+    """A generation's events -> entry responses: one per event when streaming, else one with the whole text.
+    Stops the generation if the client goes away."""
+    events, num_input_tokens = generation.events, generation.num_input_tokens
+    try:
+        async for responses in _responses(events, opts, prompt, num_input_tokens):
+            yield responses
+    finally:
+        await events.aclose()
 
+
+async def _responses(events, opts: OutputOptions, prompt: str | None, num_input_tokens: int):
     def response(text: str, event: DecodeEvent | None) -> dict[str, np.ndarray]:
         out = {"text_output": _string(text)}
         if event is not None and event.finish_reason is not None:
@@ -144,24 +126,3 @@ def single(requests: list) -> Any:
     if len(requests) != 1:
         raise InvalidRequest(f"expected one request per call, got {len(requests)}")
     return requests[0]
-
-
-# -- pieces of the stages that keep data in this process --------------------------------------------------
-def local_prefill(ctx: WorkerContext, text: str, imgs: list, params: SamplingParams):
-    """Encode (if there are images) and prefill in this process. Blocking: call through ``ctx.run``."""
-    from ..stages import prepare_prompt, run_prefill
-
-    ctx.processor.check_placeholders(text, len(imgs))  # before spending time on the vision tower
-    emb = ctx.encoder.encode(imgs) if imgs else None
-    prompt = prepare_prompt(ctx.processor, text, emb.token_counts if emb else [])
-    return run_prefill(ctx.prefiller, prompt, emb, params)
-
-
-async def decode_here(ctx: WorkerContext, request, opts: OutputOptions, prompt: str | None):
-    """Decode a :class:`~trident.engines.base.DecodeRequest` in this worker and yield entry responses."""
-    stream = ctx.decoder.submit(request, asyncio.get_running_loop())
-    try:
-        async for responses in entry_responses(stream, opts, prompt, request.prompt_len):
-            yield responses
-    finally:
-        stream.cancel()  # no-op once finished; stops a request whose client went away

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 from ..errors import InvalidRequest
-from ..stages import receive_kv
-from .common import OutputOptions, WorkerContext, bytes_input, decode_here, sampling, single
+from .common import OutputOptions, bytes_input, entry_responses, sampling, single
 
 ROLES = ("decoder",)
 
 
-def make(ctx: WorkerContext):
+def make(engine):
     async def infer(requests):
         request = single(requests)
         kv_meta = bytes_input(request, "kv_meta")
         if kv_meta is None:
             raise InvalidRequest("kv_meta is required")
         opts, params = OutputOptions.of(request), sampling(request)
-        text = bytes_input(request, "text_input")
-        prompt = None if opts.exclude_input_in_output or text is None else text.decode("utf-8", "replace")
-        decode_request = await ctx.run(receive_kv, ctx.endpoint, kv_meta, params)
-        async for responses in decode_here(ctx, decode_request, opts, prompt):
+        raw = bytes_input(request, "text_input")
+        text = raw.decode("utf-8", "replace") if raw is not None else None
+        generation = await engine.generate(text, params, kv_meta=kv_meta)
+        async for responses in entry_responses(generation, opts, None if opts.exclude_input_in_output else text):
             yield responses
 
     return infer

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..stages import encode_stage
-from .common import WorkerContext, images, record_output, single
+from .common import images, record_output, single
 
 ROLES = ("encoder",)
 
 
-def make(ctx: WorkerContext):
-    def _encode(request):
-        imgs = images(request)
-        if not imgs:  # text-only request through an ensemble: nothing to encode
-            return {"embedding_meta": np.array([b""], dtype=np.object_)}
-        return record_output("embedding_meta", encode_stage(ctx.encoder, ctx.endpoint, imgs))
-
+def make(engine):
     async def infer(requests):
-        return [await ctx.run(_encode, single(requests))]
+        imgs = await images(single(requests))
+        # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
+        return [record_output("embedding_meta", await engine.encode(imgs) if imgs else None)]
 
     return infer

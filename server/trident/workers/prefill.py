@@ -1,22 +1,17 @@
-"""``prefill``: ``text_input`` + ``embedding_meta`` -> ``kv_meta`` (KV stays in this worker's send pool)."""
+"""``prefill``: ``text_input`` + ``embedding_meta`` -> ``kv_meta`` (the KV cache stays in this worker)."""
 
 from __future__ import annotations
 
-from ..stages import prefill_stage
-from .common import WorkerContext, bytes_input, record_output, sampling, single, text_input
+from .common import bytes_input, record_output, sampling, single, text_input
 
 ROLES = ("prefiller",)
 
 
-def make(ctx: WorkerContext):
-    def _prefill(request):
-        record = prefill_stage(
-            ctx.processor, ctx.prefiller, ctx.endpoint, text_input(request),
-            bytes_input(request, "embedding_meta"), sampling(request),
-        )
-        return record_output("kv_meta", record)
-
+def make(engine):
     async def infer(requests):
-        return [await ctx.run(_prefill, single(requests))]
+        request = single(requests)
+        text, params = text_input(request), sampling(request)
+        kv_meta = await engine.prefill(text, params, embedding_meta=bytes_input(request, "embedding_meta"))
+        return [record_output("kv_meta", kv_meta)]
 
     return infer

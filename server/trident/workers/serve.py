@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import TransferConfig
+from ..config import TransferConfig, VLLMConfig
 from ..errors import TridentError
 from ..protocol import STAGE_MODELS
 from . import STAGES
-from .common import WorkerContext
 
 log = logging.getLogger("trident.worker")
 
@@ -31,29 +30,31 @@ def _tensor(defn, Tensor):
     return Tensor(name=name, dtype=_NUMPY_TYPES[dtype], shape=shape, optional=optional)
 
 
-def build_context(stage: str, model_path: str, transfer: TransferConfig) -> WorkerContext:
-    from ..engines.hf import HFDecoder, HFEncoder, HFModel, HFPrefiller
-    from ..transfer import TransferEndpoint
+BACKENDS = ("hf", "vllm")
+
+
+def build_engine(
+    stage: str, model_path: str, transfer: TransferConfig, backend: str = "hf", vllm: VLLMConfig | None = None,
+    threads: int = 1,
+):
+    """The stage engine a worker serves. The vllm backend encodes with transformers' vision tower."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    if backend == "vllm" and stage != "encode":
+        from ..engines.vllm import VLLMStageEngine
+
+        return VLLMStageEngine(stage, model_path, vllm or VLLMConfig(), transfer, threads)
+    from ..stages import HFStageEngine
 
     roles = importlib.import_module(f"{__package__}.{stage}").ROLES
-    model = HFModel(model_path)
-    needs_transfer = stage != "generate"
-    return WorkerContext(
-        model=model,
-        endpoint=TransferEndpoint(transfer) if needs_transfer else None,
-        encoder=HFEncoder(model) if "encoder" in roles else None,
-        prefiller=HFPrefiller(model) if "prefiller" in roles else None,
-        decoder=HFDecoder(model) if "decoder" in roles else None,
-    )
+    return HFStageEngine(model_path, roles, transfer if stage != "generate" else None)
 
 
-def _write_stats(ctx: WorkerContext, path: Path, stop: threading.Event) -> None:
-    """Keep ``path`` holding this worker's transfer and decode counters (read by tests and operators)."""
+def _write_stats(engine, path: Path, stop: threading.Event) -> None:
+    """Keep ``path`` holding this worker's transfer, decode and KV-cache counters (read by tests and operators)."""
     last = None
     while True:
-        stats = dict(ctx.endpoint.stats()) if ctx.endpoint is not None else {}
-        if ctx.decoder is not None:
-            stats["decode_active"] = ctx.decoder.active
+        stats = dict(engine.stats())
         stats["pid"] = os.getpid()
         if stats != last:
             tmp = path.with_suffix(".tmp")
@@ -111,7 +112,8 @@ def _block_bytecode(model_store: str, stage: str) -> None:
 
 def run_worker(
     stage: str, model_path: str, url: str, access_token: str | None, transfer: TransferConfig,
-    stats_dir: str | None = None, model_store: str | None = None,
+    stats_dir: str | None = None, model_store: str | None = None, backend: str = "hf",
+    vllm: VLLMConfig | None = None, threads: int = 1,
 ) -> int:
     import pytriton.proxy.inference
     from pytriton.model_config import ModelConfig, Tensor
@@ -121,13 +123,13 @@ def run_worker(
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     inputs, outputs, decoupled = STAGE_MODELS[stage]
-    ctx = build_context(stage, model_path, transfer)
-    infer = importlib.import_module(f"{__package__}.{stage}").make(ctx)
+    engine = build_engine(stage, model_path, transfer, backend, vllm, threads)
+    infer = importlib.import_module(f"{__package__}.{stage}").make(engine)
     stop = threading.Event()
     if stats_dir:
         Path(stats_dir).mkdir(parents=True, exist_ok=True)
         threading.Thread(
-            target=_write_stats, args=(ctx, Path(stats_dir) / f"{stage}.json", stop), daemon=True
+            target=_write_stats, args=(engine, Path(stats_dir) / f"{stage}.json", stop), daemon=True
         ).start()
 
     def _on_signal(signum, _frame):
@@ -147,11 +149,11 @@ def run_worker(
                 config=ModelConfig(batching=False, decoupled=decoupled),
                 strict=False,
             )
-            log.warning("worker %s (pid %d) bound into %s", stage, os.getpid(), url)
+            log.warning("worker %s (%s engine, pid %d) bound into %s", stage, backend, os.getpid(), url)
             triton.serve()
     except KeyboardInterrupt:
         pass
     finally:
         stop.set()
-        ctx.close()
+        engine.close()
     return 0

@@ -1,0 +1,320 @@
+"""The ``vllm`` engine: vLLM ``AsyncLLM`` engines behind :class:`~trident.engines.base.StageEngine`.
+
+What each stage runs:
+
+- ``generate`` (EPD) and ``encode_prefill`` (EP/D): raw images into vLLM, which runs its own vision tower.
+- ``encode``: transformers' vision tower + projector (:class:`~trident.stages.HFStageEngine`), the
+  embeddings published through :mod:`trident.transfer` exactly as with the ``hf`` engine.
+- ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through :mod:`trident.transfer`
+  and given to vLLM as image embeddings.
+- ``prefill`` / ``encode_prefill`` -> ``decode``: vLLM's ``NixlConnector`` moves the KV cache (producer on
+  the prefill side, consumer on the decode side); ``kv_meta`` carries its ``kv_transfer_params``.
+
+The decode side tokenizes ``text_input`` again with the image token counts in ``kv_meta`` and checks the
+result against the prefill's prompt length and digest. It hands vLLM zero-filled image embeddings of the
+right shapes under the images' content ids: the KV of those positions comes from the prefill worker, the
+shapes give Qwen2-VL its M-RoPE positions, and the ids keep vLLM's prefix cache keyed by image content.
+vLLM computes the prompt's last position on the decode side, so that position must not be an image token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+
+from ..config import TransferConfig, VLLMConfig
+from ..errors import InvalidRequest, MalformedRecord
+from ..media import image_digest
+from ..processor import Processor, SamplingParams
+from .base import DecodeEvent, Generation
+
+log = logging.getLogger("trident.vllm")
+
+KV_RECORD_VERSION = 1
+
+# stage -> (NixlConnector role or None, images reach vLLM as embeddings)
+_STAGE_ENGINES = {
+    "generate": (None, False),
+    "encode_prefill": ("kv_producer", False),
+    "prefill": ("kv_producer", True),
+    "prefill_decode": (None, True),
+    "decode": ("kv_consumer", True),
+}
+
+
+class VLLMKVRecord(msgspec.Struct, array_like=True, frozen=True):
+    """``kv_meta`` of the vllm engine: what the decode worker needs besides ``text_input``."""
+
+    version: int
+    kv_transfer_params: dict[str, Any]  # vLLM NixlConnector's, from the prefill engine's output
+    prompt_len: int
+    prompt_digest: str  # of the prompt token ids, to check the decode side tokenizes the same prompt
+    token_counts: list[int]  # embedding count of each image
+    grid_thw: list[list[int]] | None  # Qwen2-VL patch grids
+    image_ids: list[str]  # content ids of the images
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "VLLMKVRecord":
+        try:
+            record = msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MalformedRecord(f"kv_meta is not a vllm KV record: {e}") from None
+        if record.version != KV_RECORD_VERSION:
+            raise MalformedRecord(f"kv_meta version {record.version}; this worker reads {KV_RECORD_VERSION}")
+        if len(record.token_counts) != len(record.image_ids):
+            raise MalformedRecord("kv_meta has different numbers of image token counts and image ids")
+        return record
+
+
+def prompt_digest(ids: list[int]) -> str:
+    return hashlib.blake2b(msgspec.msgpack.encode(ids), digest_size=8).hexdigest()
+
+
+def _environment(config: VLLMConfig, threads: int) -> None:
+    """vLLM reads these from the environment when its engine process starts; set only what is unset."""
+    defaults = {
+        "VLLM_CPU_OMP_THREADS_BIND": config.cpu_bind,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",  # with auto binding, keep a core for vLLM's busy loop
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_LOGGING_LEVEL": config.log_level,
+    }
+    if config.nixl_port:
+        defaults["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_port)
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+class _EngineStats:
+    """Keeps the latest scheduler counters of an engine (a vLLM stat logger)."""
+
+    def __init__(self) -> None:
+        self.kv_cache_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+
+    def factory(self, vllm_config, engine_index: int = 0):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
+                if scheduler_stats is not None:
+                    sink.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    sink.running = scheduler_stats.num_running_reqs
+                    sink.waiting = scheduler_stats.num_waiting_reqs
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+def _sampling(params: SamplingParams, **overrides):
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    args: dict[str, Any] = dict(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0, seed=params.seed, stop=list(params.stop) or None,
+        ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+    )
+    args.update(overrides)
+    return VSamplingParams(**args)
+
+
+class VLLMStageEngine:
+    """One vLLM engine configured for one stage (see the module docstring)."""
+
+    def __init__(
+        self, stage: str, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
+    ) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from ..transfer import TransferEndpoint
+
+        if stage not in _STAGE_ENGINES:
+            raise ValueError(f"the vllm engine has no {stage!r} stage engine; encode runs the hf encoder")
+        self.kv_role, self.embeddings_in = _STAGE_ENGINES[stage]
+        kv_role = self.kv_role
+        self.stage = stage
+        self.processor = Processor(model_path)
+        self.arch = self.processor.arch.name
+        text_config = getattr(self.processor.config, "text_config", self.processor.config)
+        self.hidden_size: int = text_config.hidden_size
+        self.endpoint = TransferEndpoint(transfer) if stage in ("prefill", "prefill_decode") else None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
+        self._stats = _EngineStats()
+
+        _environment(config, threads)
+        cpu = current_platform.is_cpu()
+        max_len = min(config.max_model_len or self.processor.max_model_len, self.processor.max_model_len)
+        self.processor.max_model_len = max_len  # prompts are checked against what the engine accepts
+        kv_transfer = None
+        if kv_role is not None:
+            kv_transfer = KVTransferConfig(
+                kv_connector="NixlConnector", kv_role=kv_role, kv_buffer_device="cpu" if cpu else "cuda",
+                # always READ the prefill's KV: recomputing it here would run on placeholder embeddings
+                kv_connector_extra_config={"num_threads": config.nixl_threads, "kv_recompute_threshold": 0},
+            )
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=config.dtype or ("float32" if cpu else "auto"),
+            max_model_len=max_len,
+            enforce_eager=config.enforce_eager if config.enforce_eager is not None else cpu,
+            kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
+            enable_mm_embeds=self.embeddings_in,
+            kv_transfer_config=kv_transfer,
+            disable_log_stats=False,
+            seed=0,
+        )
+        log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, kv_role, self.embeddings_in)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+
+    # -- inputs ------------------------------------------------------------------------------------------
+    def _prompt(self, text: str, counts: list[int], mm: dict | None, image_ids: list[str]) -> tuple[dict, int]:
+        """vLLM's prompt and the prompt's length with images expanded (checked against the context window).
+
+        vLLM gets the token ids with one placeholder per image and expands them itself: ids that are
+        already expanded would be expanded again."""
+        expanded = self.processor.prompt_ids(text, counts)
+        self.processor.check_length(len(expanded))
+        if counts and self.kv_role == "kv_producer" and expanded[-1] == self.processor.image_token_id:
+            # the decode engine recomputes the last prompt position, without the image's embeddings
+            raise InvalidRequest("with the vllm engine the prompt must not end with an image placeholder")
+        prompt: dict[str, Any] = {"prompt_token_ids": self.processor.tokenizer(text)["input_ids"]}
+        if mm is not None:
+            prompt["multi_modal_data"] = mm
+            prompt["multi_modal_uuids"] = {"image": image_ids}
+        return prompt, len(expanded)
+
+    def _embeddings_input(self, embeddings: torch.Tensor, counts: list[int], grids) -> dict:
+        if self.arch == "qwen2vl":
+            return {"image": {"image_embeds": embeddings, "image_grid_thw": torch.tensor(grids)}}
+        return {"image": list(torch.split(embeddings, counts))}
+
+    def _read_embeddings(self, text: str, embedding_meta: bytes):
+        from ..stages import receive_embeddings
+
+        _, emb, release = receive_embeddings(self.endpoint, self.processor, text, embedding_meta)
+        try:
+            return emb.embeddings.clone(), emb.token_counts, emb.grid_thw
+        finally:
+            release()
+
+    async def _inputs(self, text: str, images: list, embedding_meta: bytes | None):
+        """vLLM's prompt and what the decode side needs: (prompt, expanded length, counts, grids, image ids)."""
+        if images:
+            self.processor.check_placeholders(text, len(images))
+            counts, grids = await asyncio.to_thread(self.processor.image_layout, images)
+            image_ids = [image_digest(im) for im in images]
+            prompt, length = self._prompt(text, counts, {"image": list(images)}, image_ids)
+            return prompt, length, counts, grids, image_ids
+        if embedding_meta is not None:
+            from ..protocol import TransferRecord
+
+            record = TransferRecord.decode(embedding_meta)
+            loop = asyncio.get_running_loop()
+            emb, counts, grids = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
+            image_ids = [str(i) for i in record.extra.get("image_ids") or [uuid.uuid4().hex for _ in counts]]
+            prompt, length = self._prompt(text, counts, self._embeddings_input(emb, counts, grids), image_ids)
+            return prompt, length, counts, grids, image_ids
+        prompt, length = self._prompt(text, [], None, [])
+        return prompt, length, [], None, []
+
+    def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> tuple[dict, int]:
+        if text is None:
+            raise InvalidRequest("the vllm decode stage needs text_input (the prompt) along with kv_meta")
+        mm = None
+        if record.token_counts:
+            placeholders = torch.zeros(sum(record.token_counts), self.hidden_size)
+            mm = self._embeddings_input(placeholders, record.token_counts, record.grid_thw)
+        prompt, length = self._prompt(text, record.token_counts, mm, record.image_ids)
+        if length != record.prompt_len or prompt_digest(prompt["prompt_token_ids"]) != record.prompt_digest:
+            raise InvalidRequest("text_input is not the prompt this kv_meta was prefilled from")
+        return prompt, length
+
+    # -- stage operations --------------------------------------------------------------------------------
+    async def encode(self, images: list) -> bytes:
+        raise InvalidRequest(f"the {self.stage} stage does not encode")
+
+    async def prefill(
+        self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
+    ) -> bytes:
+        prompt, length, counts, grids, image_ids = await self._inputs(text, list(images), embedding_meta)
+        sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True,
+                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        final = None
+        async for final in self._run(prompt, sampling):
+            pass
+        if final is None or not final.kv_transfer_params:
+            raise RuntimeError("vLLM's prefill returned no kv_transfer_params (is the NixlConnector configured?)")
+        digest = prompt_digest(prompt["prompt_token_ids"])
+        return VLLMKVRecord(
+            KV_RECORD_VERSION, final.kv_transfer_params, length, digest, counts, grids, image_ids
+        ).encode()
+
+    async def generate(
+        self, text: str | None, params: SamplingParams, *, images: list = (),
+        embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
+    ) -> Generation:
+        if kv_meta is not None:
+            record = VLLMKVRecord.decode(kv_meta)
+            prompt, length = self._decode_inputs(text, record)
+            sampling = _sampling(params, extra_args={"kv_transfer_params": record.kv_transfer_params})
+        else:
+            prompt, length, *_ = await self._inputs(text, list(images), embedding_meta)
+            sampling = _sampling(params)
+        return Generation(length, self._events(prompt, sampling))
+
+    async def _run(self, prompt: dict, sampling):
+        """vLLM's outputs of one request; vLLM's input errors become :class:`InvalidRequest`."""
+        stream = self.llm.generate(prompt, sampling, request_id=uuid.uuid4().hex)
+        try:
+            async for output in stream:
+                yield output
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        finally:
+            await stream.aclose()  # aborts the request in vLLM if it has not finished
+
+    async def _events(self, prompt: dict, sampling):
+        count = 0
+        async for output in self._run(prompt, sampling):
+            completion = output.outputs[0]
+            count += len(completion.token_ids)
+            yield DecodeEvent(
+                token_ids=list(completion.token_ids), text=completion.text,
+                finish_reason=completion.finish_reason if output.finished else None, num_output_tokens=count,
+            )
+
+    def stats(self) -> dict:
+        out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
+        out.update(
+            kv_cache_usage=self._stats.kv_cache_usage, vllm_running=self._stats.running,
+            vllm_waiting=self._stats.waiting,
+        )
+        return out
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self._io.shutdown(wait=False, cancel_futures=True)
