@@ -1,0 +1,64 @@
+"""The vllm engine's kv_meta record and the decode side's prompt check (no vLLM needed)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from trident.engines.vllm import KV_RECORD_VERSION, VLLMKVRecord, VLLMStageEngine, prompt_digest
+from trident.errors import InvalidRequest, MalformedRecord
+from trident.processor import Processor
+
+PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "0c63c0b8-508f-4759-9a86-678c860ceb71", "remote_request_id": "r1-b060ab74",
+    "remote_host": "localhost", "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 220,
+}
+
+
+def _record(**kw) -> VLLMKVRecord:
+    fields = dict(version=KV_RECORD_VERSION, kv_transfer_params=PARAMS, prompt_len=220, prompt_digest="ab" * 8,
+                  token_counts=[196], grid_thw=None, image_ids=["f" * 32])
+    fields.update(kw)
+    return VLLMKVRecord(**fields)
+
+
+def test_kv_record_round_trip_and_size():
+    data = _record().encode()
+    assert VLLMKVRecord.decode(data) == _record()
+    assert len(data) <= 1024
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x00garbage", "not a vllm KV record"),
+    (msgspec.msgpack.encode([1, "x"]), "not a vllm KV record"),
+    (_record(version=99).encode(), "version 99"),
+    (_record(image_ids=[]).encode(), "image token counts and image ids"),
+])
+def test_malformed_kv_records_are_refused(data, message):
+    with pytest.raises(MalformedRecord, match=message):
+        VLLMKVRecord.decode(data)
+
+
+def _decode_side(model_path: str) -> VLLMStageEngine:
+    """The decode engine's prompt handling alone (no vLLM engine started)."""
+    engine = object.__new__(VLLMStageEngine)
+    engine.processor = Processor(model_path)
+    engine.kv_role, engine.embeddings_in, engine.arch, engine.hidden_size = "kv_consumer", True, "llava", 8
+    return engine
+
+
+def test_decode_checks_text_input_against_the_prefilled_prompt(demo_models):
+    engine = _decode_side(demo_models["llava"])
+    text = "USER: <image>\nWhat is it? ASSISTANT:"
+    ids = engine.processor.tokenizer(text)["input_ids"]
+    length = len(engine.processor.prompt_ids(text, [196]))
+    record = _record(prompt_len=length, prompt_digest=prompt_digest(ids))
+    prompt, got = engine._decode_inputs(text, record)
+    assert got == length and prompt["prompt_token_ids"] == ids
+    assert prompt["multi_modal_data"]["image"][0].shape == (196, 8)
+    assert prompt["multi_modal_uuids"] == {"image": record.image_ids}
+    with pytest.raises(InvalidRequest, match="not the prompt this kv_meta was prefilled from"):
+        engine._decode_inputs(text.replace("What", "Who"), record)
+    with pytest.raises(InvalidRequest, match="needs text_input"):
+        engine._decode_inputs(None, record)
