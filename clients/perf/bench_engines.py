@@ -117,6 +117,7 @@ async def load(base_url: str, model: str, requests: int, concurrency: int, max_t
     t0 = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     span = time.monotonic() - t0
+    await client.close()
     ttfts.sort()
     return {
         "ttft_p50": 1000 * statistics.median(ttfts),
