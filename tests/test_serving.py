@@ -107,21 +107,20 @@ def server(request, demo_models, tmp_path_factory):
                     os.kill(pid, 0)
 
 
-@pytest.fixture(scope="module")
-def reference(server):
-    """The prompt, images and model.generate() text of each case on the server's checkpoint."""
+def build_reference(model_path: str, arch: str, specs_by_case: dict, new_tokens: int) -> dict:
+    """The prompt, images and model.generate() text of each case on a checkpoint."""
     from transformers import AutoProcessor
 
     from trident.engines.hf import load_model
 
-    model, processor = load_model(server.model_path, server.arch), AutoProcessor.from_pretrained(server.model_path)
+    model, processor = load_model(model_path, arch), AutoProcessor.from_pretrained(model_path)
     cases = {}
-    for case, specs in IMAGE_SPECS.items():
+    for case, specs in specs_by_case.items():
         images = [make_image(*s) for s in specs]
         text = chat_prompt(processor.tokenizer, len(images), "Describe the picture in detail, please.")
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
         ids = out[0, inputs["input_ids"].shape[1]:].tolist()
         cases[case] = {
             "text": text,
@@ -130,6 +129,11 @@ def reference(server):
             "num_input_tokens": inputs["input_ids"].shape[1],
         }
     return cases
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return build_reference(server.model_path, server.arch, IMAGE_SPECS, NEW_TOKENS)
 
 
 def test_add_mode_while_serving(server, reference):

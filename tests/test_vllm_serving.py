@@ -13,10 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import chat_prompt, make_image, png_bytes
-from test_serving import MODES, Server, _drain_kv, _stage_output
+from test_serving import MODES, Server, _drain_kv, _stage_output, build_reference
 from triton_client import b64, grpc_generate, http_generate
 
 pytestmark = pytest.mark.slow
@@ -73,26 +71,7 @@ def server(request, demo_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    """Prompt, images and model.generate() text of each case."""
-    from transformers import AutoProcessor
-
-    from trident.engines.hf import load_model
-
-    model, processor = load_model(server.model_path, server.arch), AutoProcessor.from_pretrained(server.model_path)
-    cases = {}
-    for case, specs in CASES.items():
-        images = [make_image(*s) for s in specs]
-        text = chat_prompt(processor.tokenizer, len(images), "Describe the picture in detail, please.")
-        inputs = processor(text=[text], images=images or None, return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-        cases[case] = {
-            "text": text, "images": [b64(png_bytes(i)) for i in images],
-            "expected": processor.tokenizer.decode(ids, skip_special_tokens=True),
-            "num_input_tokens": inputs["input_ids"].shape[1],
-        }
-    return cases
+    return build_reference(server.model_path, server.arch, CASES, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case", ["one-image", "text-only"])
