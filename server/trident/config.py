@@ -1,20 +1,31 @@
-"""Trident's settings.
+"""Trident's settings: the one home of every setting and its default.
 
-Small frozen pydantic models, one per concern; the CLI and (later) the launcher build them from flags,
-environment variables (``TRIDENT_*``) or YAML.
+Small frozen pydantic models, one per concern. The CLI builds them from flags (its defaults and help come
+from the fields here); ``trident serve`` hands each stage worker its :class:`WorkerSettings` whole, as one
+JSON document, and the OpenAI frontend its :class:`FrontendSettings` the same way.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .protocol import MODES, STAGES
 
 MiB = 1 << 20
 
+Backend = Literal["hf", "vllm"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
-class TransferConfig(BaseModel):
-    """Settings of a process's NIXL transfer endpoint (:mod:`trident.transfer`)."""
 
+class _Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TransferConfig(_Settings):
+    """Settings of a process's NIXL transfer endpoint (:mod:`trident.transfer`)."""
 
     send_pool_bytes: int = Field(256 * MiB, gt=0, description="registered memory for tensors this process produces")
     recv_pool_bytes: int = Field(256 * MiB, gt=0, description="registered memory consumers read into")
@@ -27,19 +38,113 @@ class TransferConfig(BaseModel):
     backend: str = "UCX"
 
 
-class VLLMConfig(BaseModel):
+class VLLMConfig(_Settings):
     """Settings of the ``vllm`` engine's stage workers; the defaults run the demo on a CPU or a GPU."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     dtype: str | None = Field(None, description="model dtype (default: float32 on CPU, the checkpoint's on GPU)")
     max_model_len: int | None = Field(None, gt=0, description="context window (default: the model's)")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache memory per engine, GiB")
-    enforce_eager: bool | None = Field(None, description="no compiled graphs (default: on CPU only)")
+    enforce_eager: bool | None = Field(None, description="run without compiled graphs (default: on CPU only)")
     cpu_bind: str = Field(
-        "nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind' shares the cores among workers, 'auto' or "
+        "nobind", description="vLLM CPU thread binding: 'nobind' shares the cores among workers, 'auto' or "
         "core lists such as '0-3' pin the engine's threads"
     )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
     nixl_threads: int = Field(1, ge=1, description="NIXL progress threads of the NixlConnector")
     log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")
+
+
+class MediaPolicy(_Settings):
+    """Where the OpenAI frontend may take images from, and how much."""
+
+    allow_private_urls: bool = Field(False, description="let image URLs resolve to private/loopback addresses")
+    allowed_media_dir: Path | None = Field(None, description="folder local image paths may come from (default: none)")
+    max_bytes: int = Field(32 * MiB, gt=0, description="largest image a URL or file may hold")
+    timeout_s: float = Field(10.0, gt=0, description="longest an image URL may take to fetch")
+
+
+class WorkerSettings(_Settings):
+    """Everything one stage worker needs (``trident worker --settings JSON``)."""
+
+    stage: str
+    model: str = Field(description="checkpoint folder")
+    url: str = Field(description="Triton HTTP URL the stage model is bound into, e.g. http://127.0.0.1:8000")
+    backend: Backend = Field("hf", description="engine: hf (PyTorch + transformers, the reference) or vllm")
+    threads: int = Field(1, ge=1, description="torch / engine CPU threads")
+    model_store: str | None = Field(
+        None, description="the server's model repository folder on this host (needed for ensembles over the stage)"
+    )
+    stats_dir: str | None = Field(None, description="folder to keep <stage>.json counters in")
+    transfer: TransferConfig = TransferConfig()
+    vllm: VLLMConfig = VLLMConfig()
+    fault_injection: bool = Field(
+        False, description="tests only: a prompt holding [[trident-fault:<ErrorClass>]] makes the stage raise it"
+    )
+
+    @field_validator("stage")
+    @classmethod
+    def _known_stage(cls, v: str) -> str:
+        if v not in STAGES:
+            raise ValueError(f"unknown stage {v!r}; stages: {', '.join(STAGES)}")
+        return v
+
+
+class FrontendSettings(_Settings):
+    """The OpenAI-compatible frontend (``trident frontend``)."""
+
+    model_path: str = Field(description="checkpoint folder (its chat template is applied here)")
+    model_name: str | None = Field(None, description="model id of the OpenAI API (default: the checkpoint folder's name)")
+    grpc_url: str = Field("127.0.0.1:8001", description="Triton gRPC address")
+    host: str = "127.0.0.1"
+    port: int = 9000
+    default_mode: str = Field("e_p_d", description="mode the bare model id maps to; '<id>:<mode>' picks another")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that sets none")
+    media: MediaPolicy = MediaPolicy()
+
+    @field_validator("default_mode")
+    @classmethod
+    def _known_mode(cls, v: str) -> str:
+        if v not in MODES:
+            raise ValueError(f"unknown mode {v!r}; modes: {', '.join(MODES)}")
+        return v
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.model_path).name
+
+
+class ServeSettings(_Settings):
+    """``trident serve``: the server, its stage workers and the frontend."""
+
+    model: str | None = Field(None, description="checkpoint folder (default: the LLaVA demo model, built on first use)")
+    modes: tuple[str, ...] = Field(tuple(MODES), description="deployment modes whose stage workers run")
+    load: tuple[str, ...] | None = Field(
+        None, description="entry models loaded at start (default: those of --mode); the others can be loaded "
+        "later through Triton's repository API"
+    )
+    host: str = Field("127.0.0.1", description="address Triton and the frontend listen on")
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    openai_port: int = Field(9000, description="OpenAI-compatible API port; 0 turns it off")
+    access_token: str | None = Field(None, description="token for Triton's repository API (default: generated)")
+    threads_per_worker: int = Field(1, ge=1, description="torch threads per worker process")
+    startup_timeout_s: float = 300.0
+    repository: str | None = None  # entry-model sources (default: model_repository/ of this checkout)
+    workspace: str | None = Field(None, description="folder for the server's files: model store, logs, worker stats")
+    worker_python: str | None = Field(
+        None, description="Python interpreter of the stage workers, an environment with trident installed"
+    )
+    backend: Backend = Field("hf", description="engine of the stage workers")
+    vllm: VLLMConfig = VLLMConfig()
+    transfer: TransferConfig = TransferConfig()
+    frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
+    fault_injection: bool = False  # see WorkerSettings.fault_injection
+
+    @field_validator("modes", "load")
+    @classmethod
+    def _known_modes(cls, v):
+        unknown = [m for m in v or () if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
+        return v

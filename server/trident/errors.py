@@ -1,37 +1,146 @@
-"""Exceptions shared across Trident's modules.
+"""Errors that carry their status.
 
-Every error a user can cause or a peer can trigger has its own class, so callers (and later the Triton
-workers) can map it to the right status code and a message naming the problem.
+Every error a client or a peer can cause has its own class with the HTTP status the OpenAI frontend answers
+with, the Triton error code a stage model returns (so Triton's HTTP and gRPC endpoints answer with the
+matching status), and whether a retry may help. Torch-free: the python-backend stub and the frontend use it.
+
+Across processes an error travels as a small JSON envelope (:func:`to_wire` / :func:`from_wire`) from a
+stage worker to its python-backend stub, which turns it into a Triton error with the class's code and the
+message ``"<ClassName>: <message>"``. Triton's gRPC stream carries only that message, so a client of a
+stream reads the class back with :func:`from_message`; elsewhere the Triton status already says it.
 """
+
+from __future__ import annotations
+
+import json
+import re
+from typing import ClassVar
 
 
 class TridentError(Exception):
-    """Base class for all Trident errors."""
+    """Base class of Trident's errors: an internal failure unless a subclass says otherwise."""
+
+    http_status: ClassVar[int] = 500
+    triton_code: ClassVar[str] = "INTERNAL"  # name of a pb_utils.TritonError / TRITONSERVER_Error code
+    retryable: ClassVar[bool] = False
+    retry_after_s: ClassVar[int | None] = None  # the Retry-After an HTTP answer carries
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 class InvalidRequest(TridentError):
     """The request itself is wrong (bad prompt, image count mismatch, bad sampling parameters...)."""
+
+    http_status = 400
+    triton_code = "INVALID_ARG"
+
+
+class NotFound(TridentError):
+    """An unknown model, mode or stage."""
+
+    http_status = 404
+    triton_code = "NOT_FOUND"
+
+
+class Unavailable(TridentError):
+    """A stage, a peer or the server cannot take the request now (down or overloaded); retry later."""
+
+    http_status = 503
+    triton_code = "UNAVAILABLE"
+    retryable = True
+    retry_after_s = 1
 
 
 class TransferError(TridentError):
     """Base class for errors of the NIXL transfer layer."""
 
 
-class MalformedRecord(TransferError):
+class MalformedRecord(TransferError, InvalidRequest):
     """A transfer metadata record could not be decoded or is inconsistent."""
 
+    http_status = 400
+    triton_code = "INVALID_ARG"
 
-class LeaseExpired(TransferError):
-    """The producer's lease on the regions ran out before the consumer read them."""
 
-
-class PeerUnavailable(TransferError):
+class PeerUnavailable(TransferError, Unavailable):
     """The producing process is gone or cannot be reached."""
 
 
+class PoolExhausted(TransferError, Unavailable):
+    """A registered memory pool has no free region large enough (too much in flight)."""
+
+
 class TransferTimeout(TransferError):
-    """A transfer did not complete within the configured time."""
+    """A transfer did not complete within the configured time.
+
+    Triton has no timeout code: its endpoints answer 503 (UNAVAILABLE); the OpenAI frontend answers 504."""
+
+    http_status = 504
+    triton_code = "UNAVAILABLE"
+    retryable = True
 
 
-class PoolExhausted(TransferError):
-    """A registered memory pool has no free region large enough."""
+class LeaseExpired(TransferError):
+    """The producer's lease on the regions ran out before the consumer read them (504 like a timeout)."""
+
+    http_status = 504
+    triton_code = "UNAVAILABLE"
+    retryable = True
+
+
+ERRORS: dict[str, type[TridentError]] = {
+    cls.__name__: cls
+    for cls in (
+        TridentError, InvalidRequest, NotFound, Unavailable, TransferError, MalformedRecord, PeerUnavailable,
+        PoolExhausted, TransferTimeout, LeaseExpired,
+    )
+}
+"""Every error class by name: the one table the wire format and the frontend read."""
+
+
+def as_trident_error(error: BaseException) -> TridentError:
+    """``error`` itself when it is a Trident error, else an internal error naming its type."""
+    if isinstance(error, TridentError):
+        return error
+    return TridentError(f"{type(error).__name__}: {error}")
+
+
+# -- between a stage worker and its python-backend stub ----------------------------------------------------
+_WIRE_KEY = "trident_error"
+
+
+def to_wire(error: BaseException) -> str:
+    """The envelope a stage worker sends for a failed request."""
+    e = as_trident_error(error)
+    return json.dumps({_WIRE_KEY: type(e).__name__, "message": e.message})
+
+
+def from_wire(text: str) -> TridentError:
+    """The error an envelope describes; anything else (e.g. PyTriton's own traceback) is an internal error."""
+    try:
+        doc = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get(_WIRE_KEY), str) and isinstance(doc.get("message"), str):
+        return ERRORS.get(doc[_WIRE_KEY], TridentError)(doc["message"])
+    return TridentError(str(text).strip().splitlines()[-1] if str(text).strip() else "internal error")
+
+
+def client_message(error: TridentError) -> str:
+    """What a Triton client reads: ``"<ClassName>: <message>"``."""
+    return f"{type(error).__name__}: {error.message}"
+
+
+# -- what a client of Triton reads back ------------------------------------------------------------------
+_NAMED = re.compile(r"\b(" + "|".join(sorted(ERRORS, key=len, reverse=True)) + r"): ")
+
+
+def from_message(text: str) -> TridentError | None:
+    """The Trident error a Triton error message carries (see :func:`client_message`), or None."""
+    match = _NAMED.search(text)
+    if match is None:
+        return None
+    message = text[match.end():].split("\n", 1)[0].strip()
+    return ERRORS[match.group(1)](message)

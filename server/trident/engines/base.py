@@ -3,17 +3,23 @@
 A stage worker talks to one :class:`StageEngine`: the stage-level operations (encode images, prefill a
 prompt, generate a stream of tokens) with the records that cross Triton (``embedding_meta``, ``kv_meta``)
 as bytes. The ``hf`` engine builds them from three roles (:class:`Encoder`, :class:`Prefiller`,
-:class:`Decoder`) joined by :mod:`trident.transfer`; the ``vllm`` engine from vLLM engines.
+:class:`Decoder`) joined by :mod:`trident.engines.handoff`; the ``vllm`` engine from vLLM engines.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator, Protocol
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
 
 import torch
 
+from ..output import DecodeEvent, Generation
 from ..processor import SamplingParams
+
+__all__ = [
+    "DecodeEvent", "DecodeRequest", "Decoder", "Encoder", "Generation", "ImageEmbeddings", "PrefillResult",
+    "Prefiller", "StageEngine",
+]
 
 
 @dataclass
@@ -50,17 +56,6 @@ class DecodeRequest:
     on_admit: Callable[[], None] | None = None  # called once ``kv`` has been copied and may be freed
 
 
-@dataclass
-class DecodeEvent:
-    """One step's output of a request: new token ids and text; ``finish_reason`` set on the last event."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
-    num_output_tokens: int = 0
-    extra: dict = field(default_factory=dict)
-
-
 class Encoder(Protocol):
     def encode(self, images: list) -> ImageEmbeddings:
         """PIL images -> their embeddings."""
@@ -80,14 +75,6 @@ class Decoder(Protocol):
         """Start decoding; iterate the returned stream (``async for`` when given an asyncio loop) for events
         until one has a ``finish_reason``."""
         ...
-
-
-@dataclass
-class Generation:
-    """A started generation: the prompt's length and its events (close ``events`` to stop it early)."""
-
-    num_input_tokens: int
-    events: AsyncIterator[DecodeEvent]
 
 
 class StageEngine(Protocol):

@@ -3,10 +3,10 @@
 What each stage runs:
 
 - ``generate`` (EPD) and ``encode_prefill`` (EP/D): raw images into vLLM, which runs its own vision tower.
-- ``encode``: transformers' vision tower + projector (:class:`~trident.stages.HFStageEngine`), the
-  embeddings published through :mod:`trident.transfer` exactly as with the ``hf`` engine.
-- ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through :mod:`trident.transfer`
-  and given to vLLM as image embeddings.
+- ``encode``: transformers' vision tower + projector (:class:`~trident.engines.hf.stage.HFStageEngine`),
+  the embeddings published through :mod:`trident.engines.handoff` exactly as with the ``hf`` engine.
+- ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through
+  :mod:`trident.engines.handoff` and given to vLLM as image embeddings.
 - ``prefill`` / ``encode_prefill`` -> ``decode``: vLLM's ``NixlConnector`` moves the KV cache (producer on
   the prefill side, consumer on the decode side); ``kv_meta`` carries its ``kv_transfer_params``.
 
@@ -31,50 +31,26 @@ import msgspec
 import torch
 
 from ..config import TransferConfig, VLLMConfig
-from ..errors import InvalidRequest, MalformedRecord
+from ..errors import InvalidRequest
 from ..media import image_digest
+from ..output import DecodeEvent, Generation
 from ..processor import Processor, SamplingParams
-from .base import DecodeEvent, Generation
+from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
+from . import handoff
 
 log = logging.getLogger("trident.vllm")
 
-KV_RECORD_VERSION = 1
 
-# stage -> (NixlConnector role or None, images reach vLLM as embeddings)
-_STAGE_ENGINES = {
-    "generate": (None, False),
-    "encode_prefill": ("kv_producer", False),
-    "prefill": ("kv_producer", True),
-    "prefill_decode": (None, True),
-    "decode": ("kv_consumer", True),
-}
+def runs_on_vllm(spec: StageSpec) -> bool:
+    """Every stage but a bare encoder runs a vLLM engine (encode runs the hf vision tower)."""
+    return spec.roles != ("encode",)
 
 
-class VLLMKVRecord(msgspec.Struct, array_like=True, frozen=True):
-    """``kv_meta`` of the vllm engine: what the decode worker needs besides ``text_input``."""
-
-    version: int
-    kv_transfer_params: dict[str, Any]  # vLLM NixlConnector's, from the prefill engine's output
-    prompt_len: int
-    prompt_digest: str  # of the prompt token ids, to check the decode side tokenizes the same prompt
-    token_counts: list[int]  # embedding count of each image
-    grid_thw: list[list[int]] | None  # Qwen2-VL patch grids
-    image_ids: list[str]  # content ids of the images
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> "VLLMKVRecord":
-        try:
-            record = msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise MalformedRecord(f"kv_meta is not a vllm KV record: {e}") from None
-        if record.version != KV_RECORD_VERSION:
-            raise MalformedRecord(f"kv_meta version {record.version}; this worker reads {KV_RECORD_VERSION}")
-        if len(record.token_counts) != len(record.image_ids):
-            raise MalformedRecord("kv_meta has different numbers of image token counts and image ids")
-        return record
+def kv_role(spec: StageSpec) -> str | None:
+    """The stage's NixlConnector role: producer when it hands on KV, consumer when it takes KV."""
+    if spec.hands_on == "kv":
+        return "kv_producer"
+    return "kv_consumer" if spec.takes == "kv" else None
 
 
 def prompt_digest(ids: list[int]) -> str:
@@ -141,7 +117,7 @@ class VLLMStageEngine:
     """One vLLM engine configured for one stage (see the module docstring)."""
 
     def __init__(
-        self, stage: str, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
+        self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
     ) -> None:
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -150,16 +126,17 @@ class VLLMStageEngine:
 
         from ..transfer import TransferEndpoint
 
-        if stage not in _STAGE_ENGINES:
-            raise ValueError(f"the vllm engine has no {stage!r} stage engine; encode runs the hf encoder")
-        self.kv_role, self.embeddings_in = _STAGE_ENGINES[stage]
-        kv_role = self.kv_role
+        if not runs_on_vllm(spec):
+            raise ValueError(f"the vllm engine has no {spec.name!r} stage engine; encode runs the hf encoder")
+        self.kv_role = kv_role(spec)
+        self.embeddings_in = "encode" not in spec.roles  # images arrive as embeddings, or as placeholders
+        stage = spec.name
         self.stage = stage
         self.processor = Processor(model_path)
-        self.arch = self.processor.arch.name
+        self.family = self.processor.family
         text_config = getattr(self.processor.config, "text_config", self.processor.config)
         self.hidden_size: int = text_config.hidden_size
-        self.endpoint = TransferEndpoint(transfer) if stage in ("prefill", "prefill_decode") else None
+        self.endpoint = TransferEndpoint(transfer) if spec.takes == "embeddings" else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
         self._stats = _EngineStats()
 
@@ -168,9 +145,9 @@ class VLLMStageEngine:
         max_len = min(config.max_model_len or self.processor.max_model_len, self.processor.max_model_len)
         self.processor.max_model_len = max_len  # prompts are checked against what the engine accepts
         kv_transfer = None
-        if kv_role is not None:
+        if self.kv_role is not None:
             kv_transfer = KVTransferConfig(
-                kv_connector="NixlConnector", kv_role=kv_role, kv_buffer_device="cpu" if cpu else "cuda",
+                kv_connector="NixlConnector", kv_role=self.kv_role, kv_buffer_device="cpu" if cpu else "cuda",
                 # always READ the prefill's KV: recomputing it here would run on placeholder embeddings
                 kv_connector_extra_config={"num_threads": config.nixl_threads, "kv_recompute_threshold": 0},
             )
@@ -185,7 +162,7 @@ class VLLMStageEngine:
             disable_log_stats=False,
             seed=0,
         )
-        log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, kv_role, self.embeddings_in)
+        log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, self.kv_role, self.embeddings_in)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     # -- inputs ------------------------------------------------------------------------------------------
@@ -205,15 +182,8 @@ class VLLMStageEngine:
             prompt["multi_modal_uuids"] = {"image": image_ids}
         return prompt, len(expanded)
 
-    def _embeddings_input(self, embeddings: torch.Tensor, counts: list[int], grids) -> dict:
-        if self.arch == "qwen2vl":
-            return {"image": {"image_embeds": embeddings, "image_grid_thw": torch.tensor(grids)}}
-        return {"image": list(torch.split(embeddings, counts))}
-
-    def _read_embeddings(self, text: str, embedding_meta: bytes):
-        from ..stages import receive_embeddings
-
-        _, emb, release = receive_embeddings(self.endpoint, self.processor, text, embedding_meta)
+    def _read_embeddings(self, text: str, record: EmbeddingsRecord):
+        _, emb, _, release = handoff.receive_embeddings(self.endpoint, self.processor, text, record)
         try:
             return emb.embeddings.clone(), emb.token_counts, emb.grid_thw
         finally:
@@ -228,13 +198,11 @@ class VLLMStageEngine:
             prompt, length = self._prompt(text, counts, {"image": list(images)}, image_ids)
             return prompt, length, counts, grids, image_ids
         if embedding_meta is not None:
-            from ..protocol import TransferRecord
-
-            record = TransferRecord.decode(embedding_meta)
+            record = decode_record(embedding_meta, EmbeddingsRecord)
             loop = asyncio.get_running_loop()
             emb, counts, grids = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
-            image_ids = [str(i) for i in record.extra.get("image_ids") or [uuid.uuid4().hex for _ in counts]]
-            prompt, length = self._prompt(text, counts, self._embeddings_input(emb, counts, grids), image_ids)
+            image_ids = list(record.image_ids) or [uuid.uuid4().hex for _ in counts]
+            prompt, length = self._prompt(text, counts, self.family.vllm_embeddings(emb, counts, grids), image_ids)
             return prompt, length, counts, grids, image_ids
         prompt, length = self._prompt(text, [], None, [])
         return prompt, length, [], None, []
@@ -245,7 +213,7 @@ class VLLMStageEngine:
         mm = None
         if record.token_counts:
             placeholders = torch.zeros(sum(record.token_counts), self.hidden_size)
-            mm = self._embeddings_input(placeholders, record.token_counts, record.grid_thw)
+            mm = self.family.vllm_embeddings(placeholders, record.token_counts, record.grid_thw)
         prompt, length = self._prompt(text, record.token_counts, mm, record.image_ids)
         if length != record.prompt_len or prompt_digest(prompt["prompt_token_ids"]) != record.prompt_digest:
             raise InvalidRequest("text_input is not the prompt this kv_meta was prefilled from")
@@ -268,7 +236,8 @@ class VLLMStageEngine:
             raise RuntimeError("vLLM's prefill returned no kv_transfer_params (is the NixlConnector configured?)")
         digest = prompt_digest(prompt["prompt_token_ids"])
         return VLLMKVRecord(
-            KV_RECORD_VERSION, final.kv_transfer_params, length, digest, counts, grids, image_ids
+            kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
+            token_counts=counts, grid_thw=grids, image_ids=image_ids,
         ).encode()
 
     async def generate(
@@ -276,7 +245,7 @@ class VLLMStageEngine:
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
         if kv_meta is not None:
-            record = VLLMKVRecord.decode(kv_meta)
+            record = decode_record(kv_meta, VLLMKVRecord)
             prompt, length = self._decode_inputs(text, record)
             sampling = _sampling(params, extra_args={"kv_transfer_params": record.kv_transfer_params})
         else:

@@ -1,4 +1,5 @@
-"""What the HTTP layer needs from a generation engine, and its Triton gRPC implementation."""
+"""What the HTTP layer needs from a generation engine (a :class:`typing.Protocol`), and its Triton gRPC
+implementation. Failures are :mod:`trident.errors` classes, which carry their HTTP status."""
 
 from __future__ import annotations
 
@@ -8,14 +9,7 @@ from typing import AsyncIterator, Protocol
 
 import numpy as np
 
-
-class EngineError(Exception):
-    """A failed generation: ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+from ..errors import TridentError, Unavailable, from_message
 
 
 @dataclass
@@ -32,7 +26,8 @@ class Engine(Protocol):
     async def generate(
         self, mode: str, prompt: str, images: list[str], sampling: dict, request_id: str
     ) -> AsyncIterator[Chunk]:
-        """Stream a generation from entry model ``mode``; images are base64 strings."""
+        """Stream a generation from entry model ``mode``; images are base64 strings. Raises a
+        :class:`~trident.errors.TridentError` (its class says the status)."""
         ...
 
     async def ready_modes(self, modes: list[str]) -> list[str]:
@@ -46,14 +41,6 @@ def _scalar(result, name):
         return None
     v = value.reshape(-1)[0]
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else int(v)
-
-
-def _status_of(message: str) -> int:
-    if "InvalidRequest" in message or "MalformedRecord" in message:
-        return 400
-    if "unknown model" in message or "is not found" in message or "not ready" in message or "unavailable" in message:
-        return 503
-    return 500
 
 
 class TritonEngine:
@@ -102,8 +89,7 @@ class TritonEngine:
         try:
             async for result, error in self.client.stream_infer(requests()):
                 if error is not None:
-                    message = str(error.message() if hasattr(error, "message") else error)
-                    raise EngineError(_status_of(message), _clean(message))
+                    raise await self._error(mode, str(error.message() if hasattr(error, "message") else error))
                 chunk = Chunk(
                     text=_scalar(result, "text_output") or "",
                     finish_reason=_scalar(result, "finish_reason"),
@@ -113,10 +99,20 @@ class TritonEngine:
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
-        except EngineError:
+        except TridentError:
             raise
         except Exception as e:  # connection refused, server gone
-            raise EngineError(503, f"the Triton server at {self.url} is unavailable: {type(e).__name__}") from None
+            raise Unavailable(f"the Triton server at {self.url} is unavailable: {type(e).__name__}") from None
+
+    async def _error(self, mode: str, message: str) -> TridentError:
+        """The error of a failed stream: the Trident error its message names (a gRPC stream carries only a
+        message), else Triton's own: the entry model not loaded (503) or an internal error."""
+        error = from_message(message)
+        if error is not None:
+            return error
+        if mode not in await self.ready_modes([mode]):
+            return Unavailable(f"mode {mode} is not loaded: {message}")
+        return TridentError(message)
 
     async def ready_modes(self, modes):
         ready = []
@@ -127,11 +123,3 @@ class TritonEngine:
             except Exception:
                 pass
         return ready
-
-
-def _clean(message: str) -> str:
-    """The Trident error inside a Triton error message (which may wrap it in ensemble and stub text)."""
-    for marker in ("InvalidRequest: ", "MalformedRecord: "):
-        if marker in message:
-            return message.split(marker, 1)[1].split("\n")[0].strip()
-    return message

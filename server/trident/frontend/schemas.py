@@ -70,8 +70,3 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

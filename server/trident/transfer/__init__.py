@@ -1,19 +1,19 @@
 """NIXL transfers between stage workers.
 
 One :class:`TransferEndpoint` per process: a NIXL agent, a send pool for what this process produces
-(:class:`TransferSender`) and a receive pool for what it reads (:class:`TransferReceiver`). Only the
-:class:`~trident.protocol.TransferRecord` crosses Triton; the bytes move by NIXL READ, after which the
-consumer's notification lets the producer free them (or the lease expires).
+(:class:`TransferSender`) and a receive pool for what it reads (:class:`TransferReceiver`). Only a
+:class:`~trident.protocol.Transfer` (inside a record) crosses Triton; the bytes move by NIXL READ, after
+which the consumer's notification lets the producer free them (or the lease expires).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from ..config import TransferConfig
-from ..protocol import TransferRecord
+from ..protocol import Transfer
 from .agent import NixlAgent, process_agent
 from .pool import MemoryPool, Region
 from .receiver import Received, TransferReceiver
@@ -26,7 +26,6 @@ __all__ = [
     "Region",
     "TransferEndpoint",
     "TransferReceiver",
-    "TransferRecord",
     "TransferSender",
     "process_agent",
 ]
@@ -41,17 +40,14 @@ class TransferEndpoint:
         self.sender = TransferSender(self.agent, self.config)
         self.receiver = TransferReceiver(self.agent, self.config)
 
-    def publish(
-        self, tensors: Sequence[torch.Tensor], *, layout: str, extra: dict[str, Any] | None = None,
-        lease_s: float | None = None,
-    ) -> TransferRecord:
-        return self.sender.publish(tensors, layout=layout, extra=extra, lease_s=lease_s)
+    def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
+        return self.sender.publish(tensors, lease_s=lease_s)
 
-    def fetch(self, record: TransferRecord | bytes) -> Received:
-        return self.receiver.fetch(record)
+    def fetch(self, transfer: Transfer) -> Received:
+        return self.receiver.fetch(transfer)
 
-    def discard(self, record: TransferRecord) -> None:
-        self.receiver.discard(record)
+    def discard(self, transfer: Transfer) -> None:
+        self.receiver.discard(transfer)
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and metrics: regions in use per pool and lease outcomes."""

@@ -8,9 +8,10 @@ import torch
 
 from ..config import TransferConfig
 from ..errors import LeaseExpired
-from ..protocol import TransferRecord, unpack_tensors
+from ..protocol import Transfer
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
+from .tensors import unpack_tensors
 
 
 class Received:
@@ -19,7 +20,7 @@ class Received:
     The tensors are views into registered memory: copy what must outlive the release.
     """
 
-    def __init__(self, pool: MemoryPool, region: Region, record: TransferRecord) -> None:
+    def __init__(self, pool: MemoryPool, region: Region, record: Transfer) -> None:
         self._pool = pool
         self._region: Region | None = region
         self.record = record
@@ -39,7 +40,7 @@ class Received:
 
 
 class TransferReceiver:
-    """Reads the tensors a :class:`~trident.protocol.TransferRecord` describes."""
+    """Reads the tensors a :class:`~trident.protocol.Transfer` describes."""
 
     def __init__(self, agent: NixlAgent, config: TransferConfig) -> None:
         self.agent = agent
@@ -47,10 +48,8 @@ class TransferReceiver:
         self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register)
         self.fetched = 0
 
-    def fetch(self, record: TransferRecord | bytes) -> Received:
+    def fetch(self, record: Transfer) -> Received:
         """READ the record's regions into a fresh region of the receive pool; the producer is notified."""
-        if not isinstance(record, TransferRecord):
-            record = TransferRecord.decode(record)
         left = record.expires_at - time.time()
         if left < self.config.lease_margin_s:
             state = f"expired {-left:.2f} s ago" if left <= 0 else f"expires in {left:.2f} s, too soon to read safely"
@@ -71,6 +70,6 @@ class TransferReceiver:
         self.fetched += 1
         return Received(self.pool, region, record)
 
-    def discard(self, record: TransferRecord) -> None:
+    def discard(self, record: Transfer) -> None:
         """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
         self.agent.notify(record.agent, record.agent_meta, record.lease_id.encode())

@@ -7,12 +7,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from ..config import TransferConfig
-from ..protocol import FORMAT_VERSION, TransferRecord, specs_for
+from ..protocol import Transfer
+from .tensors import specs_for
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
 
@@ -28,8 +29,9 @@ class _Lease:
 class TransferSender:
     """Publishes tensors for one READ by a consumer.
 
-    :meth:`publish` copies the tensors back to back into a region of the send pool and returns the record
-    describing it. The region is freed when the consumer's READ-completion notification (the lease id)
+    :meth:`publish` copies the tensors back to back into a region of the send pool and returns the
+    :class:`~trident.protocol.Transfer` describing it (the caller puts it in a record). The region is freed
+    when the consumer's READ-completion notification (the lease id)
     arrives, or when the lease expires, whichever comes first. A background thread polls for both.
     """
 
@@ -44,14 +46,7 @@ class TransferSender:
         self._thread = threading.Thread(target=self._reap_loop, name="trident-lease-reaper", daemon=True)
         self._thread.start()
 
-    def publish(
-        self,
-        tensors: Sequence[torch.Tensor],
-        *,
-        layout: str,
-        extra: dict[str, Any] | None = None,
-        lease_s: float | None = None,
-    ) -> TransferRecord:
+    def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
         tensors = [t.detach() for t in tensors]
         if not tensors:
             raise ValueError("nothing to publish")
@@ -68,16 +63,13 @@ class TransferSender:
         with self._lock:
             self._leases[lease_id] = _Lease(region, expires_at)
             self.published += 1
-        return TransferRecord(
-            version=FORMAT_VERSION,
-            layout=layout,
+        return Transfer(
             agent=self.agent.name,
             agent_meta=self.agent.metadata,
             regions=((self.pool.address_of(region), nbytes),),
             tensors=specs_for(tensors),
             lease_id=lease_id,
             expires_at=expires_at,
-            extra=extra or {},
         )
 
     def release(self, lease_id: str) -> bool:

@@ -1,8 +1,9 @@
 """Stage workers: each binds one stage model into a running Triton server through PyTriton.
 
-One module per stage model (``encode``, ``prefill``, ``decode``, ``encode_prefill``, ``prefill_decode``,
-``generate``) defines its inference function over a :class:`~trident.engines.base.StageEngine`;
-:mod:`trident.workers.serve` loads the engine, binds the model and serves until stopped.
+- :mod:`.infer`: the inference function of a stage, derived from its :class:`~trident.protocol.StageSpec`
+  (a stage that hands on embeddings encodes, one that hands on KV prefills, one that hands on tokens
+  generates), over the worker's :class:`~trident.engines.base.StageEngine`.
+- :mod:`.bind`: builds the engine, binds the stage model, keeps its stats file, serves until stopped, and
+  sends errors with their status.
+- :mod:`.proxy_model`: the python-backend side of the binding (PyTriton's proxy, with error codes).
 """
-
-STAGES = ("generate", "encode", "prefill", "decode", "encode_prefill", "prefill_decode")

@@ -15,13 +15,13 @@ import time
 import numpy as np
 import torch
 
-from .config import MiB, TransferConfig
+from ..config import MiB, TransferConfig
 
 SIZES = [(64 * 1024, "64 KiB", 300), (MiB, "1 MiB", 100), (16 * MiB, "16 MiB", 20), (256 * MiB, "256 MiB", 5)]
 
 
 def _transfer_producer(conn, pool_bytes: int) -> None:
-    from .transfer import TransferEndpoint
+    from ..transfer import TransferEndpoint
 
     ep = TransferEndpoint(TransferConfig(send_pool_bytes=pool_bytes, recv_pool_bytes=MiB))
     tensors: dict[int, torch.Tensor] = {}
@@ -34,12 +34,12 @@ def _transfer_producer(conn, pool_bytes: int) -> None:
         nbytes = msg
         if nbytes not in tensors:
             tensors[nbytes] = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        conn.send(ep.publish([tensors[nbytes]], layout="bench").encode())
+        conn.send(ep.publish([tensors[nbytes]]))  # the Transfer (pickled over the pipe)
 
 
 def run_transfer_bench(repeat_scale: float = 1.0, out=print) -> list[dict]:
     """READ latency/bandwidth between two processes against memcpy, per size; prints a table."""
-    from .transfer import TransferEndpoint
+    from ..transfer import TransferEndpoint
 
     biggest = max(s for s, _, _ in SIZES)
     ctx = mp.get_context("spawn")
@@ -101,9 +101,10 @@ def run_transfer_bench(repeat_scale: float = 1.0, out=print) -> list[dict]:
 
 def run_decode_bench(model_path: str, concurrency=(1, 4, 8, 16), new_tokens: int = 64, out=print) -> list[dict]:
     """Output tokens/s of the hf engine's batched decode at each concurrency; prints a table."""
-    from .engines.base import DecodeRequest
-    from .engines.hf import HFDecoder, HFModel, HFPrefiller
-    from .processor import SamplingParams
+    from ..engines.base import DecodeRequest
+    from ..engines.hf.decoder import HFDecoder
+    from ..engines.hf.model import HFModel, HFPrefiller
+    from ..processor import SamplingParams
 
     model = HFModel(model_path)
     prefiller, decoder = HFPrefiller(model), HFDecoder(model)
@@ -136,7 +137,7 @@ def run_decode_bench(model_path: str, concurrency=(1, 4, 8, 16), new_tokens: int
         alone = alone if alone is not None else (tps if c == 1 else run(requests(1)))
         rows.append({"concurrency": c, "tokens_per_s": tps, "per_request": tps / c, "ratio": tps / alone})
     decoder.close()
-    out(f"hf batched decode, {model.arch} demo model, {new_tokens} new tokens per request, {torch.get_num_threads()} threads")
+    out(f"hf batched decode, {model.family.name} demo model, {new_tokens} new tokens per request, {torch.get_num_threads()} threads")
     out(f"{'concurrent':>10} | {'tokens/s':>9} | {'per request':>11} | {'vs alone':>8}")
     for r in rows:
         out(f"{r['concurrency']:>10} | {r['tokens_per_s']:>9.1f} | {r['per_request']:>11.1f} | {r['ratio']:>7.2f}x")

@@ -11,7 +11,8 @@ The output is byte-for-byte reproducible for a given ``(arch, seed)`` and
 installed library versions, loads with ``HF_HUB_OFFLINE=1`` and does not need
 torchvision (the image processors are the PIL backends).
 
-Supported architectures (``ARCHS``):
+Supported architectures (``ARCHS``), one builder module each (``llava.py``, ``qwen2vl.py``; a new
+family adds its own, which defines ``BUILDER``):
 
 * ``"llava"``   -> ``LlavaForConditionalGeneration`` (CLIP vision tower +
   Llama text model, plain multi-head attention), ``LlavaProcessor`` +
@@ -46,39 +47,40 @@ to exercise serving / batching / image-token plumbing, not to answer anything.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
+import pkgutil
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-ARCHS = ("llava", "qwen2vl")
-
-# ---------------------------------------------------------------------------
-# Shape constants (kept as module constants so callers / tests can use them)
-# ---------------------------------------------------------------------------
-
-#: llava: CLIP input size and patch size -> (224 // 16) ** 2 = 196 tokens/image
-LLAVA_IMAGE_SIZE = 224
-LLAVA_PATCH_SIZE = 16
-LLAVA_IMAGE_TOKENS = (LLAVA_IMAGE_SIZE // LLAVA_PATCH_SIZE) ** 2  # 196
-
-#: qwen2vl: patch 14, merge 2 -> one image token per 28x28 pixel block
-QWEN_PATCH_SIZE = 14
-QWEN_MERGE_SIZE = 2
-QWEN_MIN_PIXELS = 4 * 28 * 28  # 3136 -> at least 4 image tokens
-QWEN_MAX_PIXELS = 224 * 224  # 50176 -> at most 64 image tokens
 
 INITIALIZER_RANGE = 0.1
 TARGET_VOCAB_SIZE = 3072
 
 RANDOM_WEIGHTS_NOTICE = "weights are RANDOM (demo model, not a trained model)"
 
-# ---------------------------------------------------------------------------
-# Fixed training corpus for the tokenizer
-# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DemoBuilder:
+    """How one family's demo checkpoint is made (the family-specific half of :func:`build_demo_model`)."""
+
+    arch: str  # the family's name (trident.engines.families)
+    specials: dict[str, str]  # unk/bos/eos/pad tokens
+    extra: dict[str, str]  # named special tokens (image placeholder, chat roles)
+    token_names: dict[str, str]  # short name -> token, for the log and the config ids
+    build: Callable  # (tokenizer, token ids by short name, seed) -> (model, processor)
+    after_save: Callable[[Path], None] = lambda folder: None  # adjust the saved files
+    describe: str = ""  # one line on the image tokens
+    notes: dict = field(default_factory=dict)
+
+    def token_map(self, tokenizer) -> dict[str, str]:
+        return {"unk": tokenizer.unk_token, "bos": tokenizer.bos_token, "eos": tokenizer.eos_token,
+                "pad": tokenizer.pad_token, **self.token_names}
+
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
@@ -185,80 +187,6 @@ def _corpus_lines() -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------------------
-# Per-arch special tokens and chat templates
-# ---------------------------------------------------------------------------
-
-_LLAVA_SPECIALS = {
-    "unk_token": "<unk>",
-    "bos_token": "<s>",
-    "eos_token": "</s>",
-    "pad_token": "<pad>",
-}
-_LLAVA_EXTRA = {"image_token": "<image>"}
-
-_QWEN_SPECIALS = {
-    "unk_token": "<unk>",
-    "bos_token": "<s>",
-    "eos_token": "<|im_end|>",
-    "pad_token": "<|endoftext|>",
-}
-_QWEN_EXTRA = {
-    "im_start_token": "<|im_start|>",
-    "vision_start_token": "<|vision_start|>",
-    "vision_end_token": "<|vision_end|>",
-    "image_token": "<|image_pad|>",
-    "video_token": "<|video_pad|>",
-}
-
-LLAVA_CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if not loop.first %}{{ ' ' }}{% endif -%}"
-    "{%- if message['role'] == 'system' -%}{{ 'SYSTEM: ' }}"
-    "{%- elif message['role'] == 'assistant' -%}{{ 'ASSISTANT: ' }}"
-    "{%- else -%}{{ 'USER: ' }}{%- endif -%}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ['image', 'image_url'] or 'image' in item or 'image_url' in item -%}"
-    "{{ '<image>\\n' }}"
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{{ eos_token }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ ' ASSISTANT:' }}{%- endif -%}"
-)
-
-QWEN2VL_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ['image', 'image_url'] or 'image' in item or 'image_url' in item -%}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'video' or 'video' in item -%}"
-    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
-
-
-# ---------------------------------------------------------------------------
-# Builders
-# ---------------------------------------------------------------------------
-
 
 def _train_tokenizer(specials: dict[str, str], extra: dict[str, str]):
     """Train a deterministic byte-level BPE and wrap it as PreTrainedTokenizerFast."""
@@ -291,175 +219,6 @@ def _train_tokenizer(specials: dict[str, str], extra: dict[str, str]):
     return fast
 
 
-def _seed_everything(seed: int) -> None:
-    import torch
-
-    torch.manual_seed(seed)
-
-
-def _build_llava(tokenizer, seed: int):
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _token_map(tokenizer, "llava").items()}
-
-    vision = CLIPVisionConfig(
-        hidden_size=256,
-        intermediate_size=1024,
-        projection_dim=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_channels=3,
-        image_size=LLAVA_IMAGE_SIZE,
-        patch_size=LLAVA_PATCH_SIZE,
-        hidden_act="quick_gelu",
-        initializer_range=INITIALIZER_RANGE,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=8,  # MHA here; the qwen2vl demo covers GQA (4 kv heads)
-        max_position_embeddings=4096,
-        initializer_range=INITIALIZER_RANGE,
-        rms_norm_eps=1e-5,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
-        tie_word_embeddings=False,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=ids["image"],
-        image_seq_length=LLAVA_IMAGE_TOKENS,
-        vision_feature_select_strategy="default",  # drop CLS -> 196 patch features
-        vision_feature_layer=-2,
-        projector_hidden_act="gelu",
-        tie_word_embeddings=False,
-    )
-    config.initializer_range = INITIALIZER_RANGE
-    _seed_everything(seed)
-    model = LlavaForConditionalGeneration(config)
-
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": LLAVA_IMAGE_SIZE},
-        crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
-        do_center_crop=True,
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=LLAVA_PATCH_SIZE,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,  # CLIP's CLS token (removed again by "default")
-        image_token="<image>",
-        chat_template=LLAVA_CHAT_TEMPLATE,
-    )
-    return model, processor
-
-
-def _build_qwen2vl(tokenizer, seed: int):
-    from transformers import PaddleOCRVLProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _token_map(tokenizer, "qwen2vl").items()}
-    hidden = 512
-    heads = 8
-    head_dim = hidden // heads  # 64 -> rotary half-dim 32 = 16 + 8 + 8
-    config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=1024,
-            num_hidden_layers=6,
-            num_attention_heads=heads,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            initializer_range=INITIALIZER_RANGE,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
-            },
-            bos_token_id=ids["bos"],
-            eos_token_id=ids["eos"],
-            pad_token_id=ids["pad"],
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=4,
-            embed_dim=128,
-            hidden_size=hidden,  # output size of the patch merger = text hidden size
-            mlp_ratio=4,
-            num_heads=4,
-            in_channels=3,
-            patch_size=QWEN_PATCH_SIZE,
-            spatial_merge_size=QWEN_MERGE_SIZE,
-            temporal_patch_size=2,
-            initializer_range=INITIALIZER_RANGE,
-        ),
-        image_token_id=ids["image"],
-        video_token_id=ids["video"],
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"],
-        tie_word_embeddings=False,
-    )
-    config.initializer_range = INITIALIZER_RANGE
-    _seed_everything(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=QWEN_MIN_PIXELS,
-        max_pixels=QWEN_MAX_PIXELS,
-        patch_size=QWEN_PATCH_SIZE,
-        temporal_patch_size=2,
-        merge_size=QWEN_MERGE_SIZE,
-    )
-    # NOTE: transformers 5.x ``Qwen2VLProcessor`` has a mandatory video processor, and every
-    # video processor needs torchvision (not installed here).  ``PaddleOCRVLProcessor`` is a
-    # built-in, image-only processor with the exact same expansion rule
-    # (``<|image_pad|>`` * grid_t*grid_h*grid_w // merge_size**2, ``tokenizer.image_token``) and it
-    # returns the same tensors (input_ids, attention_mask, mm_token_type_ids, pixel_values,
-    # image_grid_thw), so AutoProcessor can load it without torchvision.
-    processor = PaddleOCRVLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        chat_template=QWEN2VL_CHAT_TEMPLATE,
-    )
-    return model, processor
-
-
-def _token_map(tokenizer, arch: str) -> dict[str, str]:
-    m = {
-        "unk": tokenizer.unk_token,
-        "bos": tokenizer.bos_token,
-        "eos": tokenizer.eos_token,
-        "pad": tokenizer.pad_token,
-    }
-    if arch == "llava":
-        m["image"] = "<image>"
-    else:
-        m.update(
-            im_start="<|im_start|>",
-            im_end="<|im_end|>",
-            vision_start="<|vision_start|>",
-            vision_end="<|vision_end|>",
-            image="<|image_pad|>",
-            video="<|video_pad|>",
-        )
-    return m
-
 
 def _quiet_progress_bars():
     """Context manager: silence transformers' tqdm bars ("Writing model shards") while saving."""
@@ -480,18 +239,6 @@ def _quiet_progress_bars():
     return cm()
 
 
-def _legacy_vision_names(path: Path) -> None:
-    """Store LLaVA's CLIP weights as ``vision_tower.vision_model.*`` (the layout of LLaVA checkpoints on the
-    hub). transformers 5 saves ``vision_tower.*`` but loads both; vLLM loads only the hub layout."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(path)
-    renamed = {
-        ("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
-        for k, v in tensors.items()
-    }
-    save_file(renamed, path, metadata={"format": "pt"})
-
 
 def build_demo_model(
     arch: str,
@@ -510,8 +257,9 @@ def build_demo_model(
     replaced; other files there are left alone.  The caller's global torch RNG
     state is not modified.
     """
-    if arch not in ARCHS:
+    if arch not in BUILDERS:
         raise ValueError(f"unknown demo arch {arch!r}; expected one of {ARCHS}")
+    builder = BUILDERS[arch]
     log = log or (lambda *_a, **_k: None)
     out = Path(out_dir)
     t0 = time.perf_counter()
@@ -520,15 +268,12 @@ def build_demo_model(
     import torch
     from transformers import GenerationConfig
 
-    specials, extra = (_LLAVA_SPECIALS, _LLAVA_EXTRA) if arch == "llava" else (_QWEN_SPECIALS, _QWEN_EXTRA)
-    tokenizer = _train_tokenizer(specials, extra)
+    tokenizer = _train_tokenizer(builder.specials, builder.extra)
     log(f"[demo-model] trained byte-level BPE tokenizer on the built-in corpus: {len(tokenizer)} tokens")
 
+    tok_ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in builder.token_map(tokenizer).items()}
     with torch.random.fork_rng(devices=[]):  # keep the caller's RNG stream untouched
-        if arch == "llava":
-            model, processor = _build_llava(tokenizer, seed)
-        else:
-            model, processor = _build_qwen2vl(tokenizer, seed)
+        model, processor = builder.build(tokenizer, tok_ids, seed)
     model = model.to(torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -536,7 +281,6 @@ def build_demo_model(
         f"({n_params / 1e6:.1f}M random fp32 parameters, initializer_range={INITIALIZER_RANGE})"
     )
 
-    tok_ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in _token_map(tokenizer, arch).items()}
     model.generation_config = GenerationConfig(
         bos_token_id=tok_ids["bos"],
         eos_token_id=tok_ids["eos"],
@@ -552,10 +296,7 @@ def build_demo_model(
         with _quiet_progress_bars():
             model.save_pretrained(tmp, safe_serialization=True)
             processor.save_pretrained(tmp)
-        if arch == "llava":
-            _legacy_vision_names(tmp / "model.safetensors")
-        else:
-            _write_video_processor_config(tmp)
+        builder.after_save(tmp)
         rel_files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
         for rel in rel_files:
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -567,13 +308,7 @@ def build_demo_model(
 
     dt = time.perf_counter() - t0
     log(f"[demo-model] special token ids: {json.dumps(tok_ids, sort_keys=True)}")
-    if arch == "llava":
-        log(f"[demo-model] each image -> {LLAVA_IMAGE_TOKENS} <image> tokens (images are resized/cropped to 224x224)")
-    else:
-        log(
-            "[demo-model] each image -> (H/28)*(W/28) <|image_pad|> tokens after smart-resize to "
-            f"{QWEN_MIN_PIXELS}..{QWEN_MAX_PIXELS} pixels (224x224 -> 64, 300x200 -> 54)"
-        )
+    log(f"[demo-model] {builder.describe}")
     for p in files:
         log(f"[demo-model]   wrote {p} ({p.stat().st_size:,} bytes)")
     log(
@@ -582,6 +317,7 @@ def build_demo_model(
     )
     log(f"[demo-model] NOTE: {RANDOM_WEIGHTS_NOTICE}; its output is gibberish.")
     return files
+
 
 
 def _sha256_tree(path: str | Path) -> dict[str, str]:
@@ -593,26 +329,6 @@ def _sha256_tree(path: str | Path) -> dict[str, str]:
         if p.is_file()
     }
 
-
-def _write_video_processor_config(out: Path) -> None:
-    """vLLM loads Qwen2-VL through ``Qwen2VLProcessor``, whose video processor must find its config file.
-    Written as JSON because the video processor class itself needs torchvision to be created."""
-    config = {
-        "video_processor_type": "Qwen2VLVideoProcessor",
-        "size": {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS},
-        "patch_size": QWEN_PATCH_SIZE,
-        "temporal_patch_size": 2,
-        "merge_size": QWEN_MERGE_SIZE,
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "resample": 3,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
-    (out / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 DEMO_FORMAT = 3  # bump when the builder changes what it writes
@@ -634,3 +350,16 @@ def default_demo_model(arch: str = "llava", log: Callable[[str], object] | None 
             log(f"[demo-model] building the {arch} demo model into {path} (first use)")
         build_demo_model(arch, path, log=log)
     return path
+
+
+def _discover() -> dict[str, DemoBuilder]:
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        builder = getattr(importlib.import_module(f"{__name__}.{info.name}"), "BUILDER", None)
+        if isinstance(builder, DemoBuilder):
+            found[builder.arch] = builder
+    return dict(sorted(found.items()))
+
+
+BUILDERS: dict[str, DemoBuilder] = _discover()
+ARCHS = tuple(BUILDERS)

@@ -1,9 +1,8 @@
-"""The reference engine: transformers model classes on PyTorch (CPU, fp32).
+"""The hf engine's decoder: continuous batching over a slot-based KV store.
 
-It is the correctness oracle: encode -> prefill -> decode here reproduces ``model.generate()`` token for
-token under greedy sampling. :class:`HFEncoder` and :class:`HFPrefiller` run one request at a time;
-:class:`HFDecoder` runs the steps of all active requests as one batch (continuous batching: requests
-join and leave between steps) over a slot-based KV store, :class:`BatchKV`.
+:class:`HFDecoder` runs the steps of all active requests as one batch (requests join and leave between
+steps) over :class:`BatchKV`; each request's tokens go through its :class:`~trident.output.RequestOutput`
+(text, stop strings, finish reasons) into a :class:`TokenStream`.
 """
 
 from __future__ import annotations
@@ -11,113 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import random
 import threading
-from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import torch
 
-from ..errors import InvalidRequest
-from ..processor import Processor, SamplingParams, TextStream, sample
-from .base import DecodeEvent, DecodeRequest, ImageEmbeddings, PrefillResult
+from ...output import DecodeEvent, RequestOutput
+from ..base import DecodeRequest
+from .model import HFModel
+from .sampling import sample
 
 log = logging.getLogger(__name__)
-
-
-def load_model(model_path: str | Path, arch: str):
-    """A checkpoint's transformers model in fp32 with SDPA attention, in eval mode."""
-    from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
-
-    cls = {"llava": LlavaForConditionalGeneration, "qwen2vl": Qwen2VLForConditionalGeneration}[arch]
-    model = cls.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
-
-
-class HFModel:
-    """A loaded checkpoint: processor + model, shared by the roles one worker serves."""
-
-    def __init__(self, model_path: str | Path) -> None:
-        self.processor = Processor(model_path)
-        self.arch = self.processor.arch.name
-        self.model = load_model(model_path, self.arch)
-        text = self.model.config.text_config
-        self.num_layers: int = text.num_hidden_layers
-        self.kv_heads: int = text.num_key_value_heads
-        self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
-
-
-class HFEncoder:
-    """Images -> projected embeddings, all images of a request in one vision-tower batch."""
-
-    def __init__(self, model: HFModel) -> None:
-        self.m = model
-
-    @torch.inference_mode()
-    def encode(self, images: list) -> ImageEmbeddings:
-        if not images:
-            raise InvalidRequest("encode needs at least one image")
-        inputs = self.m.processor.pixel_inputs(images)
-        core, cfg = self.m.model.model, self.m.model.config
-        if self.m.arch == "llava":
-            out = core.get_image_features(
-                pixel_values=inputs["pixel_values"],
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
-            )
-            grid = None
-        else:
-            out = core.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
-            grid = inputs["image_grid_thw"].tolist()
-        features = list(out.pooler_output)
-        return ImageEmbeddings(torch.cat(features), [f.shape[0] for f in features], grid)
-
-
-class HFPrefiller:
-    """Prompt ids + image embeddings -> the prompt's KV cache and the first sampled token."""
-
-    def __init__(self, model: HFModel) -> None:
-        self.m = model
-
-    @torch.inference_mode()
-    def prefill(
-        self, prompt_ids: list[int], images: ImageEmbeddings | None, params: SamplingParams, seed: int
-    ) -> PrefillResult:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-        self.m.processor.check_length(len(prompt_ids))
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
-        kwargs: dict = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
-        qwen = self.m.arch == "qwen2vl"
-        if images is not None and images.token_counts:
-            expected = int((ids == self.m.processor.image_token_id).sum())
-            if expected != sum(images.token_counts):
-                raise InvalidRequest(
-                    f"the prompt has {expected} image tokens but the embeddings cover {sum(images.token_counts)}"
-                )
-            features = torch.split(images.embeddings, images.token_counts)
-            kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
-            if qwen:
-                kwargs["image_grid_thw"] = torch.tensor(images.grid_thw, dtype=torch.long)
-                kwargs["mm_token_type_ids"] = (ids == self.m.processor.image_token_id).int()
-        with self.m.lock:
-            if qwen:
-                self.m.model.model.rope_deltas = None  # stateful in transformers: start fresh
-            out = self.m.model(**kwargs, logits_to_keep=1)
-        rope_delta = 0
-        if qwen and getattr(out, "rope_deltas", None) is not None:
-            rope_delta = int(out.rope_deltas.reshape(-1)[0])
-        cache = out.past_key_values
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        first = sample(out.logits[0, -1], params, seed, step=0)
-        return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed)
-
-
-def new_seed(params: SamplingParams) -> int:
-    """The request's seed, or a fresh one for unseeded sampling."""
-    return params.seed if params.seed is not None else random.getrandbits(48)
 
 
 class BatchKV:
@@ -252,10 +155,13 @@ class TokenStream:
 class _Active:
     """Decode state of one request in the batch."""
 
-    def __init__(self, req: DecodeRequest, stream: TokenStream, text: TextStream) -> None:
-        self.req, self.stream, self.text = req, stream, text
+    def __init__(self, req: DecodeRequest, stream: TokenStream, output: RequestOutput) -> None:
+        self.req, self.stream, self.output = req, stream, output
         self.last_token = req.first_token
-        self.generated = 0
+
+    @property
+    def generated(self) -> int:
+        return self.output.generated
 
 
 class HFDecoder:
@@ -314,7 +220,7 @@ class HFDecoder:
             req, stream = item
             block = False
             try:
-                active = _Active(req, stream, self.m.processor.text_stream(req.params))
+                active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
                 # The first token was sampled by prefill: emit it before the request enters the batch.
                 if not self._emit(active, req.first_token, req.prompt_len):
                     self._kv.add(req.kv)
@@ -328,23 +234,10 @@ class HFDecoder:
 
     def _emit(self, a: _Active, token: int, cache_len: int) -> bool:
         """Send one generated token; True when the request is finished."""
-        a.generated += 1
         a.last_token = token
-        params = a.req.params
-        if a.stream.cancelled:
-            a.stream.put(DecodeEvent([], "", "abort", a.generated))
-            return True
-        is_eos = token in self.m.processor.eos_token_ids and not params.ignore_eos
-        text = "" if is_eos else a.text.push(token)
-        reason = None
-        if is_eos or a.text.stopped:
-            reason = "stop"
-        elif a.generated >= params.max_tokens or cache_len + 1 >= self.m.processor.max_model_len:
-            reason = "length"
-        if reason is not None and not a.text.stopped:
-            text += a.text.flush()
-        a.stream.put(DecodeEvent([token], text, reason, a.generated))
-        return reason is not None
+        event = a.output.abort() if a.stream.cancelled else a.output.push(token, cache_len)
+        a.stream.put(event)
+        return event.finish_reason is not None
 
     @torch.inference_mode()
     def _step(self) -> None:

@@ -1,0 +1,35 @@
+"""LLaVA: CLIP vision tower + projector, ``<image>`` expanded to a fixed number of tokens per image."""
+
+from __future__ import annotations
+
+from . import Family
+
+
+class LLaVA(Family):
+    name = "llava"
+    model_type = "llava"
+    placeholder = "<image>"
+    image_token = "<image>"
+    model_class = "LlavaForConditionalGeneration"
+
+    def encode_images(self, model, pixel_inputs):
+        cfg = model.config
+        out = model.model.get_image_features(
+            pixel_values=pixel_inputs["pixel_values"],
+            vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+            return_dict=True,
+        )
+        return list(out.pooler_output), None
+
+    def image_layout(self, config, image_processor, images):
+        pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
+        height, width = pixels.shape[-2:]
+        patch = config.vision_config.patch_size
+        per_image = (height // patch) * (width // patch)
+        if getattr(config, "vision_feature_select_strategy", "default") == "full":
+            per_image += 1  # the CLS token is kept
+        return [per_image] * len(images), None
+
+
+FAMILY = LLaVA()

@@ -1,0 +1,84 @@
+"""Hand-offs between stages, for every engine: publish and receive embeddings and KV caches.
+
+A producer copies tensors into its registered send pool and returns the record that crosses Triton
+(:mod:`trident.protocol`); a consumer checks the record against its request, READs the tensors into its
+receive pool over NIXL (:mod:`trident.transfer`) and frees them when done. The ``hf`` engine hands on
+embeddings and KV this way; the ``vllm`` engine hands on embeddings this way and KV through vLLM's own
+NixlConnector.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import MalformedRecord
+from ..processor import Processor, SamplingParams
+from ..protocol import EmbeddingsRecord, HFKVRecord, decode_record
+from ..transfer import TransferEndpoint
+from .base import DecodeRequest, ImageEmbeddings, PrefillResult
+
+
+def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int]) -> list[int]:
+    """Prompt ids with each image placeholder expanded; checks placeholders and the context window."""
+    prompt = processor.prompt_ids(text, image_token_counts)
+    processor.check_length(len(prompt))
+    return prompt
+
+
+# -- embeddings -------------------------------------------------------------------------------------
+def publish_embeddings(endpoint: TransferEndpoint, emb: ImageEmbeddings, image_ids: list[str]) -> EmbeddingsRecord:
+    return EmbeddingsRecord(
+        transfer=endpoint.publish([emb.embeddings]), token_counts=list(emb.token_counts), grid_thw=emb.grid_thw,
+        image_ids=list(image_ids),
+    )
+
+
+def receive_embeddings(
+    endpoint: TransferEndpoint, processor: Processor, text: str, data: bytes | EmbeddingsRecord
+) -> tuple[list[int], ImageEmbeddings, EmbeddingsRecord, Callable[[], None]]:
+    """Check the prompt against an ``embedding_meta``, then READ the embeddings.
+
+    Returns the prompt ids, the embeddings (views into the receive pool), the record and the function that
+    frees the embeddings. A prompt that does not match is refused before the READ, and the producer is told
+    to free its copy.
+    """
+    record = data if isinstance(data, EmbeddingsRecord) else decode_record(data, EmbeddingsRecord)
+    try:
+        prompt = prepare_prompt(processor, text, record.token_counts)
+    except Exception:
+        endpoint.discard(record.transfer)
+        raise
+    received = endpoint.fetch(record.transfer)
+    emb = ImageEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw)
+    return prompt, emb, record, received.release
+
+
+# -- KV cache -------------------------------------------------------------------------------------------
+def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> HFKVRecord:
+    return HFKVRecord(
+        transfer=endpoint.publish([t for kv in result.kv for t in kv]), prompt_len=result.prompt_len,
+        first_token=result.first_token, rope_delta=result.rope_delta, seed=result.seed,
+    )
+
+
+def receive_kv(endpoint: TransferEndpoint, data: bytes, params: SamplingParams, request_id: str = "") -> DecodeRequest:
+    """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it."""
+    record = decode_record(data, HFKVRecord)
+    received = endpoint.fetch(record.transfer)
+    t = received.tensors
+    if not t:
+        received.release()
+        raise MalformedRecord("kv record holds no tensors")
+    return DecodeRequest(
+        kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,
+        params=params, rope_delta=record.rope_delta, seed=record.seed, request_id=request_id,
+        on_admit=received.release,
+    )
+
+
+def continue_locally(result: PrefillResult, params: SamplingParams, request_id: str = "") -> DecodeRequest:
+    """Decode a prefill in the process that ran it (no transfer)."""
+    return DecodeRequest(
+        kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
+        rope_delta=result.rope_delta, seed=result.seed, request_id=request_id,
+    )

@@ -1,0 +1,85 @@
+"""OpenAI response bodies: a whole completion, its streamed chunks (SSE), usage, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import TridentError
+from .engine import Chunk
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+def error_headers(error: TridentError) -> dict[str, str]:
+    """``Retry-After`` for errors a retry may fix."""
+    return {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else {}
+
+
+def usage(chunk: Chunk | None) -> dict | None:
+    if chunk is None:
+        return None
+    p, g = chunk.num_input_tokens or 0, chunk.num_output_tokens or 0
+    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+@dataclass
+class Completion:
+    """One response's identity and shape: ``chat`` (chat.completion) or ``completions`` (text_completion)."""
+
+    endpoint: str
+    model: str
+    include_usage: bool = False
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat"
+
+    def _body(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def whole(self, text: str, last: Chunk | None) -> dict:
+        """The non-streaming response."""
+        choice: dict = {"index": 0, "finish_reason": last.finish_reason if last else None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return self._body("chat.completion" if self.chat else "text_completion", [choice], usage=usage(last))
+
+    def sse(self, chunk: Chunk, first: bool) -> str:
+        """One streamed chunk as a server-sent event."""
+        if self.chat:
+            delta = {"content": chunk.text, **({"role": "assistant"} if first else {})}
+            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
+        else:
+            choice = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason}
+        extra = {"usage": None} if self.include_usage else {}
+        return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra))
+
+    def sse_usage(self, last: Chunk | None) -> str:
+        return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(last)))
+
+    @staticmethod
+    def sse_error(error: TridentError) -> str:
+        return _event(error_body(error.message, error.http_status))
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,161 @@
+"""Output side of a request, one copy for every engine and stage.
+
+- :class:`TextStream`: generated token ids -> text deltas, holding back partial characters and stop-string
+  prefixes.
+- :class:`RequestOutput`: one request's finish rules (EOS, stop strings, max_tokens, context window) over
+  its text stream; a decoder pushes each sampled token and gets a :class:`DecodeEvent`.
+- :func:`entry_responses`: a generation's events -> the entry interface's responses (Triton vLLM backend
+  semantics: streamed deltas, or one response with the whole text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+
+@dataclass
+class DecodeEvent:
+    """One step's output of a request: new token ids and text; ``finish_reason`` set on the last event."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
+    num_output_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    """A started generation: the prompt's length and its events (close ``events`` to stop it early)."""
+
+    num_input_tokens: int
+    events: AsyncIterator[DecodeEvent]
+
+
+class TextStream:
+    """Turns generated token ids into text deltas and finds stop strings.
+
+    Text that could be the start of a stop string, or an incomplete UTF-8 character, is held back until
+    it is known not to be.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = [s for s in stop if s]
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of the decoded text already returned
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """Add a token; return the new text that is safe to emit (may be empty)."""
+        if self.stopped:
+            return ""
+        self._ids.append(token)
+        text = self.text
+        for s in self._stop:
+            at = text.find(s, max(0, self._emitted - len(s)))
+            if at != -1:
+                self.stopped = True
+                return self._take(text[:at])
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character
+            return ""
+        hold = max((k for s in self._stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return self._take(text[: len(text) - hold])
+
+    def flush(self) -> str:
+        """The rest of the text once generation has ended."""
+        return "" if self.stopped else self._take(self.text)
+
+    def _take(self, upto: str) -> str:
+        if len(upto) <= self._emitted:
+            return ""
+        delta = upto[self._emitted :]
+        self._emitted = len(upto)
+        return delta
+
+
+class RequestOutput:
+    """The output side of one decode request: each sampled token in, a :class:`DecodeEvent` out."""
+
+    def __init__(self, processor, params) -> None:
+        self.params = params
+        self.text = TextStream(processor.tokenizer, params.stop)
+        self._eos = processor.eos_token_ids
+        self._max_len = processor.max_model_len
+        self.generated = 0
+
+    def push(self, token: int, cache_len: int) -> DecodeEvent:
+        """The event of a sampled ``token`` with ``cache_len`` positions already in the KV cache."""
+        self.generated += 1
+        is_eos = token in self._eos and not self.params.ignore_eos
+        text = "" if is_eos else self.text.push(token)
+        reason = None
+        if is_eos or self.text.stopped:
+            reason = "stop"
+        elif self.generated >= self.params.max_tokens or cache_len + 1 >= self._max_len:
+            reason = "length"
+        if reason is not None and not self.text.stopped:
+            text += self.text.flush()
+        return DecodeEvent([token], text, reason, self.generated)
+
+    def abort(self) -> DecodeEvent:
+        return DecodeEvent([], "", "abort", self.generated)
+
+
+# -- the entry interface's responses ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class OutputOptions:
+    """The entry interface's output controls (Triton vLLM backend semantics)."""
+
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def string_tensor(value: str | bytes) -> np.ndarray:
+    """A STRING[1] output."""
+    return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
+
+
+def _response(text: str, event: DecodeEvent | None, opts: OutputOptions, num_input_tokens: int) -> dict:
+    out = {"text_output": string_tensor(text)}
+    if event is not None and event.finish_reason is not None:
+        if opts.return_finish_reason:
+            out["finish_reason"] = string_tensor(event.finish_reason)
+        if opts.return_num_input_tokens:
+            out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
+        if opts.return_num_output_tokens:
+            out["num_output_tokens"] = np.array([event.num_output_tokens], dtype=np.uint32)
+    return out
+
+
+async def entry_responses(
+    generation: Generation, opts: OutputOptions, prompt: str | None
+) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+    """A generation's events -> entry responses: one per event when streaming, else one with the whole text
+    (the prompt first unless ``exclude_input_in_output``). Stops the generation if the client goes away."""
+    events, n_in = generation.events, generation.num_input_tokens
+    try:
+        if opts.stream:
+            async for event in events:
+                if event.text or event.finish_reason is not None:
+                    yield [_response(event.text, event, opts, n_in)]
+            return
+        text, last = [], None
+        async for event in events:
+            text.append(event.text)
+            last = event
+        if not opts.exclude_input_in_output and prompt:
+            text.insert(0, prompt)
+        yield [_response("".join(text), last, opts, n_in)]
+    finally:
+        await events.aclose()

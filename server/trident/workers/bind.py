@@ -1,0 +1,145 @@
+"""``trident worker``: build the stage's engine, bind its model into a running Triton, serve until stopped.
+
+Errors cross in a structured way: PyTriton sends a failed request's exception to the python-backend stub as
+text, which here is :func:`trident.errors.to_wire`'s envelope; the stub side (:mod:`.proxy_model`) turns it
+into a Triton error with the class's code, so Triton's endpoints answer with the matching status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import traceback
+from pathlib import Path
+
+from ..config import WorkerSettings
+from ..errors import to_wire
+from ..protocol import STAGES
+
+log = logging.getLogger("trident.worker")
+_PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
+
+
+def _write_stats(engine, path: Path, stop: threading.Event) -> None:
+    """Keep ``path`` holding this worker's transfer, decode and KV-cache counters (read by tests and operators)."""
+    last = None
+    while True:
+        stats = dict(engine.stats())
+        stats["pid"] = os.getpid()
+        if stats != last:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(stats, sort_keys=True))
+            tmp.replace(path)
+            last = stats
+        if stop.wait(0.2):
+            return
+
+
+class _WireErrors:
+    """Stand-in for the ``traceback`` module inside PyTriton's inference handler, which sends a failed
+    request's exception to the stub as a formatted traceback: it sends :func:`trident.errors.to_wire`'s
+    envelope instead (PyTriton still logs the traceback)."""
+
+    def __getattr__(self, name):
+        return getattr(traceback, name)
+
+    @staticmethod
+    def format_exception(exc, value=None, tb=None, *args, **kwargs):
+        error = value if value is not None else exc
+        return [to_wire(error)]
+
+
+def _install_proxy_model() -> None:
+    """PyTriton writes its proxy ``model.py`` next to the stage model's config; Trident's replaces it."""
+    from pytriton.models.model import Model
+
+    if getattr(Model.generate_model, "_trident", False):
+        return
+    original = Model.generate_model
+
+    def generate_model(self, model_repository: Path) -> None:
+        original(self, model_repository)
+        shutil.copy(_PROXY_MODEL, Path(model_repository) / self.model_name / str(self.model_version) / "model.py")
+
+    generate_model._trident = True
+    Model.generate_model = generate_model
+
+
+def _remote_triton(url: str, access_token: str | None, model_store: str | None):
+    """PyTriton's RemoteTriton; with ``model_store`` (the server's repository folder, on this host) the
+    stage model's files are written there and loaded by name instead of uploaded as an override.
+
+    Triton resolves an ensemble's steps in its repository, so entry models load only over stage models
+    that are in it.
+    """
+    from pytriton.triton import RemoteTriton
+
+    triton = RemoteTriton(url=url, access_token=access_token)
+    if model_store:
+        triton._model_manager._model_store_path = Path(model_store)  # pytriton 0.7: where bind() writes
+    return triton
+
+
+def _block_bytecode(model_store: str, stage: str) -> None:
+    """Keep the python-backend stub from writing ``__pycache__`` next to the proxy files.
+
+    Triton watches the stage model's folder: a change after loading makes it reload the stage whenever an
+    entry model that uses it is loaded, and a second proxy instance cannot attach to this worker. The stub's
+    embedded interpreter ignores PYTHONDONTWRITEBYTECODE, so a plain file takes the folder's name.
+    """
+    version_dir = Path(model_store) / stage / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    blocker = version_dir / "__pycache__"
+    if blocker.is_dir():
+        shutil.rmtree(blocker)
+    blocker.touch()
+
+
+def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
+    import pytriton.proxy.inference
+    from pytriton.model_config import ModelConfig
+
+    from ..engines import build_engine
+    from .infer import make_infer
+
+    pytriton.proxy.inference.traceback = _WireErrors()
+    _install_proxy_model()
+    spec = STAGES[settings.stage]
+    engine = build_engine(settings)
+    infer = make_infer(spec, engine, settings.fault_injection)
+    stop = threading.Event()
+    if settings.stats_dir:
+        Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
+        threading.Thread(
+            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{spec.name}.json", stop), daemon=True
+        ).start()
+
+    def _on_signal(signum, _frame):
+        log.info("worker %s: signal %d, unbinding and stopping", spec.name, signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    if settings.model_store:
+        _block_bytecode(settings.model_store, spec.name)
+    try:
+        with _remote_triton(settings.url, access_token, settings.model_store) as triton:
+            triton.bind(
+                model_name=spec.name,
+                infer_func=infer,
+                inputs=list(spec.inputs),
+                outputs=list(spec.outputs),
+                config=ModelConfig(batching=False, decoupled=spec.decoupled),
+                strict=False,
+            )
+            log.warning("worker %s (%s engine, pid %d) bound into %s", spec.name, settings.backend, os.getpid(), settings.url)
+            triton.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        engine.close()
+    return 0

@@ -1,0 +1,141 @@
+"""A stage model's inference function: Triton request -> engine call -> Triton responses.
+
+What a stage does follows from what it hands on (:attr:`~trident.protocol.StageSpec.hands_on`):
+``embeddings`` -> :meth:`encode`, ``kv`` -> :meth:`prefill`, ``tokens`` -> :meth:`generate` (streamed);
+its inputs say which of ``text_input``, ``image``, ``embedding_meta`` and ``kv_meta`` it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import numpy as np
+
+from ..errors import ERRORS, InvalidRequest
+from ..media import decode_base64_image
+from ..output import OutputOptions, entry_responses
+from ..processor import SamplingParams
+from ..protocol import RECORD_TENSOR, StageSpec
+
+_FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?\]\]")
+
+
+def _value(request, name: str):
+    return request.data.get(name) if hasattr(request, "data") else request.get(name)
+
+
+def _first(request, name: str):
+    value = _value(request, name)
+    if value is None:
+        return None
+    arr = np.asarray(value).reshape(-1)
+    return arr[0] if arr.size else None
+
+
+def text_input(request, required: bool = True) -> str | None:
+    value = _first(request, "text_input")
+    if value is None:
+        if required:
+            raise InvalidRequest("text_input is required")
+        return None
+    try:
+        return value.decode("utf-8", errors="strict") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise InvalidRequest("text_input is not valid UTF-8") from None
+
+
+def record_input(request, name: str) -> bytes | None:
+    """A record tensor's bytes; None when absent or empty (an ensemble passes an empty record on)."""
+    value = _first(request, name)
+    if value is None or (isinstance(value, (bytes, str)) and len(value) == 0):
+        return None
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _decode_images(request) -> list:
+    value = _value(request, "image")
+    if value is None:
+        return []
+    return [decode_base64_image(v, i) for i, v in enumerate(np.asarray(value).reshape(-1))]
+
+
+async def images(request) -> list:
+    """The request's images, decoded off the event loop (a large PNG takes a while)."""
+    return await asyncio.to_thread(_decode_images, request)
+
+
+def output_options(request) -> OutputOptions:
+    def flag(name: str) -> bool:
+        value = _first(request, name)
+        return False if value is None else bool(value)
+
+    return OutputOptions(**{f: flag(f) for f in OutputOptions.__dataclass_fields__})
+
+
+def record_output(spec: StageSpec, record: bytes | None) -> list[dict[str, np.ndarray]]:
+    """The stage's record as its STRING[1] output; an empty one when there is nothing to pass on."""
+    return [{RECORD_TENSOR[spec.hands_on]: np.array([record or b""], dtype=np.object_)}]
+
+
+def _single(requests: list) -> Any:
+    """Stage models run without batching: Triton hands over one request at a time."""
+    if len(requests) != 1:
+        raise InvalidRequest(f"expected one request per call, got {len(requests)}")
+    return requests[0]
+
+
+def _inject_fault(spec: StageSpec, text: str | None) -> None:
+    """Tests only (``fault_injection``): raise the error a ``[[trident-fault:Name@stage]]`` marker names."""
+    match = _FAULT.search(text or "")
+    if match and match.group(1) in ERRORS and match.group(2) in (None, spec.name):
+        raise ERRORS[match.group(1)](f"injected {match.group(1)} in the {spec.name} stage")
+
+
+def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
+    """The async inference function PyTriton binds for ``spec`` over ``engine``."""
+    names = spec.input_names
+    takes = RECORD_TENSOR.get(spec.takes) if spec.takes else None
+
+    async def read(request) -> tuple[str | None, dict]:
+        text = text_input(request, required=spec.takes != "kv") if "text_input" in names else None
+        if fault_injection:
+            _inject_fault(spec, text)
+        kwargs: dict = {}
+        if "image" in names:
+            kwargs["images"] = await images(request)
+        if takes is not None:
+            kwargs[takes] = record_input(request, takes)
+            if spec.takes == "kv" and kwargs[takes] is None:
+                raise InvalidRequest(f"{takes} is required")
+        return text, kwargs
+
+    if spec.hands_on == "embeddings":
+        async def encode(requests):
+            _, kwargs = await read(_single(requests))
+            imgs = kwargs["images"]
+            # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
+            return record_output(spec, await engine.encode(imgs) if imgs else None)
+
+        return encode
+
+    if spec.hands_on == "kv":
+        async def prefill(requests):
+            request = _single(requests)
+            text, kwargs = await read(request)
+            params = SamplingParams.from_json(_first(request, "sampling_parameters"))
+            return record_output(spec, await engine.prefill(text, params, **kwargs))
+
+        return prefill
+
+    async def generate(requests):
+        request = _single(requests)
+        text, kwargs = await read(request)
+        params = SamplingParams.from_json(_first(request, "sampling_parameters"))
+        opts = output_options(request)
+        generation = await engine.generate(text, params, **kwargs)
+        async for responses in entry_responses(generation, opts, None if opts.exclude_input_in_output else text):
+            yield responses
+
+    return generate
