@@ -1,4 +1,5 @@
-"""Encode, prefill and decode in three OS processes, joined only by trident.transfer, equal model.generate()."""
+"""Encode, prefill and decode stage engines in three OS processes, joined only by their records and NIXL READs,
+equal model.generate() (the same engines and hand-offs a stage worker serves, without Triton)."""
 
 from __future__ import annotations
 
@@ -10,45 +11,51 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import chat_prompt, make_image, png_bytes
+from support import IMAGE_CASES as CASES
+from support import build_reference, chat_prompt, make_image, png_bytes
 
 NEW_TOKENS = 24
 GREEDY = '{"max_tokens": %d, "temperature": 0}' % NEW_TOKENS
 
 
-def _stage(conn, role: str, model_path: str) -> None:
-    """Child process serving one role over a pipe."""
+def _stage(conn, stage: str, model_path: str) -> None:
+    """Child process serving one stage's engine (the same object a stage worker serves) over a pipe."""
+    import asyncio
+
     torch.set_num_threads(1)
     from trident.config import MiB, TransferConfig
-    from trident.engines.hf import HFDecoder, HFEncoder, HFModel, HFPrefiller
+    from trident.engines.hf.stage import HFStageEngine
     from trident.processor import SamplingParams
-    from trident.stages import decode_stage, encode_stage, prefill_stage
-    from trident.transfer import TransferEndpoint
+    from trident.protocol import STAGES
 
-    model = HFModel(model_path)
-    endpoint = TransferEndpoint(TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB))
-    engine = {"encode": HFEncoder, "prefill": HFPrefiller, "decode": HFDecoder}[role](model)
+    engine = HFStageEngine(STAGES[stage], model_path, TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB))
+
+    async def decode(kv: bytes, params: SamplingParams):
+        generation = await engine.generate(None, params, kv_meta=kv)
+        tokens, text, reason = [], "", None
+        async for event in generation.events:
+            tokens += event.token_ids
+            text += event.text
+            reason = event.finish_reason
+        return tokens, text, reason
+
     conn.send("ready")
     while True:
         cmd, arg = conn.recv()
         try:
             if cmd == "encode":
                 images = [Image.open(io.BytesIO(b)).convert("RGB") for b in arg]
-                out = encode_stage(engine, endpoint, images).encode()
+                out = asyncio.run(engine.encode(images))
             elif cmd == "prefill":
                 text, emb, params = arg
-                out = prefill_stage(model.processor, engine, endpoint, text, emb, SamplingParams.from_json(params)).encode()
+                out = asyncio.run(engine.prefill(text, SamplingParams.from_json(params), embedding_meta=emb))
             elif cmd == "decode":
                 kv, params = arg
-                tokens, text, reason = [], "", None
-                for event in decode_stage(engine, endpoint, kv, SamplingParams.from_json(params)):
-                    tokens += event.token_ids
-                    text += event.text
-                    reason = event.finish_reason
-                out = (tokens, text, reason)
+                out = asyncio.run(decode(kv, SamplingParams.from_json(params)))
             elif cmd == "stats":
-                out = endpoint.stats()
+                out = engine.stats()
             elif cmd == "exit":
+                engine.close()
                 conn.send("bye")
                 return
             conn.send(("ok", out))
@@ -57,10 +64,10 @@ def _stage(conn, role: str, model_path: str) -> None:
 
 
 class Stage:
-    def __init__(self, role: str, model_path: str) -> None:
+    def __init__(self, stage: str, model_path: str) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_stage, args=(child, role, model_path), daemon=True)
+        self.proc = ctx.Process(target=_stage, args=(child, stage, model_path), daemon=True)
         self.proc.start()
 
     def wait_ready(self) -> None:
@@ -88,7 +95,7 @@ class Stage:
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def pipeline(request, demo_models):
     path = demo_models[request.param]
-    stages = {role: Stage(role, path) for role in ("encode", "prefill", "decode")}
+    stages = {stage: Stage(stage, path) for stage in ("encode", "prefill", "decode")}
     try:
         for s in stages.values():
             s.wait_ready()
@@ -101,54 +108,34 @@ def pipeline(request, demo_models):
 @pytest.fixture(scope="module")
 def references(pipeline):
     """model.generate() on the same checkpoint, in this process."""
-    from transformers import AutoProcessor
-
-    from trident.engines.hf import load_model
-
-    arch, path, _ = pipeline
-    model, processor = load_model(path, arch), AutoProcessor.from_pretrained(path)
-
-    def generate(text: str, images: list) -> list[int]:
-        inputs = processor(text=[text], images=images or None, return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-    return processor.tokenizer, generate
-
-
-CASES = {
-    "one-image": [(224, 224, 1)],
-    "two-images": [(224, 224, 1), (300, 200, 2)],
-    "text-only": [],
-}
+    _, path, _ = pipeline
+    return build_reference(path, CASES, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_processes_equal_generate(pipeline, references, case):
     _, _, stages = pipeline
-    tokenizer, generate = references
-    images = [make_image(*spec) for spec in CASES[case]]
-    text = chat_prompt(tokenizer, len(images), "Describe the picture in detail, please.")
-    expected = generate(text, images)
-    assert len(expected) == NEW_TOKENS
+    c = references[case]
+    assert len(c["ids"]) == NEW_TOKENS
 
-    emb = stages["encode"]("encode", [png_bytes(i) for i in images]) if images else None
+    emb = stages["encode"]("encode", c["pngs"]) if c["pngs"] else None
     if emb is not None:
         assert len(emb) < 1024
-    kv = stages["prefill"]("prefill", (text, emb, GREEDY))
+    kv = stages["prefill"]("prefill", (c["text"], emb, GREEDY))
     assert len(kv) < 1024
     tokens, out_text, reason = stages["decode"]("decode", (kv, GREEDY))
 
-    assert tokens == expected
+    assert tokens == c["ids"]
     assert reason == "length"
-    assert out_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert out_text == c["expected"]
     _assert_pools_drained(stages)
 
 
-def test_placeholder_mismatch_frees_the_embeddings(pipeline, references):
-    _, _, stages = pipeline
-    tokenizer, _ = references
+def test_placeholder_mismatch_frees_the_embeddings(pipeline):
+    _, path, stages = pipeline
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
     emb = stages["encode"]("encode", [png_bytes(make_image(224, 224, 3))])
     text = chat_prompt(tokenizer, 2, "Two placeholders, one image.")
     with pytest.raises(RuntimeError, match="2 image placeholder.*1 image"):

@@ -1,4 +1,4 @@
-"""Tests for trident.demo_models: tiny random-weight VLM checkpoints built offline."""
+"""Tests for trident.dev.demo: tiny random-weight VLM checkpoints built offline."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 PIL_Image = pytest.importorskip("PIL.Image")
 
-from trident.demo_models import ARCHS, RANDOM_WEIGHTS_NOTICE, build_demo_model  # noqa: E402
+from trident.dev.demo import ARCHS, RANDOM_WEIGHTS_NOTICE, build_demo_model  # noqa: E402
 
-SERVER_DIR = Path(__file__).resolve().parents[1] / "server"
+SERVER_DIR = Path(__file__).resolve().parents[2] / "server"
 
 # exact number of image placeholder tokens per image, after processor expansion
 EXPECTED_IMAGE_TOKENS = {

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from trident.engines.vllm import KV_RECORD_VERSION, VLLMKVRecord, VLLMStageEngine, prompt_digest
+from trident.engines.vllm import VLLMStageEngine, prompt_digest
 from trident.errors import InvalidRequest, MalformedRecord
 from trident.processor import Processor
+from trident.protocol import VLLMKVRecord, decode_record
 
 PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
@@ -17,7 +18,7 @@ PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
 
 
 def _record(**kw) -> VLLMKVRecord:
-    fields = dict(version=KV_RECORD_VERSION, kv_transfer_params=PARAMS, prompt_len=220, prompt_digest="ab" * 8,
+    fields = dict(kv_transfer_params=PARAMS, prompt_len=220, prompt_digest="ab" * 8,
                   token_counts=[196], grid_thw=None, image_ids=["f" * 32])
     fields.update(kw)
     return VLLMKVRecord(**fields)
@@ -25,26 +26,27 @@ def _record(**kw) -> VLLMKVRecord:
 
 def test_kv_record_round_trip_and_size():
     data = _record().encode()
-    assert VLLMKVRecord.decode(data) == _record()
+    assert decode_record(data, VLLMKVRecord) == _record()
     assert len(data) <= 1024
 
 
 @pytest.mark.parametrize("data, message", [
-    (b"\x00garbage", "not a vllm KV record"),
-    (msgspec.msgpack.encode([1, "x"]), "not a vllm KV record"),
-    (_record(version=99).encode(), "version 99"),
+    (b"\x00garbage", "not valid msgpack"),
+    (msgspec.msgpack.encode([1, "x"]), "kind and format version"),
+    (msgspec.msgpack.encode(["vllm_kv/1", {}]), "'vllm_kv/1' is not supported"),
     (_record(image_ids=[]).encode(), "image token counts and image ids"),
 ])
 def test_malformed_kv_records_are_refused(data, message):
     with pytest.raises(MalformedRecord, match=message):
-        VLLMKVRecord.decode(data)
+        decode_record(data, VLLMKVRecord)
 
 
 def _decode_side(model_path: str) -> VLLMStageEngine:
     """The decode engine's prompt handling alone (no vLLM engine started)."""
     engine = object.__new__(VLLMStageEngine)
     engine.processor = Processor(model_path)
-    engine.kv_role, engine.embeddings_in, engine.arch, engine.hidden_size = "kv_consumer", True, "llava", 8
+    engine.kv_role, engine.embeddings_in, engine.hidden_size = "kv_consumer", True, 8
+    engine.family = engine.processor.family
     return engine
 
 

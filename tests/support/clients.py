@@ -1,8 +1,8 @@
-"""Small tritonclient helpers for the end-to-end tests: one entry-model request over gRPC or HTTP."""
+"""tritonclient helpers for the end-to-end tests: an entry-model request over gRPC or HTTP, a stage model called
+directly."""
 
 from __future__ import annotations
 
-import base64
 import json
 import queue
 from dataclasses import dataclass
@@ -17,10 +17,6 @@ class Result:
     num_input_tokens: int | None
     num_output_tokens: int | None
     responses: int
-
-
-def b64(png: bytes) -> str:
-    return base64.b64encode(png).decode()
 
 
 def entry_inputs(text: str, images: list[str], params: dict | str | None, stream: bool, exclude: bool = True):
@@ -49,11 +45,7 @@ def _scalar(result, name):
 def grpc_generate(url: str, model: str, text: str, images: list[str], params, stream: bool, timeout: float = 120) -> Result:
     import tritonclient.grpc as grpcclient
 
-    inputs = []
-    for name, arr, dtype in entry_inputs(text, images, params, stream):
-        i = grpcclient.InferInput(name, arr.shape, dtype)
-        i.set_data_from_numpy(arr)
-        inputs.append(i)
+    inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in entry_inputs(text, images, params, stream)})
     q: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -93,3 +85,47 @@ def http_generate(url: str, model: str, text: str, images: list[str], params, ti
         body["sampling_parameters"] = params if isinstance(params, str) else json.dumps(params)
     r = requests.post(f"http://{url}/v2/models/{model}/generate", json=body, timeout=timeout)
     return r.status_code, r.json()
+
+
+def _grpc_inputs(grpcclient, inputs: dict) -> list:
+    tensors = []
+    for name, (arr, dtype) in inputs.items():
+        t = grpcclient.InferInput(name, arr.shape, dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    return tensors
+
+
+def strings(*values: str | bytes) -> tuple[np.ndarray, str]:
+    """A BYTES tensor."""
+    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_), "BYTES"
+
+
+def stage_output(url: str, model: str, inputs: dict) -> bytes:
+    """Call a non-decoupled stage model (encode, prefill, encode_prefill) over gRPC; returns its record."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    out_name = "embedding_meta" if model == "encode" else "kv_meta"
+    value = client.infer(model, _grpc_inputs(grpcclient, inputs)).as_numpy(out_name).reshape(-1)[0]
+    assert isinstance(value, bytes)
+    return value
+
+
+def drain_kv(url: str, kv: bytes, text: str | None = None) -> None:
+    """Decode a ``kv_meta`` for two tokens through the decode stage, so nothing waits for its lease."""
+    import tritonclient.grpc as grpcclient
+
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = {"kv_meta": strings(kv), "sampling_parameters": strings(json.dumps({"max_tokens": 2, "temperature": 0}))}
+    if text is not None:  # the vllm decode stage needs the prompt
+        inputs["text_input"] = strings(text)
+    try:
+        client.async_stream_infer("decode", _grpc_inputs(grpcclient, inputs))
+        result, error = q.get(timeout=60)
+        assert error is None, error
+    finally:
+        client.stop_stream()
+        client.close()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import chat_prompt, make_image
+from support import chat_prompt, make_image
 from trident.engines.base import DecodeRequest
+from trident.engines.hf.decoder import HFDecoder
+from trident.engines.hf.model import HFEncoder, HFModel, HFPrefiller
 from trident.processor import SamplingParams
 
 PROMPTS = [
@@ -22,8 +24,6 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def engine(request, demo_models):
-    from trident.engines.hf import HFDecoder, HFEncoder, HFModel, HFPrefiller
-
     model = HFModel(demo_models[request.param])
     decoder = HFDecoder(model)
     yield model, HFEncoder(model), HFPrefiller(model), decoder

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "perf"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "perf"))
 
 from make_inputs import perf_analyzer_inputs  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Fast unit tests: sampling parameters, text streaming, image decoding, the repository files."""
+"""Fast unit tests: sampling parameters, text streaming, image decoding, the repository files, the demo weights."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import base64
 
 import pytest
 
-from conftest import make_image, png_bytes
+from support import make_image, png_bytes
 from trident.errors import InvalidRequest
 from trident.media import decode_base64_image
-from trident.processor import SamplingParams, TextStream
+from trident.output import TextStream
+from trident.processor import SamplingParams
 from trident.protocol import MODES
 from trident.repository import REPOSITORY, render_ensemble
 

@@ -1,0 +1,113 @@
+"""`trident serve` in a subprocess for end-to-end tests, and what tests check of its workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trident.netutil import free_ports
+
+
+class Server:
+    """`trident serve` on free localhost ports; stopped with SIGTERM like a user's Ctrl-C."""
+
+    def __init__(
+        self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
+        self.model_path = model
+        self.workspace = workspace
+        self.token = "test-token-123"
+        cmd = [
+            sys.executable, "-m", "trident.cli", "serve", "--model", model,
+            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+            "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
+            "--workspace", str(workspace), *(extra or []),
+            "--access-token", self.token, "--mode", *(modes or ["all"]),
+        ]
+        if load is not None:
+            cmd += ["--load", *load]
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip())
+            if line.startswith("[trident] ready"):
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + "\n".join(self.log[-40:]))
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}/v1"
+
+    def worker_pids(self) -> list[int]:
+        return [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in self.log if "started worker" in line]
+
+    def stats(self) -> dict[str, dict]:
+        return {p.stem: json.loads(p.read_text()) for p in (self.workspace / "stats").glob("*.json")}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (e.g. vLLM's engine-core processes under a worker)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            kids = [int(k) for k in task.read_text().split()]
+            out += kids
+            todo += kids
+    return out
+
+
+def wait_drained(server: Server, stages: set[str], timeout: float = 10.0) -> dict[str, dict]:
+    """Wait until no worker holds a pool region, a vLLM KV block or a running request; assert it, and
+    that no lease expired. Returns the last stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        busy = {
+            k: v for k, v in stats.items()
+            if v.get("send_regions_in_use") or v.get("recv_regions_in_use") or v.get("kv_cache_usage")
+            or v.get("vllm_running") or v.get("vllm_waiting")
+        }
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stages <= set(stats)
+    assert not busy, busy
+    assert all(v.get("expired", 0) == 0 for v in stats.values()), stats
+    return stats

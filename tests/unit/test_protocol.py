@@ -1,0 +1,111 @@
+"""The records that cross Triton, the stage specs, and errors with their status (no processes)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from trident import errors
+from trident.errors import (
+    ERRORS, InvalidRequest, LeaseExpired, MalformedRecord, NotFound, PeerUnavailable, PoolExhausted, TransferTimeout,
+    TridentError, Unavailable,
+)
+from trident.protocol import (
+    MODES, RECORD_VERSION, STAGES, EmbeddingsRecord, HFKVRecord, TensorSpec, Transfer, VLLMKVRecord, decode_record,
+    stages_for,
+)
+
+META = b"m" * 450  # a NIXL agent's metadata is ~450 bytes
+
+
+def _transfer(nbytes: int, specs: tuple[TensorSpec, ...], expires_at: float = 2e9) -> Transfer:
+    return Transfer("trident-123-abcdef12", META, ((1 << 40, nbytes),), specs, "0123456789abcdef", expires_at)
+
+
+def _embeddings(**kw) -> EmbeddingsRecord:
+    fields = dict(transfer=_transfer(196 * 512 * 4, (TensorSpec("float32", (196, 512)),)), token_counts=[196],
+                  grid_thw=None, image_ids=["f" * 32])
+    fields.update(kw)
+    return EmbeddingsRecord(**fields)
+
+
+def _kv() -> HFKVRecord:
+    spec = TensorSpec("float32", (1, 8, 213, 64), count=12)
+    return HFKVRecord(transfer=_transfer(spec.nbytes, (spec,)), prompt_len=213, first_token=17, rope_delta=-3, seed=5)
+
+
+@pytest.mark.parametrize("record", [_embeddings(), _kv()], ids=["embeddings", "hf_kv"])
+def test_records_round_trip_small_and_typed(record):
+    data = record.encode()
+    assert len(data) <= 1024
+    assert decode_record(data) == record
+    assert decode_record(data, type(record)) == record
+    assert msgspec.msgpack.decode(data)[0] == f"{type(record).__struct_config__.tag}"
+    assert type(record).__struct_config__.tag.endswith(f"/{RECORD_VERSION}")
+
+
+def test_a_record_of_the_wrong_kind_is_refused_by_name():
+    with pytest.raises(MalformedRecord, match=r"expected a hf_kv/\d record, got embeddings/\d"):
+        decode_record(_embeddings().encode(), HFKVRecord)
+    with pytest.raises(MalformedRecord, match="expected a vllm_kv"):
+        decode_record(_kv().encode(), VLLMKVRecord)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "empty"),
+        (b"\xc1garbage", "not valid msgpack"),
+        (msgspec.msgpack.encode(["embeddings/1", []]), r"'embeddings/1' is not supported here"),
+        (msgspec.msgpack.encode({"version": 1}), "kind and format version"),
+        (msgspec.msgpack.encode(["hf_kv/2", 7]), "malformed"),
+        (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (196, 512)),))).encode(), "16 bytes"),
+        (_embeddings(transfer=_transfer(16, (TensorSpec("complex", (4,)),))).encode(), "dtype"),
+        (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)),))).encode(), "do not hold 196 rows"),
+        (_embeddings(image_ids=["a", "b"]).encode(), "token counts and image ids"),
+        (_embeddings(token_counts=[0]).encode(), "invalid token counts"),
+    ],
+)
+def test_malformed_records_name_the_problem(data, match):
+    with pytest.raises(MalformedRecord, match=match):
+        decode_record(data)
+
+
+def test_stage_specs_follow_from_what_a_stage_does():
+    assert [s for s, spec in STAGES.items() if spec.decoupled] == ["generate", "decode", "prefill_decode"]
+    assert STAGES["prefill"].input_names == ("text_input", "embedding_meta", "sampling_parameters")
+    assert [t.name for t in STAGES["encode"].outputs] == ["embedding_meta"]
+    assert [t.name for t in STAGES["encode_prefill"].outputs] == ["kv_meta"]
+    for mode, chain in MODES.items():  # every mode ends in a stage that hands on tokens; records chain up
+        specs = [STAGES[s] for s in chain]
+        assert specs[-1].hands_on == "tokens"
+        for before, after in zip(specs, specs[1:]):
+            assert before.hands_on == after.takes, mode
+    assert stages_for(["e_p_d", "ep_d"]) == ["encode", "prefill", "decode", "encode_prefill"]
+
+
+def test_error_classes_carry_their_status():
+    expected = {
+        InvalidRequest: (400, "INVALID_ARG", False), MalformedRecord: (400, "INVALID_ARG", False),
+        NotFound: (404, "NOT_FOUND", False), Unavailable: (503, "UNAVAILABLE", True),
+        PeerUnavailable: (503, "UNAVAILABLE", True), PoolExhausted: (503, "UNAVAILABLE", True),
+        TransferTimeout: (504, "UNAVAILABLE", True), LeaseExpired: (504, "UNAVAILABLE", True),
+        TridentError: (500, "INTERNAL", False),
+    }
+    for cls, (status, code, retryable) in expected.items():
+        assert (cls.http_status, cls.triton_code, cls.retryable) == (status, code, retryable), cls
+
+
+@pytest.mark.parametrize("cls", list(ERRORS.values()))
+def test_errors_cross_the_wire_and_come_back_from_a_message(cls):
+    error = errors.from_wire(errors.to_wire(cls("the reason")))
+    assert type(error) is cls and error.message == "the reason"
+    shown = "in ensemble 'e_p_d', " + errors.client_message(error)
+    back = errors.from_message(shown)
+    assert type(back) is cls and back.message == "the reason"
+
+
+def test_other_failures_are_internal_errors():
+    assert type(errors.from_wire(errors.to_wire(KeyError("x")))) is TridentError
+    assert errors.from_wire("Traceback (most recent call last):\n  ...\nRuntimeError: boom").message == "RuntimeError: boom"
+    assert errors.from_message("Request for unknown model: 'e_pd' is not found") is None
