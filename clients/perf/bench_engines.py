@@ -176,7 +176,7 @@ def main() -> int:
     p.add_argument("--report", help="also write the table to this Markdown file")
     args = p.parse_args()
     if args.model is None:
-        from trident.demo_models import default_demo_model
+        from trident.dev.demo import default_demo_model
 
         args.model = str(default_demo_model("llava"))
 

@@ -115,50 +115,48 @@ def aiperf(aiperf_bin: str, url: str, model: str, tokenizer: str, concurrency: i
 
 
 def in_process(model_path: str, text: str, image: Image.Image, params_json: str, concurrency: int, n: int) -> dict:
-    """The same requests through the hf engine's roles in this process, `concurrency` at a time."""
+    """The same requests through the engine the EPD worker serves (``generate``), in this process without
+    Triton, `concurrency` at a time."""
+    import asyncio
+
     import torch
 
-    from trident.engines.hf import HFDecoder, HFEncoder, HFModel, HFPrefiller
+    from trident.engines.hf.stage import HFStageEngine
     from trident.processor import SamplingParams
-    from trident.stages import decode_request, prepare_prompt, run_prefill
+    from trident.protocol import STAGES
 
     torch.set_num_threads(1)
-    model = HFModel(model_path)
-    enc, pre, dec = HFEncoder(model), HFPrefiller(model), HFDecoder(model)
+    engine = HFStageEngine(STAGES["generate"], model_path)
     params = SamplingParams.from_json(params_json)
-    lock = threading.Lock()  # one compute thread for encode + prefill, like a worker
     ttfts: list[float] = []
     itls: list[float] = []
 
-    def one() -> None:
+    async def one() -> None:
         t0 = time.perf_counter()
-        with lock:
-            emb = enc.encode([image])
-            result = run_prefill(pre, prepare_prompt(model.processor, text, emb.token_counts), emb, params)
+        generation = await engine.generate(text, params, images=[image])
         first = prev = None
-        for _ in dec.submit(decode_request(result, params)):
+        async for _ in generation.events:
             now = time.perf_counter()
             if prev is not None:
                 itls.append((now - prev) * 1000)
             first, prev = first or now, now
         ttfts.append((first - t0) * 1000)
 
-    def worker(count: int) -> None:
+    async def worker(count: int) -> None:
         for _ in range(count):
-            one()
+            await one()
 
-    one()  # warm-up
-    ttfts.clear()
-    itls.clear()
+    async def run() -> float:
+        await one()  # warm-up
+        ttfts.clear()
+        itls.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(per) for _ in range(concurrency)))
+        return time.perf_counter() - t0
+
     per = max(1, n // concurrency)
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(per,)) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    span = time.perf_counter() - t0
-    dec.close()
+    span = asyncio.run(run())
+    engine.close()
     return _summary(ttfts, itls, per * concurrency, span)
 
 
@@ -172,7 +170,7 @@ def main() -> int:
     ap.add_argument("--report", help="write the tables as Markdown here, with a PNG chart beside it")
     args = ap.parse_args()
 
-    from trident.demo_models import default_demo_model
+    from trident.dev.demo import default_demo_model
 
     model = args.model or str(default_demo_model("llava"))
     sampling = {"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}

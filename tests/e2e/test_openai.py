@@ -8,13 +8,12 @@ import urllib.request
 
 import pytest
 
-from conftest import make_image, png_bytes
-from test_serving import GREEDY, MODES, Server
-from triton_client import b64, grpc_generate
+from support import MODES, Server, b64, grpc_generate, make_image, png_bytes
 
 pytestmark = pytest.mark.slow
 
 NAME = "demo"
+GREEDY = {"max_tokens": 24, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +154,12 @@ def test_metrics_count_requests(server, client, image_png):
 def test_triton_down_is_503(demo_models):
     from fastapi.testclient import TestClient
 
-    from trident.frontend.app import FrontendConfig, create_app
+    from trident.config import FrontendSettings
+    from trident.frontend.app import create_app
     from trident.frontend.engine import TritonEngine
     from trident.netutil import free_ports
 
-    app = create_app(FrontendConfig(model_name=NAME, model_path=demo_models["llava"]),
+    app = create_app(FrontendSettings(model_name=NAME, model_path=demo_models["llava"]),
                      TritonEngine(f"127.0.0.1:{free_ports(1)[0]}"))
     with TestClient(app) as http:
         r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
@@ -175,9 +175,9 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
 
     from fastapi.testclient import TestClient
 
-    from trident.frontend.app import FrontendConfig, create_app
+    from trident.config import FrontendSettings, MediaPolicy
+    from trident.frontend.app import create_app
     from trident.frontend.engine import TritonEngine
-    from trident.media import MediaPolicy
 
     (tmp_path / "cat.png").write_bytes(image_png)
     (tmp_path / "big.bin").write_bytes(b"\0" * (2 << 20))
@@ -187,8 +187,8 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         app = create_app(
-            FrontendConfig(model_name=NAME, model_path=server.model_path,
-                           media=MediaPolicy(allow_private_urls=True, max_bytes=1 << 20)),
+            FrontendSettings(model_name=NAME, model_path=server.model_path,
+                             media=MediaPolicy(allow_private_urls=True, max_bytes=1 << 20)),
             TritonEngine(server.grpc),
         )
         body = {"model": NAME, "max_tokens": 8, "temperature": 0}

@@ -11,18 +11,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from test_serving import MODES, Server, _drain_kv, _stage_output, build_reference
-from triton_client import b64, grpc_generate, http_generate
+from support import (
+    MODES, Server, b64, build_reference, descendants, drain_kv, grpc_generate, http_generate, stage_output, strings,
+    wait_drained,
+)
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 CASES = {"one-image": [(224, 224, 1)], "text-only": [], "two-images": [(224, 224, 1), (300, 200, 2)]}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
 
 
 def _vllm_python() -> str:
@@ -32,46 +34,32 @@ def _vllm_python() -> str:
     return python
 
 
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (vLLM's engine-core processes under a worker)."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            kids = [int(k) for k in task.read_text().split()]
-            out += kids
-            todo += kids
-    return out
-
-
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def server(request, demo_models, tmp_path_factory):
     srv = Server(
         demo_models[request.param], tmp_path_factory.mktemp("serve-vllm") / "ws",
         extra=["--backend", "vllm", "--worker-python", _vllm_python()],
     )
-    descendants: list[int] = []
+    tree: list[int] = []
     try:
         srv.wait_ready(timeout=400)
         srv.arch = request.param
-        for line in srv.log:
-            if "started worker" in line:
-                pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
-                descendants += [pid, *_children(pid)]
+        for pid in srv.worker_pids():
+            tree += [pid, *descendants(pid)]
         yield srv
     finally:
         code = srv.stop()
         assert code == 0, "\n".join(srv.log[-30:])
         assert "[trident] stopped" in srv.log
         deadline = time.monotonic() + 20  # vLLM's engine and resource-tracker processes exit just after
-        while (alive := [pid for pid in descendants if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        while (alive := [pid for pid in tree if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive, f"processes left behind: {alive}"
 
 
 @pytest.fixture(scope="module")
 def reference(server):
-    return build_reference(server.model_path, server.arch, CASES, NEW_TOKENS)
+    return build_reference(server.model_path, CASES, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case", ["one-image", "text-only"])
@@ -104,34 +92,14 @@ def test_two_images_agree_across_modes(server, reference):
 
 def test_stage_records_are_small(server, reference):
     c = reference["one-image"]
-    image = np.array([c["images"][0].encode()], dtype=np.object_)
-    prompt = np.array([c["text"].encode()], dtype=np.object_)
-    emb = _stage_output(server, "encode", {"image": (image, "BYTES")})
-    kv = _stage_output(server, "prefill", {"text_input": (prompt, "BYTES"),
-                                           "embedding_meta": (np.array([emb], dtype=np.object_), "BYTES")})
-    kv2 = _stage_output(server, "encode_prefill", {"text_input": (prompt, "BYTES"), "image": (image, "BYTES")})
+    image, prompt = strings(c["images"][0]), strings(c["text"])
+    emb = stage_output(server.grpc, "encode", {"image": image})
+    kv = stage_output(server.grpc, "prefill", {"text_input": prompt, "embedding_meta": strings(emb)})
+    kv2 = stage_output(server.grpc, "encode_prefill", {"text_input": prompt, "image": image})
     assert 0 < len(emb) <= 1024 and 0 < len(kv) <= 1024 and 0 < len(kv2) <= 1024, (len(emb), len(kv), len(kv2))
     for record in (kv, kv2):
-        _drain_kv(server, record, c["text"])  # read the KV so nothing waits for its lease
-    _assert_drained(server)
-
-
-def _assert_drained(server, timeout: float = 30.0) -> None:
-    """No pool region and no vLLM KV block in use, nothing running, no lease expired."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = server.stats()
-        busy = {
-            k: v for k, v in stats.items()
-            if v.get("send_regions_in_use") or v.get("recv_regions_in_use") or v.get("kv_cache_usage")
-            or v.get("vllm_running") or v.get("vllm_waiting")
-        }
-        if not busy or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert {"encode", "prefill", "decode", "encode_prefill"} <= set(stats)
-    assert not busy, busy
-    assert all(v.get("expired", 0) == 0 for v in stats.values()), stats
+        drain_kv(server.grpc, record, c["text"])  # read the KV so nothing waits for its lease
+    wait_drained(server, KV_STAGES, timeout=30)
 
 
 def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
@@ -144,7 +112,7 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(16)))
     assert [got for got, _ in results] == [expected for _, expected in results]
-    _assert_drained(server)
+    wait_drained(server, KV_STAGES, timeout=30)
 
 
 BAD = {

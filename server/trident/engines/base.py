@@ -101,6 +101,10 @@ class StageEngine(Protocol):
         """Start generating from raw ``images``, from ``embedding_meta`` or from a prefill's ``kv_meta``."""
         ...
 
+    def discard(self, record: bytes) -> None:
+        """A record this stage was given but will not read (the request failed first): free it now."""
+        ...
+
     def stats(self) -> dict:
         """Counters for operators and tests (pool regions, active requests, KV cache usage)."""
         ...

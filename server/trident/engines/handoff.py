@@ -9,13 +9,16 @@ NixlConnector.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
-from ..errors import MalformedRecord
+from ..errors import MalformedRecord, TridentError
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, decode_record
 from ..transfer import TransferEndpoint
 from .base import DecodeRequest, ImageEmbeddings, PrefillResult
+
+log = logging.getLogger(__name__)
 
 
 def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int]) -> list[int]:
@@ -82,3 +85,16 @@ def continue_locally(result: PrefillResult, params: SamplingParams, request_id: 
         kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
         rope_delta=result.rope_delta, seed=result.seed, request_id=request_id,
     )
+
+
+def discard(endpoint: TransferEndpoint | None, data: bytes) -> None:
+    """Tell the producer of a record that will not be read to free its regions now rather than at expiry.
+    Best effort: a record that cannot be decoded or a producer that is gone is left to its lease."""
+    record = None
+    try:
+        record = decode_record(data, (EmbeddingsRecord, HFKVRecord))
+        if endpoint is not None:
+            endpoint.discard(record.transfer)
+    except TridentError as e:
+        if record is not None:
+            log.info("could not release an unread record: %s", e)

@@ -274,6 +274,11 @@ class VLLMStageEngine:
                 finish_reason=completion.finish_reason if output.finished else None, num_output_tokens=count,
             )
 
+    def discard(self, record: bytes) -> None:
+        """An ``embedding_meta`` this stage will not read is freed now (vLLM frees its KV blocks itself)."""
+        if self.endpoint is not None:
+            handoff.discard(self.endpoint, record)
+
     def stats(self) -> dict:
         out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
         out.update(

@@ -98,22 +98,31 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
     names = spec.input_names
     takes = RECORD_TENSOR.get(spec.takes) if spec.takes else None
 
-    async def read(request) -> tuple[str | None, dict]:
-        text = text_input(request, required=spec.takes != "kv") if "text_input" in names else None
-        if fault_injection:
-            _inject_fault(spec, text)
+    async def read(request) -> tuple[str | None, SamplingParams, dict]:
+        """The request's text, sampling parameters and engine arguments; a record it brought is discarded
+        when the request is refused here."""
         kwargs: dict = {}
-        if "image" in names:
-            kwargs["images"] = await images(request)
-        if takes is not None:
-            kwargs[takes] = record_input(request, takes)
-            if spec.takes == "kv" and kwargs[takes] is None:
+        record = record_input(request, takes) if takes is not None else None
+        try:
+            if spec.takes == "kv" and record is None:
                 raise InvalidRequest(f"{takes} is required")
-        return text, kwargs
+            text = text_input(request, required=spec.takes != "kv") if "text_input" in names else None
+            params = SamplingParams.from_json(_first(request, "sampling_parameters"))
+            if fault_injection:
+                _inject_fault(spec, text)
+            if "image" in names:
+                kwargs["images"] = await images(request)
+        except Exception:
+            if record is not None:  # refused before the engine saw it: the producer may free it now
+                engine.discard(record)
+            raise
+        if takes is not None:
+            kwargs[takes] = record
+        return text, params, kwargs
 
     if spec.hands_on == "embeddings":
         async def encode(requests):
-            _, kwargs = await read(_single(requests))
+            _, _, kwargs = await read(_single(requests))
             imgs = kwargs["images"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
             return record_output(spec, await engine.encode(imgs) if imgs else None)
@@ -122,17 +131,14 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
 
     if spec.hands_on == "kv":
         async def prefill(requests):
-            request = _single(requests)
-            text, kwargs = await read(request)
-            params = SamplingParams.from_json(_first(request, "sampling_parameters"))
+            text, params, kwargs = await read(_single(requests))
             return record_output(spec, await engine.prefill(text, params, **kwargs))
 
         return prefill
 
     async def generate(requests):
         request = _single(requests)
-        text, kwargs = await read(request)
-        params = SamplingParams.from_json(_first(request, "sampling_parameters"))
+        text, params, kwargs = await read(request)
         opts = output_options(request)
         generation = await engine.generate(text, params, **kwargs)
         async for responses in entry_responses(generation, opts, None if opts.exclude_input_in_output else text):

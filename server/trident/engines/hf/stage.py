@@ -96,6 +96,10 @@ class HFStageEngine:
 
         return Generation(request.prompt_len, events())
 
+    def discard(self, record: bytes) -> None:
+        """A record this stage will not read: tell its producer to free it now (best effort)."""
+        handoff.discard(self.endpoint, record)
+
     def stats(self) -> dict:
         out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
         if self.decoder is not None:

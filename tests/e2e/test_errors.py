@@ -1,0 +1,191 @@
+"""Every error class, raised in a real stage worker, reaches the Triton client and the OpenAI client with its
+status. A server started with fault injection (tests only) raises the class a prompt's
+``[[trident-fault:<Class>@<stage>]]`` marker names; the real conditions behind the transfer errors (a
+garbage record, a full pool, a dead producer, an expired lease) are provoked too.
+
+What each client can see is bounded by Triton: the entry models are decoupled, so a gRPC stream carries
+only the error message (which names the class) and Triton 2.51's HTTP ``generate`` answers 400 for every
+error; the stage models that are not decoupled answer ``infer`` with the class's own Triton status.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import requests
+
+from support import Server, grpc_generate, http_generate, strings
+from trident import errors
+from trident.errors import (
+    InvalidRequest, LeaseExpired, MalformedRecord, PeerUnavailable, PoolExhausted, TransferTimeout, TridentError,
+)
+
+pytestmark = pytest.mark.slow
+
+CLASSES = [InvalidRequest, MalformedRecord, PeerUnavailable, PoolExhausted, TransferTimeout, LeaseExpired, TridentError]
+GRPC_STATUS = {400: "StatusCode.INVALID_ARGUMENT", 503: "StatusCode.UNAVAILABLE", 504: "StatusCode.UNAVAILABLE",
+               500: "StatusCode.INTERNAL"}
+TRITON_HTTP = {400: 400, 503: 503, 504: 503, 500: 500}  # Triton has no timeout status: 504s answer 503
+SEND_POOL_MIB = 2  # small enough for a long text prompt's KV cache to exhaust it (~24 KiB per token)
+NAME = "demo"
+
+
+@pytest.fixture(scope="module")
+def server(demo_models, tmp_path_factory):
+    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("errors") / "ws",
+                 extra=["--fault-injection", "--send-pool-mib", str(SEND_POOL_MIB), "--served-model-name", NAME])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0)
+
+
+def _prompt(text: str) -> str:
+    return f"USER: {text} ASSISTANT:"
+
+
+def _still_serving(server, client) -> None:
+    ok = grpc_generate(server.grpc, "e_p_d", _prompt("hello"), [], {"max_tokens": 3, "temperature": 0}, stream=True)
+    assert ok.num_output_tokens == 3
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def _openai_status(client, model: str, content: str, stream: bool):
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as info:
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                           max_tokens=4, stream=stream)
+        for _ in r if stream else ():
+            pass
+    return info.value
+
+
+def _infer_prefill(server, text: str, embedding_meta: bytes | None = None):
+    """The prefill stage (not decoupled) called directly over HTTP and gRPC: (HTTP status, body, gRPC status)."""
+    import tritonclient.grpc as grpcclient
+
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [text]}]}
+    grpc_inputs = {"text_input": strings(text)}
+    if embedding_meta is not None:
+        # binary data in the JSON body is awkward: send it over gRPC only
+        grpc_inputs["embedding_meta"] = strings(embedding_meta)
+        body = None
+    http = requests.post(f"http://{server.http}/v2/models/prefill/infer", json=body, timeout=60) if body else None
+    client = grpcclient.InferenceServerClient(server.grpc)
+    tensors = []
+    for name, (arr, dtype) in grpc_inputs.items():
+        t = grpcclient.InferInput(name, arr.shape, dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    with pytest.raises(Exception) as info:
+        client.infer("prefill", tensors)
+    return http, info.value
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_error_class_status_through_triton_and_openai(server, client, cls):
+    name = cls.__name__
+    # Triton, decoupled path (the decode stage fails mid-chain): the gRPC stream's message names the class.
+    with pytest.raises(Exception) as info:
+        grpc_generate(server.grpc, "e_p_d", _prompt(f"hi [[trident-fault:{name}@decode]]"), [], {"max_tokens": 4}, True)
+    found = errors.from_message(str(info.value))
+    assert type(found) is cls and found.message == f"injected {name} in the decode stage"
+    status, body = http_generate(server.http, "ep_d", _prompt(f"hi [[trident-fault:{name}@decode]]"), [], None)
+    assert status == 400 and f"{name}: injected {name}" in body["error"]  # Triton's generate: 400 for all
+    # Triton, a stage model that is not decoupled: its own status over HTTP and gRPC.
+    http, grpc_error = _infer_prefill(server, _prompt(f"hi [[trident-fault:{name}@prefill]]"))
+    assert http.status_code == TRITON_HTTP[cls.http_status], http.text
+    assert http.json()["error"] == f"{name}: injected {name} in the prefill stage"
+    assert str(grpc_error.status()) == GRPC_STATUS[cls.http_status]
+    # OpenAI, both in the prefill (before any token) and in the decode stage, streamed or not.
+    for stage, stream in (("prefill", False), ("decode", True), ("prefill", True)):
+        error = _openai_status(client, f"{NAME}:e_p_d", f"hi [[trident-fault:{name}@{stage}]]", stream)
+        assert error.status_code == cls.http_status, (stage, stream, error.body)
+        assert error.body["message"] == f"injected {name} in the {stage} stage"
+        retry_after = error.response.headers.get("retry-after")
+        assert retry_after == (str(cls.retry_after_s) if cls.retry_after_s is not None else None)
+    _still_serving(server, client)
+
+
+def test_garbage_records_are_400(server, client):
+    http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=b"\x93not a record")
+    assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
+    assert "MalformedRecord: transfer record is not valid msgpack" in grpc_error.message()
+    with pytest.raises(Exception, match="MalformedRecord: "):
+        _drain(server, b"\x92\xa7hf_kv/2\x07")
+    _still_serving(server, client)
+
+
+def _drain(server, kv: bytes) -> None:
+    from support import drain_kv
+
+    drain_kv(server.grpc, kv)
+
+
+def test_pool_exhausted_by_a_real_kv_cache(server, client):
+    long_text = "Tell me everything about the sea and the mountains. " * 20  # ~250 tokens: > 2 MiB of KV
+    with pytest.raises(Exception, match="PoolExhausted: send pool cannot fit"):
+        grpc_generate(server.grpc, "ep_d", _prompt(long_text), [], {"max_tokens": 4}, True)
+    error = _openai_status(client, f"{NAME}:e_p_d", long_text, stream=False)
+    assert error.status_code == 503 and error.response.headers["retry-after"] == "1"
+    assert "send pool cannot fit" in error.body["message"]
+    _still_serving(server, client)
+
+
+def _producer(conn, lease_s: float) -> None:
+    """Publishes one image's worth of embeddings, sends the record, and waits to be told to exit."""
+    import torch
+
+    from trident.config import MiB, TransferConfig
+    from trident.protocol import EmbeddingsRecord
+    from trident.transfer import TransferEndpoint
+
+    ep = TransferEndpoint(TransferConfig(send_pool_bytes=MiB, recv_pool_bytes=MiB, lease_s=lease_s))
+    transfer = ep.publish([torch.zeros(196, 512)])
+    conn.send(EmbeddingsRecord(transfer=transfer, token_counts=[196], image_ids=["x" * 32]).encode())
+    conn.recv()
+    ep.close()
+
+
+def _record_from_a_producer(lease_s: float, keep_alive: bool):
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(child, lease_s), daemon=True)
+    proc.start()
+    assert conn.poll(60)
+    record = conn.recv()
+    if not keep_alive:
+        proc.kill()
+        proc.join()
+    return record, proc, conn
+
+
+def test_dead_producer_is_503(server, client):
+    record, _, _ = _record_from_a_producer(lease_s=60, keep_alive=False)
+    _, grpc_error = _infer_prefill(server, _prompt("<image>\nWhat is it?"), embedding_meta=record)
+    assert str(grpc_error.status()) == "StatusCode.UNAVAILABLE"
+    assert "PeerUnavailable: " in grpc_error.message()
+    _still_serving(server, client)
+
+
+def test_expired_lease_is_refused(server, client):
+    record, proc, conn = _record_from_a_producer(lease_s=0.2, keep_alive=True)
+    try:
+        _, grpc_error = _infer_prefill(server, _prompt("<image>\nWhat is it?"), embedding_meta=record)
+    finally:
+        conn.send("exit")
+        proc.join(10)
+    assert str(grpc_error.status()) == "StatusCode.UNAVAILABLE"
+    assert "LeaseExpired: lease" in grpc_error.message()
+    _still_serving(server, client)
