@@ -156,6 +156,7 @@ class Launcher:
         python = self.s.worker_python or sys.executable
         cmd = [python, "-m", "trident.cli", "worker", "--settings", self.worker_settings(stage).model_dump_json()]
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
+        env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
         self.workers[stage] = subprocess.Popen(cmd, env=env)
         self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")
 

@@ -52,6 +52,13 @@ class OpenAIServer:
         self.tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
         self.metrics = Metrics()
 
+    def resolve(self, req) -> str:
+        """The mode a request's model id names; refuses what cannot be served before any other work."""
+        mode = self.resolve_mode(req.model)
+        if req.n != 1:
+            raise InvalidRequest(f"n={req.n} is not supported; only n=1")
+        return mode
+
     def resolve_mode(self, model: str) -> str:
         name, _, mode = model.partition(":")
         if name != self.name or (mode and mode not in MODES):
@@ -98,8 +105,6 @@ class OpenAIServer:
             raise
 
     async def respond(self, req, endpoint: str, prompt: str, images: list[str], mode: str):
-        if req.n != 1:
-            raise InvalidRequest(f"n={req.n} is not supported; only n=1")
         chunks = self._chunks(mode, endpoint, prompt, images, req.sampling(self.settings.default_max_tokens))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage)
@@ -151,13 +156,13 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        mode = server.resolve_mode(req.model)
+        mode = server.resolve(req)
         prompt, images = await server.chat_prompt(req.messages)
         return await server.respond(req, "chat", prompt, images, mode)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        return await server.respond(req, "completions", req.prompt, [], server.resolve_mode(req.model))
+        return await server.respond(req, "completions", req.prompt, [], server.resolve(req))
 
     @app.get("/v1/models")
     async def models():
