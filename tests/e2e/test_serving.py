@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support import (
-    IMAGE_CASES, MODES, Server, b64, build_reference, drain_kv, grpc_generate, http_generate, make_image, png_bytes,
-    stage_output, strings, wait_drained,
+    BAD_REQUESTS, IMAGE_CASES, MODES, Server, b64, bad_request, build_reference, drain_kv, grpc_generate,
+    http_generate, make_image, png_bytes, stage_output, strings, wait_drained,
 )
 from trident.protocol import HFKVRecord, decode_record
 
@@ -121,24 +121,11 @@ def test_sixteen_concurrent_streams_and_pools_drain(server, reference):
     wait_drained(server, {"encode", "prefill", "decode"})
 
 
-BAD = {
-    "undecodable image": ({"images": [b64(b"this is not an image at all")]}, "could not be decoded as an image"),
-    "not base64": ({"images": ["@@@ not base64 @@@"]}, "not valid base64"),
-    "image count": ({"images": "two"}, "image placeholder"),
-    "bad json": ({"params": "{max_tokens: 3"}, "sampling_parameters is not valid JSON"),
-    "bad value": ({"params": {"max_tokens": -4}}, "max_tokens"),
-    "too long": ({"suffix": " word" * 5000}, "context window"),
-}
-
-
-@pytest.mark.parametrize("problem", list(BAD))
+@pytest.mark.parametrize("problem", list(BAD_REQUESTS))
 @pytest.mark.parametrize("mode", MODES)
 def test_bad_requests_are_clear_errors(server, reference, mode, problem):
-    change, message = BAD[problem]
     c = reference["one-image"]
-    text = c["text"] + change.get("suffix", "")
-    images = c["images"] * 2 if change.get("images") == "two" else change.get("images", c["images"])
-    params = change.get("params", GREEDY)
+    text, images, params, message = bad_request(c, problem, GREEDY)
     status, body = http_generate(server.http, mode, text, images, params)
     assert status == 400, body
     assert message in body["error"]

@@ -12,9 +12,26 @@ from .reference import build_reference
 from .server import Server, descendants, wait_drained
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
+
+BAD_REQUESTS = {  # problem -> (what changes in a good one-image request, what the 400 must say)
+    "undecodable image": ({"images": [b64(b"this is not an image at all")]}, "could not be decoded as an image"),
+    "not base64": ({"images": ["@@@ not base64 @@@"]}, "not valid base64"),
+    "image count": ({"images": "two"}, "image placeholder"),
+    "bad json": ({"params": "{max_tokens: 3"}, "sampling_parameters is not valid JSON"),
+    "bad value": ({"params": {"max_tokens": -4}}, "max_tokens"),
+    "too long": ({"suffix": " word" * 5000}, "context window"),
+}
+
+
+def bad_request(case: dict, problem: str, params) -> tuple[str, list[str], object, str]:
+    """A good request (a reference case) with one problem: (text, images, sampling params, expected message)."""
+    change, message = BAD_REQUESTS[problem]
+    text = case["text"] + change.get("suffix", "")
+    images = case["images"] * 2 if change.get("images") == "two" else change.get("images", case["images"])
+    return text, images, change.get("params", params), message
 IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300, 200, 2)], "text-only": []}
 
 __all__ = [
-    "IMAGE_CASES", "MODES", "Result", "Server", "b64", "build_reference", "chat_prompt", "descendants", "drain_kv",
+    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "chat_prompt", "descendants", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",
 ]
