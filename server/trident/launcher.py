@@ -157,6 +157,7 @@ class Launcher:
         cmd = [python, "-m", "trident.cli", "worker", "--settings", self.worker_settings(stage).model_dump_json()]
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # and transformers draws a bar per checkpoint load
         self.workers[stage] = subprocess.Popen(cmd, env=env)
         self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")
 

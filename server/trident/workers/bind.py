@@ -12,12 +12,13 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import traceback
 from pathlib import Path
 
 from ..config import WorkerSettings
-from ..errors import to_wire
+from ..errors import TridentError, client_message, to_wire
 from ..protocol import STAGES
 
 log = logging.getLogger("trident.worker")
@@ -42,7 +43,8 @@ def _write_stats(engine, path: Path, stop: threading.Event) -> None:
 class _WireErrors:
     """Stand-in for the ``traceback`` module inside PyTriton's inference handler, which sends a failed
     request's exception to the stub as a formatted traceback: it sends :func:`trident.errors.to_wire`'s
-    envelope instead (PyTriton still logs the traceback)."""
+    envelope instead. PyTriton also logs every failure with ``format_exc()``: a Trident error the client
+    caused is one line there, anything else keeps its traceback."""
 
     def __getattr__(self, name):
         return getattr(traceback, name)
@@ -51,6 +53,13 @@ class _WireErrors:
     def format_exception(exc, value=None, tb=None, *args, **kwargs):
         error = value if value is not None else exc
         return [to_wire(error)]
+
+    @staticmethod
+    def format_exc(*args, **kwargs):
+        error = sys.exc_info()[1]
+        if isinstance(error, TridentError) and type(error) is not TridentError:
+            return client_message(error)
+        return traceback.format_exc(*args, **kwargs)
 
 
 def _install_proxy_model() -> None:
