@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from ..errors import MalformedRecord, TridentError
+from ..errors import TridentError
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, decode_record
 from ..transfer import TransferEndpoint
@@ -67,11 +67,8 @@ def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> HFKVRecord:
 def receive_kv(endpoint: TransferEndpoint, data: bytes, params: SamplingParams, request_id: str = "") -> DecodeRequest:
     """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it."""
     record = decode_record(data, HFKVRecord)
-    received = endpoint.fetch(record.transfer)
+    received = endpoint.fetch(record.transfer)  # decode_record checked the (k, v) pairs and sizes
     t = received.tensors
-    if not t:
-        received.release()
-        raise MalformedRecord("kv record holds no tensors")
     return DecodeRequest(
         kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,
         params=params, rope_delta=record.rope_delta, seed=record.seed, request_id=request_id,

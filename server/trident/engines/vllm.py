@@ -130,8 +130,7 @@ class VLLMStageEngine:
             raise ValueError(f"the vllm engine has no {spec.name!r} stage engine; encode runs the hf encoder")
         self.kv_role = kv_role(spec)
         self.embeddings_in = "encode" not in spec.roles  # images arrive as embeddings, or as placeholders
-        stage = spec.name
-        self.stage = stage
+        self.stage = stage = spec.name
         self.processor = Processor(model_path)
         self.family = self.processor.family
         text_config = getattr(self.processor.config, "text_config", self.processor.config)
