@@ -3,7 +3,8 @@ default and most help texts; mode, stage and family choices come from :mod:`trid
 family adapters.
 
     trident serve [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--backend hf|vllm] [--http-port ...]
-    trident worker --settings JSON          (started by `serve`; or STAGE --model PATH --url URL)
+                  [--scheduler bls|ensemble] [--instances STAGE=N ...] [--routing ...]
+    trident worker --settings JSON          (started by `serve`; or STAGE --model PATH --join URL)
     trident frontend --settings JSON        (started by `serve`; or --model PATH --grpc-url HOST:PORT)
     trident build-demo-model --arch llava|qwen2vl OUT
     trident bench transfer | decode [--model PATH | --arch llava|qwen2vl]
@@ -20,9 +21,10 @@ import tempfile
 from pydantic import BaseModel, ValidationError
 
 from .config import (
-    BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, TransferConfig, VLLMConfig, WorkerSettings,
+    BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
+    TransferConfig, VLLMConfig, WorkerSettings,
 )
-from .protocol import MODES, STAGES
+from .protocol import MODES, STAGES, instance_name
 
 
 def _opt(group, flag: str, model: type[BaseModel], field: str, **kwargs) -> None:
@@ -49,6 +51,16 @@ def _modes(values: list[str] | None) -> tuple[str, ...] | None:
     return tuple(MODES) if "all" in values else tuple(dict.fromkeys(values))
 
 
+def _instances(values: list[str] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for value in values or ():
+        stage, sep, count = value.partition("=")
+        if not sep or not count.isdigit():
+            raise SystemExit(f"trident serve: --instances takes STAGE=N (e.g. prefill=2), got {value!r}")
+        out[stage] = int(count)
+    return out
+
+
 def _serve_settings(args: argparse.Namespace) -> ServeSettings:
     media = MediaPolicy(allow_private_urls=args.allow_private_media_urls, allowed_media_dir=args.allowed_media_dir)
     frontend = FrontendSettings(
@@ -62,7 +74,13 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB, lease_s=args.lease_s,
         read_timeout_s=args.read_timeout_s,
     )
+    scheduling = SchedulerConfig(
+        routing=args.routing, local_prefill_tokens=args.local_prefill_tokens,
+        local_encode_images=args.local_encode_images,
+    )
     return ServeSettings(
+        scheduler=args.scheduler, scheduling=scheduling, instances=_instances(args.instances),
+        embedding_cache_mib=args.embedding_cache_mib,
         model=args.model, modes=_modes(args.mode), load=_modes(args.load), host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, openai_port=args.openai_port,
         access_token=args.access_token, threads_per_worker=args.threads, workspace=args.workspace,
@@ -96,6 +114,15 @@ def _add_serve(sub) -> None:
     _opt(sv, "--backend", ServeSettings, "backend", choices=BACKENDS,
          help="engine of the stage workers: hf (PyTorch + transformers, the reference) or vllm (needs an "
          "environment with vLLM: see --worker-python)")
+    sc = sv.add_argument_group("scheduling")
+    _opt(sc, "--scheduler", ServeSettings, "scheduler", choices=SCHEDULERS)
+    sc.add_argument("--instances", nargs="+", metavar="STAGE=N", default=None,
+                    help="workers per stage, e.g. --instances encode=2 prefill=2 (default: 1 each); instance n>1 "
+                    "of a stage is the Triton model <stage>-<n>")
+    _opt(sc, "--routing", SchedulerConfig, "routing", choices=ROUTINGS)
+    _opt(sc, "--embedding-cache-mib", ServeSettings, "embedding_cache_mib", type=int)
+    _opt(sc, "--local-prefill-tokens", SchedulerConfig, "local_prefill_tokens", type=int)
+    _opt(sc, "--local-encode-images", SchedulerConfig, "local_encode_images", type=int)
     _add_frontend_flags(sv.add_argument_group("OpenAI frontend"))
     t = sv.add_argument_group("transfers")
     t.add_argument("--send-pool-mib", type=int, default=TransferConfig().send_pool_bytes // MiB,
@@ -155,15 +182,31 @@ def _worker(args: argparse.Namespace) -> int:
 
     from .workers.bind import run_worker
 
+    token = args.access_token
     if args.settings:
         settings = WorkerSettings.model_validate_json(args.settings)
     else:
-        if not (args.stage and args.model and args.url):
-            raise SystemExit("trident worker: give --settings JSON, or STAGE --model PATH --url URL")
-        settings = WorkerSettings(stage=args.stage, model=args.model, url=args.url, backend=args.backend,
-                                  threads=args.threads, model_store=args.model_store, stats_dir=args.stats_dir)
+        url = args.join or args.url
+        if not (args.stage and args.model and url):
+            raise SystemExit("trident worker: give --settings JSON, or STAGE --model PATH --join URL")
+        name = args.name or (_free_instance_name(args.stage, url) if args.join else None)
+        settings = WorkerSettings(
+            stage=args.stage, name=name, model=args.model, url=url, backend=args.backend, threads=args.threads,
+            model_store=args.model_store, stats_dir=args.stats_dir, embedding_cache_bytes=args.embedding_cache_mib * MiB,
+        )
     torch.set_num_threads(settings.threads)
-    return run_worker(settings, os.environ.get("TRIDENT_ACCESS_TOKEN"))
+    return run_worker(settings, token)
+
+
+def _free_instance_name(stage: str, url: str) -> str:
+    """The first ``<stage>-<n>`` (n >= 2) the server at ``url`` has no ready model for."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=10)
+    index = 2
+    while client.is_model_ready(instance_name(stage, index)):
+        index += 1
+    return instance_name(stage, index)
 
 
 def _add_worker(sub) -> None:
@@ -171,11 +214,17 @@ def _add_worker(sub) -> None:
     w.add_argument("--settings", help="the whole trident.config.WorkerSettings as JSON (what serve passes)")
     w.add_argument("stage", nargs="?", choices=list(STAGES), help="stage model to bind (without --settings)")
     w.add_argument("--model", help="checkpoint folder")
-    w.add_argument("--url", help="Triton HTTP URL, e.g. http://127.0.0.1:8000")
+    w.add_argument("--url", help="Triton HTTP URL, e.g. http://127.0.0.1:8000 (binds as --name, default: the stage)")
+    w.add_argument("--join", metavar="URL", help="add this worker to a running server at URL (Triton HTTP) as the "
+                   "next free instance <stage>-<n>; its schedulers pick it up within a second")
+    _opt(w, "--name", WorkerSettings, "name", shown=None)
+    w.add_argument("--access-token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
+                   help="the server's repository-API token, printed by serve (env TRIDENT_ACCESS_TOKEN)")
     _opt(w, "--backend", WorkerSettings, "backend", choices=BACKENDS)
     _opt(w, "--threads", WorkerSettings, "threads", type=int)
     _opt(w, "--model-store", WorkerSettings, "model_store", shown=None)
     _opt(w, "--stats-dir", WorkerSettings, "stats_dir", shown=None)
+    w.add_argument("--embedding-cache-mib", type=int, default=256, help="encode stage: embedding cache, MiB (default: 256)")
     w.set_defaults(func=_worker)
 
 

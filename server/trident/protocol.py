@@ -60,6 +60,10 @@ class StageSpec:
     hands_on: Handoff  # a record for the next stage, or the generated tokens (the entry outputs)
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
+    # A record a scheduler may send instead of ``takes``: the decode stage prefills a short prompt itself
+    # from ``text_input`` and its ``embedding_meta`` (Dynamo's conditional disaggregation). Ensembles
+    # chain ``takes`` only.
+    also_takes: Literal["embeddings"] | None = None
 
     @property
     def decoupled(self) -> bool:
@@ -71,13 +75,21 @@ class StageSpec:
         return tuple(t.name for t in self.inputs)
 
 
-def _stage(name: str, doc: str, roles: tuple[Role, ...], takes, hands_on: Handoff) -> StageSpec:
+ENCODE_REPORT = "encode_report"
+"""Extra output of the encode stage: JSON counters of its embedding cache for the scheduler's metrics
+(this request's hits, misses and shared encodes, the cache's bytes and evictions). Ensembles ignore it."""
+
+
+def _stage(name: str, doc: str, roles: tuple[Role, ...], takes, hands_on: Handoff, also_takes=None) -> StageSpec:
     inputs: list[Tensor] = []
     if roles != ("encode",):
         # a stage that decodes after a KV transfer gets the prompt only to echo it (or to check it)
         inputs.append(Tensor(name="text_input", dtype=bytes, shape=(1,), optional=takes == "kv"))
     if takes is not None:
-        inputs.append(_record_tensor(takes, optional=takes == "embeddings"))  # no images: no record
+        # no images: no embeddings record; a KV record is optional only where the stage can prefill itself
+        inputs.append(_record_tensor(takes, optional=takes == "embeddings" or also_takes is not None))
+    if also_takes is not None:
+        inputs.append(_record_tensor(also_takes, optional=True))
     if "encode" in roles:
         inputs.append(_IMAGE)
     if roles != ("encode",):
@@ -85,7 +97,9 @@ def _stage(name: str, doc: str, roles: tuple[Role, ...], takes, hands_on: Handof
     if hands_on == "tokens":
         inputs += _OUTPUT_CONTROLS
     outputs = ENTRY_OUTPUTS if hands_on == "tokens" else (_record_tensor(hands_on),)
-    return StageSpec(name, doc, roles, takes, hands_on, tuple(inputs), tuple(outputs))
+    if roles == ("encode",):
+        outputs += (Tensor(name=ENCODE_REPORT, dtype=bytes, shape=(1,)),)
+    return StageSpec(name, doc, roles, takes, hands_on, tuple(inputs), tuple(outputs), also_takes)
 
 
 STAGES: dict[str, StageSpec] = {
@@ -94,7 +108,8 @@ STAGES: dict[str, StageSpec] = {
         _stage("generate", "EPD: the entry interface in one worker", ("encode", "prefill", "decode"), None, "tokens"),
         _stage("encode", "images -> embeddings", ("encode",), None, "embeddings"),
         _stage("prefill", "prompt + embeddings -> KV cache", ("prefill",), "embeddings", "kv"),
-        _stage("decode", "KV cache -> tokens", ("decode",), "kv", "tokens"),
+        _stage("decode", "KV cache (or a short prompt it prefills itself) -> tokens", ("decode",), "kv", "tokens",
+               also_takes="embeddings"),
         _stage("encode_prefill", "prompt + images -> KV cache", ("encode", "prefill"), None, "kv"),
         _stage("prefill_decode", "prompt + embeddings -> tokens", ("prefill", "decode"), "embeddings", "tokens"),
     )
@@ -107,6 +122,23 @@ MODES: dict[str, tuple[str, ...]] = {
     "ep_d": ("encode_prefill", "decode"),
 }
 """Deployment mode (= its entry model's name) -> the stage models it chains, in order."""
+
+
+def instance_name(stage: str, index: int) -> str:
+    """Triton model name of a stage's ``index``-th worker (1-based): ``prefill``, ``prefill-2``, ...
+
+    The first instance keeps the stage's own name, which is what the ensembles chain."""
+    return stage if index == 1 else f"{stage}-{index}"
+
+
+def parse_instance(name: str) -> tuple[str, int] | None:
+    """``(stage, index)`` of a stage instance's model name; None for any other name."""
+    stage, sep, index = name.rpartition("-")
+    if not sep:
+        return (name, 1) if name in STAGES else None
+    if stage in STAGES and index.isdigit() and int(index) >= 2 and not index.startswith("0"):
+        return stage, int(index)
+    return None
 
 
 def stages_for(modes) -> list[str]:

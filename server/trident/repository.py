@@ -1,9 +1,15 @@
-"""The Triton model repository of the entry models (one ensemble per deployment mode).
+"""The Triton model repository of the entry models: one per deployment mode, of either scheduler kind.
 
-Each entry model is rendered from :mod:`trident.protocol` through Triton's ``model_config`` protobuf. The
-launcher writes it into the server's repository and loads it through Triton's repository API once its
-stage models are bound. ``model_repository/<mode>/config.pbtxt`` in the checkout is the same rendering for
-people to read (``python -m trident.repository`` rewrites it; a test checks it is in step).
+- ``bls`` (the default): a decoupled python-backend model whose ``model.py`` imports
+  :mod:`trident.scheduler.model`; its settings (:class:`~trident.config.SchedulerConfig`, the mode, the
+  checkpoint) are model-config parameters.
+- ``ensemble``: Triton's static chain of the mode's stage models (one instance each).
+
+Both are rendered from :mod:`trident.protocol` through Triton's ``model_config`` protobuf and have the
+same inputs and outputs. The launcher writes them into the server's repository and loads them through
+Triton's repository API once their stage models are bound. ``model_repository/{bls,ensemble}/<mode>/`` in
+the checkout is the same rendering for people to read (``python -m trident.repository`` rewrites it; a test
+checks it is in step).
 """
 
 from __future__ import annotations
@@ -17,10 +23,15 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 from tritonclient.utils import np_to_triton_dtype
 
+from .config import SCHEDULERS, SchedulerConfig
 from .protocol import ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 _INTERNAL = set(RECORD_TENSOR.values())  # tensors that exist only between steps
+BLS_MODEL_PY = '''"""Entry model of a Trident mode: the BLS scheduler. Its code is trident/scheduler/model.py."""
+
+from trident.scheduler.model import TritonPythonModel  # noqa: F401
+'''
 
 
 def _data_type(dtype) -> int:
@@ -32,41 +43,83 @@ def _step_name(tensor: str) -> str:
     return f"_{tensor}" if tensor in _INTERNAL else tensor
 
 
-def ensemble_config(mode: str) -> pb.ModelConfig:
-    """A mode's entry model: the vLLM-backend interface chained over its stage models."""
-    config = pb.ModelConfig(name=mode, platform="ensemble", max_batch_size=0)
+def _entry_config(mode: str) -> pb.ModelConfig:
+    config = pb.ModelConfig(name=mode, max_batch_size=0)
     for t in ENTRY_INPUTS:
         config.input.add(name=t.name, data_type=_data_type(t.dtype), dims=list(t.shape), optional=t.optional)
     for t in ENTRY_OUTPUTS:
         config.output.add(name=t.name, data_type=_data_type(t.dtype), dims=list(t.shape))
-    for stage in MODES[mode]:
-        spec = STAGES[stage]
-        step = config.ensemble_scheduling.step.add(model_name=stage, model_version=-1)
-        for t in spec.inputs:
-            step.input_map[t.name] = _step_name(t.name)
-        for t in spec.outputs:
-            step.output_map[t.name] = _step_name(t.name)
     return config
 
 
-def render_ensemble(mode: str) -> str:
+def ensemble_config(mode: str) -> pb.ModelConfig:
+    """A mode's entry model as an ensemble: the vLLM-backend interface chained over its stage models."""
+    config = _entry_config(mode)
+    config.platform = "ensemble"
+    for stage in MODES[mode]:
+        spec = STAGES[stage]
+        step = config.ensemble_scheduling.step.add(model_name=stage, model_version=-1)
+        skip = RECORD_TENSOR.get(spec.also_takes)  # only a scheduler sends a stage its alternative record
+        for t in spec.inputs:
+            if t.name != skip:
+                step.input_map[t.name] = _step_name(t.name)
+        for t in spec.outputs:
+            if t.name in _INTERNAL or t.name in {o.name for o in ENTRY_OUTPUTS}:
+                step.output_map[t.name] = _step_name(t.name)
+    return config
+
+
+def bls_config(mode: str, scheduling: SchedulerConfig | None = None, model_path: str | None = None) -> pb.ModelConfig:
+    """A mode's entry model as Trident's BLS scheduler (decoupled python-backend model)."""
+    config = _entry_config(mode)
+    config.backend = "python"
+    config.model_transaction_policy.decoupled = True
+    config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.Kind.KIND_CPU)
+    params = {"mode": mode, "scheduler": (scheduling or SchedulerConfig()).model_dump_json()}
+    if model_path:
+        params["model"] = model_path  # the tokenizer, to measure prompts for local prefill
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def render_entry_model(mode: str, scheduler: str = "bls", scheduling: SchedulerConfig | None = None,
+                       model_path: str | None = None) -> str:
     """config.pbtxt of a mode's entry model."""
+    chain = " -> ".join(MODES[mode])
+    what = "Trident's BLS scheduler over" if scheduler == "bls" else "an ensemble of"
     header = (
-        f"# Entry model of the {mode.upper().replace('_', '/')} mode: {' -> '.join(MODES[mode])}.\n"
+        f"# Entry model of the {mode.upper().replace('_', '/')} mode: {what} {chain}.\n"
         "# Generated by `python -m trident.repository` from trident/protocol.py; edit there.\n"
     )
-    return header + text_format.MessageToString(ensemble_config(mode))
+    config = bls_config(mode, scheduling, model_path) if scheduler == "bls" else ensemble_config(mode)
+    return header + text_format.MessageToString(config)
 
 
-def install_entry_model(mode: str, model_store: Path, source: Path | None = None) -> Path:
+def render_ensemble(mode: str) -> str:
+    return render_entry_model(mode, "ensemble")
+
+
+def _write_entry_model(dst: Path, mode: str, scheduler: str, scheduling=None, model_path=None) -> None:
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; schedulers: {', '.join(SCHEDULERS)}")
+    (dst / "1").mkdir(parents=True, exist_ok=True)
+    (dst / "config.pbtxt").write_text(render_entry_model(mode, scheduler, scheduling, model_path))
+    if scheduler == "bls":
+        (dst / "1" / "model.py").write_text(BLS_MODEL_PY)
+
+
+def install_entry_model(
+    mode: str, model_store: Path, source: Path | None = None, scheduler: str = "bls",
+    scheduling: SchedulerConfig | None = None, model_path: str | None = None,
+) -> Path:
     """Put an entry model into a server's model store (with the version folder Triton expects): rendered
     from :mod:`trident.protocol`, or copied from a ``source`` repository of the user's."""
     dst = model_store / mode
     if dst.exists():
         shutil.rmtree(dst)
     if source is None:
-        (dst / "1").mkdir(parents=True)
-        (dst / "config.pbtxt").write_text(render_ensemble(mode))
+        _write_entry_model(dst, mode, scheduler, scheduling, model_path)
         return dst
     src = source / mode
     if not (src / "config.pbtxt").is_file():
@@ -78,11 +131,13 @@ def install_entry_model(mode: str, model_store: Path, source: Path | None = None
 
 def write_repository(root: Path = REPOSITORY) -> list[Path]:
     written = []
-    for mode in MODES:
-        path = root / mode / "config.pbtxt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(render_ensemble(mode))
-        written.append(path)
+    for scheduler in SCHEDULERS:
+        for mode in MODES:
+            dst = root / scheduler / mode
+            if dst.exists():
+                shutil.rmtree(dst)
+            _write_entry_model(dst, mode, scheduler)
+            written += sorted(p for p in dst.rglob("*") if p.is_file())
     return written
 
 

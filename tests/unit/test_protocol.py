@@ -12,7 +12,7 @@ from trident.errors import (
 )
 from trident.protocol import (
     MODES, RECORD_VERSION, STAGES, EmbeddingsRecord, HFKVRecord, TensorSpec, Transfer, VLLMKVRecord, decode_record,
-    stages_for,
+    stages_for, instance_name, parse_instance,
 )
 
 META = b"m" * 450  # a NIXL agent's metadata is ~450 bytes
@@ -74,7 +74,10 @@ def test_malformed_records_name_the_problem(data, match):
 def test_stage_specs_follow_from_what_a_stage_does():
     assert [s for s, spec in STAGES.items() if spec.decoupled] == ["generate", "decode", "prefill_decode"]
     assert STAGES["prefill"].input_names == ("text_input", "embedding_meta", "sampling_parameters")
-    assert [t.name for t in STAGES["encode"].outputs] == ["embedding_meta"]
+    assert [t.name for t in STAGES["encode"].outputs] == ["embedding_meta", "encode_report"]
+    # the decode stage takes kv_meta, or a short prompt's embeddings it prefills itself
+    decode = {t.name: t.optional for t in STAGES["decode"].inputs}
+    assert decode["kv_meta"] and decode["embedding_meta"] and decode["text_input"]
     assert [t.name for t in STAGES["encode_prefill"].outputs] == ["kv_meta"]
     for mode, chain in MODES.items():  # every mode ends in a stage that hands on tokens; records chain up
         specs = [STAGES[s] for s in chain]
@@ -82,6 +85,14 @@ def test_stage_specs_follow_from_what_a_stage_does():
         for before, after in zip(specs, specs[1:]):
             assert before.hands_on == after.takes, mode
     assert stages_for(["e_p_d", "ep_d"]) == ["encode", "prefill", "decode", "encode_prefill"]
+
+
+def test_instance_names():
+    assert [instance_name("prefill", i) for i in (1, 2, 10)] == ["prefill", "prefill-2", "prefill-10"]
+    assert parse_instance("prefill") == ("prefill", 1)
+    assert parse_instance("prefill_decode-3") == ("prefill_decode", 3)
+    for other in ("e_p_d", "prefill-1", "prefill-02", "prefill-x", "nope-2", "prefill-"):
+        assert parse_instance(other) is None, other
 
 
 def test_error_classes_carry_their_status():

@@ -26,4 +26,4 @@ def build_engine(settings: "WorkerSettings") -> "StageEngine":
             return VLLMStageEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads)
     from .hf.stage import HFStageEngine
 
-    return HFStageEngine(spec, settings.model, settings.transfer)
+    return HFStageEngine(spec, settings.model, settings.transfer, settings.embedding_cache_bytes)

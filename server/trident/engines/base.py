@@ -17,7 +17,7 @@ from ..output import DecodeEvent, Generation
 from ..processor import SamplingParams
 
 __all__ = [
-    "DecodeEvent", "DecodeRequest", "Decoder", "Encoder", "Generation", "ImageEmbeddings", "PrefillResult",
+    "DecodeEvent", "DecodeRequest", "Decoder", "Encoded", "Encoder", "Generation", "ImageEmbeddings", "PrefillResult",
     "Prefiller", "StageEngine",
 ]
 
@@ -29,6 +29,15 @@ class ImageEmbeddings:
     embeddings: torch.Tensor
     token_counts: list[int]
     grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per image, for its 3-D positions
+
+
+@dataclass
+class Encoded:
+    """What the encode stage hands on: the ``embedding_meta`` record and a report for the scheduler's
+    metrics (this request's cache hits, misses and shared encodes; the cache's bytes and evictions)."""
+
+    record: bytes
+    report: dict
 
 
 @dataclass
@@ -84,8 +93,9 @@ class StageEngine(Protocol):
     raises :class:`~trident.errors.InvalidRequest`.
     """
 
-    async def encode(self, images: list) -> bytes:
-        """PIL images -> ``embedding_meta`` (the embeddings stay with this worker until read)."""
+    async def encode(self, images: list) -> Encoded:
+        """A request's images (:class:`~trident.media.ImageItem`) -> ``embedding_meta`` (the embeddings stay
+        with this worker until read)."""
         ...
 
     async def prefill(

@@ -14,9 +14,10 @@ from typing import Callable
 
 from ..errors import TridentError
 from ..processor import Processor, SamplingParams
-from ..protocol import EmbeddingsRecord, HFKVRecord, decode_record
-from ..transfer import TransferEndpoint
+from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
+from ..transfer import TransferEndpoint, TransferSender
 from .base import DecodeRequest, ImageEmbeddings, PrefillResult
+from .embedding_cache import CachedEmbedding, EmbeddingCache
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,28 @@ def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int
 def publish_embeddings(endpoint: TransferEndpoint, emb: ImageEmbeddings, image_ids: list[str]) -> EmbeddingsRecord:
     return EmbeddingsRecord(
         transfer=endpoint.publish([emb.embeddings]), token_counts=list(emb.token_counts), grid_thw=emb.grid_thw,
+        image_ids=list(image_ids),
+    )
+
+
+def publish_cached_embeddings(
+    sender: TransferSender, cache: EmbeddingCache, entries: list[CachedEmbedding], image_ids: list[str]
+) -> EmbeddingsRecord:
+    """A record over cached entries (one reference held per entry, given up when the lease ends): the
+    consumer READs the regions back to back as one ``(sum(rows), hidden)`` tensor."""
+    first = entries[0]
+    spec = TensorSpec(first.dtype, (sum(e.shape[0] for e in entries), first.shape[1]))
+    if any(e.dtype != first.dtype or e.shape[1] != first.shape[1] for e in entries):
+        raise TridentError("cached embeddings of one request differ in dtype or width")
+
+    def release() -> None:
+        for entry in entries:
+            cache.release(entry)
+
+    return EmbeddingsRecord(
+        transfer=sender.lease([e.region for e in entries], [spec], release),
+        token_counts=[e.shape[0] for e in entries],
+        grid_thw=[list(e.grid) for e in entries] if first.grid is not None else None,
         image_ids=list(image_ids),
     )
 

@@ -135,7 +135,8 @@ class VLLMStageEngine:
         self.family = self.processor.family
         text_config = getattr(self.processor.config, "text_config", self.processor.config)
         self.hidden_size: int = text_config.hidden_size
-        self.endpoint = TransferEndpoint(transfer) if spec.takes == "embeddings" else None
+        takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
+        self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
         self._stats = _EngineStats()
 

@@ -34,10 +34,12 @@ __all__ = [
 class TransferEndpoint:
     """A process's sender and receiver on its one NIXL agent."""
 
-    def __init__(self, config: TransferConfig | None = None, agent: NixlAgent | None = None) -> None:
+    def __init__(
+        self, config: TransferConfig | None = None, agent: NixlAgent | None = None, extra_send_bytes: int = 0
+    ) -> None:
         self.config = config or TransferConfig()
         self.agent = agent or process_agent(self.config.backend)
-        self.sender = TransferSender(self.agent, self.config)
+        self.sender = TransferSender(self.agent, self.config, extra_send_bytes)
         self.receiver = TransferReceiver(self.agent, self.config)
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:

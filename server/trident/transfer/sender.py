@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Lease:
-    region: Region
+    on_release: Callable[[], None]  # frees (or unpins) what the lease covers
+    nbytes: int
     expires_at: float
 
 
@@ -31,14 +32,15 @@ class TransferSender:
 
     :meth:`publish` copies the tensors back to back into a region of the send pool and returns the
     :class:`~trident.protocol.Transfer` describing it (the caller puts it in a record). The region is freed
-    when the consumer's READ-completion notification (the lease id)
-    arrives, or when the lease expires, whichever comes first. A background thread polls for both.
+    when the consumer's READ-completion notification (the lease id) arrives, or when the lease expires,
+    whichever comes first. A background thread polls for both. :meth:`copy_in` and :meth:`lease` are the
+    two halves, for callers that keep regions beyond one READ (the embedding cache).
     """
 
-    def __init__(self, agent: NixlAgent, config: TransferConfig) -> None:
+    def __init__(self, agent: NixlAgent, config: TransferConfig, extra_pool_bytes: int = 0) -> None:
         self.agent = agent
         self.config = config
-        self.pool = MemoryPool("send", config.send_pool_bytes, register=agent.register)
+        self.pool = MemoryPool("send", config.send_pool_bytes + extra_pool_bytes, register=agent.register)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         self.published = self.released = self.expired = 0
@@ -46,40 +48,52 @@ class TransferSender:
         self._thread = threading.Thread(target=self._reap_loop, name="trident-lease-reaper", daemon=True)
         self._thread.start()
 
-    def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
-        tensors = [t.detach() for t in tensors]
-        if not tensors:
-            raise ValueError("nothing to publish")
+    def copy_in(self, tensors: Sequence[torch.Tensor], region: Region | None = None) -> Region:
+        """Copy tensors back to back into ``region`` (default: a fresh one) of the send pool."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        region = self.pool.alloc(nbytes)
+        region = region or self.pool.alloc(nbytes)
         flat = self.pool.view(region)
         offset = 0
         for t in tensors:
             n = t.numel() * t.element_size()
-            flat[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
+            flat[offset : offset + n].view(t.dtype).view(t.shape).copy_(t.detach())
             offset += n
+        return region
+
+    def lease(
+        self, regions: Sequence[Region], specs, on_release: Callable[[], None], *, lease_s: float | None = None
+    ) -> Transfer:
+        """A :class:`Transfer` for send-pool ``regions`` (read back to back as ``specs``); ``on_release``
+        runs once, when the consumer's notification arrives or the lease expires."""
         lease_id = uuid.uuid4().hex[:16]
         expires_at = time.time() + (lease_s if lease_s is not None else self.config.lease_s)
+        nbytes = sum(r.nbytes for r in regions)
         with self._lock:
-            self._leases[lease_id] = _Lease(region, expires_at)
+            self._leases[lease_id] = _Lease(on_release, nbytes, expires_at)
             self.published += 1
         return Transfer(
             agent=self.agent.name,
             agent_meta=self.agent.metadata,
-            regions=((self.pool.address_of(region), nbytes),),
-            tensors=specs_for(tensors),
+            regions=tuple((self.pool.address_of(r), r.nbytes) for r in regions),
+            tensors=tuple(specs),
             lease_id=lease_id,
             expires_at=expires_at,
         )
 
+    def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
+        if not tensors:
+            raise ValueError("nothing to publish")
+        region = self.copy_in(tensors)
+        return self.lease([region], specs_for(list(tensors)), lambda: self.pool.free(region), lease_s=lease_s)
+
     def release(self, lease_id: str) -> bool:
-        """Free a lease's region now; False when it is unknown (already released or expired)."""
+        """End a lease now; False when it is unknown (already released or expired)."""
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
             self.released += 1
-        self.pool.free(lease.region)
+        lease.on_release()
         return True
 
     def poll(self) -> None:
@@ -91,12 +105,11 @@ class TransferSender:
                     log.debug("release of unknown lease %s from %s ignored", lease_id, peer)
         now = time.time()
         with self._lock:
-            gone = [k for k, lease in self._leases.items() if lease.expires_at <= now]
-            regions = [self._leases.pop(k).region for k in gone]
+            gone = [(k, self._leases.pop(k)) for k, lease in list(self._leases.items()) if lease.expires_at <= now]
             self.expired += len(gone)
-        for lease_id, region in zip(gone, regions):
-            self.pool.free(region)
-            log.warning("lease %s expired unread; freed %d bytes", lease_id, region.nbytes)
+        for lease_id, lease in gone:
+            lease.on_release()
+            log.warning("lease %s expired unread; freed %d bytes", lease_id, lease.nbytes)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.poll_interval_s):

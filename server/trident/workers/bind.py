@@ -118,33 +118,34 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     pytriton.proxy.inference.traceback = _WireErrors()
     _install_proxy_model()
     spec = STAGES[settings.stage]
+    name = settings.model_name
     engine = build_engine(settings)
     infer = make_infer(spec, engine, settings.fault_injection)
     stop = threading.Event()
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
         threading.Thread(
-            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{spec.name}.json", stop), daemon=True
+            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{name}.json", stop), daemon=True
         ).start()
 
     def _on_signal(signum, _frame):
-        log.info("worker %s: signal %d, unbinding and stopping", spec.name, signum)
+        log.info("worker %s: signal %d, unbinding and stopping", name, signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
     if settings.model_store:
-        _block_bytecode(settings.model_store, spec.name)
+        _block_bytecode(settings.model_store, name)
     try:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
-                model_name=spec.name,
+                model_name=name,
                 infer_func=infer,
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),
                 strict=False,
             )
-            log.warning("worker %s (%s engine, pid %d) bound into %s", spec.name, settings.backend, os.getpid(), settings.url)
+            log.warning("worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
             triton.serve()
     except KeyboardInterrupt:
         pass

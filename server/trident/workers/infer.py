@@ -2,22 +2,24 @@
 
 What a stage does follows from what it hands on (:attr:`~trident.protocol.StageSpec.hands_on`):
 ``embeddings`` -> :meth:`encode`, ``kv`` -> :meth:`prefill`, ``tokens`` -> :meth:`generate` (streamed);
-its inputs say which of ``text_input``, ``image``, ``embedding_meta`` and ``kv_meta`` it reads.
+its inputs say which of ``text_input``, ``image``, ``embedding_meta`` and ``kv_meta`` it reads. The decode
+stage takes ``kv_meta``, or a short prompt with its ``embedding_meta`` that it prefills itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from typing import Any
 
 import numpy as np
 
 from ..errors import ERRORS, InvalidRequest
-from ..media import decode_base64_image
+from ..media import ImageItem
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
-from ..protocol import RECORD_TENSOR, StageSpec
+from ..protocol import ENCODE_REPORT, RECORD_TENSOR, StageSpec
 
 _FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?\]\]")
 
@@ -54,16 +56,17 @@ def record_input(request, name: str) -> bytes | None:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-def _decode_images(request) -> list:
+def image_items(request) -> list[ImageItem]:
+    """The request's images as bytes with their content ids (not yet decoded as images)."""
     value = _value(request, "image")
     if value is None:
         return []
-    return [decode_base64_image(v, i) for i, v in enumerate(np.asarray(value).reshape(-1))]
+    return [ImageItem.from_base64(v, i) for i, v in enumerate(np.asarray(value).reshape(-1))]
 
 
-async def images(request) -> list:
-    """The request's images, decoded off the event loop (a large PNG takes a while)."""
-    return await asyncio.to_thread(_decode_images, request)
+async def open_images(items: list[ImageItem]) -> list:
+    """Decoded images, off the event loop (a large PNG takes a while)."""
+    return await asyncio.to_thread(lambda: [item.open() for item in items])
 
 
 def output_options(request) -> OutputOptions:
@@ -96,36 +99,46 @@ def _inject_fault(spec: StageSpec, text: str | None) -> None:
 def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
     """The async inference function PyTriton binds for ``spec`` over ``engine``."""
     names = spec.input_names
-    takes = RECORD_TENSOR.get(spec.takes) if spec.takes else None
+    record_names = [RECORD_TENSOR[kind] for kind in (spec.takes, spec.also_takes) if kind is not None]
 
     async def read(request) -> tuple[str | None, SamplingParams, dict]:
         """The request's text, sampling parameters and engine arguments; a record it brought is discarded
         when the request is refused here."""
         kwargs: dict = {}
-        record = record_input(request, takes) if takes is not None else None
+        records = {name: r for name in record_names if (r := record_input(request, name)) is not None}
         try:
-            if spec.takes == "kv" and record is None:
-                raise InvalidRequest(f"{takes} is required")
             text = text_input(request, required=spec.takes != "kv") if "text_input" in names else None
+            if spec.takes == "kv" and RECORD_TENSOR["kv"] not in records:
+                if spec.also_takes is None:
+                    raise InvalidRequest("kv_meta is required")
+                if text is None:
+                    raise InvalidRequest("kv_meta, or text_input to prefill here, is required")
+            if len(records) > 1:
+                raise InvalidRequest(f"send one of {' or '.join(record_names)}, not both")
             params = SamplingParams.from_json(_first(request, "sampling_parameters"))
             if fault_injection:
                 _inject_fault(spec, text)
             if "image" in names:
-                kwargs["images"] = await images(request)
+                items = image_items(request)
+                # the encode stage decodes only what its cache lacks
+                kwargs["images"] = items if spec.hands_on == "embeddings" else await open_images(items)
         except Exception:
-            if record is not None:  # refused before the engine saw it: the producer may free it now
+            for record in records.values():  # refused before the engine saw it: the producer may free it now
                 engine.discard(record)
             raise
-        if takes is not None:
-            kwargs[takes] = record
+        kwargs.update(records)
         return text, params, kwargs
 
     if spec.hands_on == "embeddings":
         async def encode(requests):
             _, _, kwargs = await read(_single(requests))
-            imgs = kwargs["images"]
+            items = kwargs["images"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
-            return record_output(spec, await engine.encode(imgs) if imgs else None)
+            encoded = await engine.encode(items) if items else None
+            outputs = record_output(spec, encoded.record if encoded else None)
+            report = json.dumps(encoded.report if encoded else {}).encode()
+            outputs[0][ENCODE_REPORT] = np.array([report], dtype=np.object_)
+            return outputs
 
         return encode
 

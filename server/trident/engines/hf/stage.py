@@ -3,25 +3,30 @@
 :class:`HFStageEngine` is what a stage worker serves with ``--backend hf`` (and the encode stage with any
 backend). Each stage operation is one function here:
 
-- :meth:`HFStageEngine.encode`: images -> embeddings -> ``embedding_meta``
+- :meth:`HFStageEngine.encode`: images -> embeddings (through the embedding cache) -> ``embedding_meta``
 - :meth:`HFStageEngine.prefill`: prompt + images or ``embedding_meta`` -> KV cache + first token -> ``kv_meta``
-- :meth:`HFStageEngine.generate`: ``kv_meta``, or a local prefill, -> the decoder's token stream
+- :meth:`HFStageEngine.generate`: ``kv_meta``, or a local prefill (also on the decode stage, for a short
+  prompt a scheduler sends it), -> the decoder's token stream
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 from ...config import TransferConfig
-from ...media import image_digest
+from ...media import ImageItem
 from ...output import Generation
 from ...processor import SamplingParams
 from ...protocol import StageSpec
 from ...transfer import TransferEndpoint
 from .. import handoff
-from ..base import PrefillResult
+from ..base import Encoded, PrefillResult
+from ..embedding_cache import CachedEmbedding, EmbeddingCache
 from .sampling import new_seed
 
 
@@ -30,29 +35,110 @@ class HFStageEngine:
     process's transfer endpoint (when the stage hands on or takes a record), and one compute thread for
     blocking work (encode, prefill, READs)."""
 
-    def __init__(self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None) -> None:
+    def __init__(
+        self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None, embedding_cache_bytes: int = 0
+    ) -> None:
         from .decoder import HFDecoder
         from .model import HFEncoder, HFModel, HFPrefiller
 
         self.spec = spec
         self.model = HFModel(model_path)
         self.processor = self.model.processor
-        moves_records = spec.takes is not None or spec.hands_on != "tokens"
-        self.endpoint = TransferEndpoint(transfer) if moves_records else None
+        moves_records = spec.takes is not None or spec.hands_on != "tokens"  # (decode: also short prompts' embeddings)
+        publishes_embeddings = spec.hands_on == "embeddings"
+        extra = embedding_cache_bytes if publishes_embeddings else 0  # the cache lives in the send pool
+        self.endpoint = TransferEndpoint(transfer, extra_send_bytes=extra) if moves_records else None
         self.encoder = HFEncoder(self.model) if "encode" in spec.roles else None
-        self.prefiller = HFPrefiller(self.model) if "prefill" in spec.roles else None
+        # a decode stage prefills the short prompts a scheduler keeps off the prefill stage
+        self.prefiller = HFPrefiller(self.model) if {"prefill", "decode"} & set(spec.roles) else None
         self.decoder = HFDecoder(self.model) if "decode" in spec.roles else None
+        self.cache = (
+            EmbeddingCache(self.endpoint.sender.pool, embedding_cache_bytes, _settings_digest(model_path))
+            if publishes_embeddings else None
+        )
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trident-compute")
 
     async def _run(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     # -- stage operations ----------------------------------------------------------------------------------
-    async def encode(self, images: list) -> bytes:
-        return (await self._run(self._encode, images)).encode()
+    async def encode(self, images: list[ImageItem]) -> Encoded:
+        """Each distinct image of the request from the cache, from another request's encode in flight, or
+        from one vision-tower pass over the rest; the record points at the cached regions."""
+        cache, loop = self.cache, asyncio.get_running_loop()
+        keys = [cache.key(item.content_id) for item in images]
+        held: dict[str, CachedEmbedding] = {}
+        waits: dict[str, asyncio.Future] = {}
+        mine: dict[str, ImageItem] = {}
+        report = {"hits": 0, "misses": 0, "shared": 0}
+        for key, item in zip(keys, images):
+            if key in held or key in waits or key in mine:  # the same image again in this request
+                report["shared"] += 1
+                cache.counters.shared += 1
+                continue
+            claim = cache.claim(key, loop)
+            if claim.entry is not None:
+                held[key] = claim.entry
+                report["hits"] += 1
+            elif claim.pending is not None:
+                waits[key] = claim.pending
+                report["shared"] += 1
+            else:
+                mine[key] = item
+                report["misses"] += 1
+        try:
+            if mine:
+                held.update(await self._encode_claimed(mine))
+            for key, pending in waits.items():
+                held[key] = await cache.wait(pending)
+        except BaseException:
+            for entry in held.values():
+                cache.release(entry)
+            for key, pending in waits.items():  # the reference taken for us when that encode ends
+                if key not in held:
+                    pending.add_done_callback(lambda f: f.exception() is None and cache.release(f.result()))
+            raise
+        entries = [held[key] for key in keys]
+        seen: set[str] = set()
+        for key in keys:  # a record holds one reference per image it lists, repeats included
+            if key in seen:
+                cache.retain(held[key])
+            seen.add(key)
+        record = handoff.publish_cached_embeddings(self.endpoint.sender, cache, entries, [i.content_id for i in images])
+        report.update(vision_runs=int(bool(mine)), cache_bytes=cache.bytes, evictions=cache.counters.evictions)
+        return Encoded(record.encode(), report)
 
-    def _encode(self, images: list):
-        return handoff.publish_embeddings(self.endpoint, self.encoder.encode(images), [image_digest(i) for i in images])
+    async def _encode_claimed(self, claimed: dict[str, ImageItem]) -> dict[str, CachedEmbedding]:
+        """Encode the images this request claimed, in one vision-tower pass on the compute thread, and wake
+        the requests waiting on them whatever happens to this one."""
+        cache, keys = self.cache, list(claimed)
+        run = asyncio.get_running_loop().run_in_executor(self._compute, self._encode_into_cache, list(claimed.items()))
+
+        def settle(done: asyncio.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+                for key in keys:
+                    cache.fail(key, error)
+            else:
+                for key, entry in zip(keys, done.result()):
+                    cache.fulfil(key, entry)
+
+        run.add_done_callback(settle)
+        try:
+            entries = await asyncio.shield(run)
+        except asyncio.CancelledError:  # this request went away: its references go when the encode ends
+            run.add_done_callback(lambda f: f.exception() is None and [cache.release(e) for e in f.result()])
+            raise
+        return dict(zip(keys, entries))
+
+    def _encode_into_cache(self, claimed: list[tuple[str, ImageItem]]) -> list[CachedEmbedding]:
+        images = [item.open() for _, item in claimed]
+        emb = self.encoder.encode(images)
+        self.cache.counters.vision_runs += 1
+        self.cache.counters.images_encoded += len(images)
+        rows = emb.embeddings.split(emb.token_counts)
+        grids = emb.grid_thw or [None] * len(rows)
+        return [self.cache.store(key, r, g) for (key, _), r, g in zip(claimed, rows, grids)]
 
     async def prefill(
         self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
@@ -102,6 +188,8 @@ class HFStageEngine:
 
     def stats(self) -> dict:
         out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
+        if self.cache is not None:
+            out.update(self.cache.stats())
         if self.decoder is not None:
             out["decode_active"] = self.decoder.active
         return out
@@ -112,3 +200,17 @@ class HFStageEngine:
         if self.endpoint is not None:
             self.endpoint.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
+
+
+def _settings_digest(model_path: str) -> str:
+    """What an embedding depends on besides the image: the checkpoint's weights and processor settings."""
+    h = hashlib.blake2b(digest_size=8)
+    root = Path(model_path)
+    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
+        if (root / name).is_file():
+            h.update(name.encode() + (root / name).read_bytes())
+    for weights in sorted(root.glob("*.safetensors")):
+        stat = weights.stat()
+        h.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h.update(json.dumps(str(root.resolve())).encode())
+    return h.hexdigest()

@@ -1,0 +1,187 @@
+"""The encode side's embedding cache: encoded images kept in the registered send pool, by content.
+
+- Keyed by the image's content id (:func:`trident.media.content_id`) plus the model and processor
+  settings, so two different images never share an entry and a changed model never reuses one.
+- An LRU capped in bytes (``capacity_bytes``; 0 keeps nothing once it is read). Entries live in the send
+  pool, so a hit is published as a record pointing at the cached region: no copy, no vision tower.
+- Reference-counted: every record that points at an entry holds a reference until its lease ends, so an
+  evicted entry's region is freed only when no READ can still be in flight.
+- Encode-once: concurrent requests for an image that is being encoded wait for that one encode
+  (:meth:`EmbeddingCache.claim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..errors import PoolExhausted
+from ..transfer import MemoryPool, Region
+from ..transfer.tensors import dtype_name
+
+
+@dataclass(eq=False)
+class CachedEmbedding:
+    """One image's embedding rows in the send pool."""
+
+    key: str
+    region: Region
+    dtype: str  # wire name (trident.protocol.DTYPE_SIZES)
+    shape: tuple[int, int]  # (rows, hidden)
+    grid: list[int] | None  # Qwen2-VL (t, h, w)
+    refs: int = 0
+    indexed: bool = False  # in the LRU (else freed when the last reference goes)
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    waiters: int = 0
+
+
+@dataclass
+class Claim:
+    """What :meth:`EmbeddingCache.claim` found for one key: a held entry, a pending encode to wait for,
+    or nothing (the caller encodes it and must :meth:`EmbeddingCache.fulfil` or :meth:`EmbeddingCache.fail`)."""
+
+    entry: CachedEmbedding | None = None
+    pending: asyncio.Future | None = None
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    shared: int = 0  # encodes saved: waited on another request's encode, or a repeat within a request
+    evictions: int = 0
+    vision_runs: int = 0  # vision-tower passes
+    images_encoded: int = 0
+
+
+class EmbeddingCache:
+    """Encoded images by key, inside ``pool``; thread-safe (lease releases come from the reaper thread)."""
+
+    def __init__(self, pool: MemoryPool, capacity_bytes: int, key_prefix: str = "") -> None:
+        self.pool = pool
+        self.capacity = capacity_bytes
+        self.key_prefix = key_prefix
+        self.counters = CacheCounters()
+        self._lru: OrderedDict[str, CachedEmbedding] = OrderedDict()
+        self._bytes = 0
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+
+    def key(self, content_id: str) -> str:
+        return f"{self.key_prefix}:{content_id}"
+
+    # -- lookups (event-loop thread) -------------------------------------------------------------------
+    def claim(self, key: str, loop: asyncio.AbstractEventLoop) -> Claim:
+        """A hit (held for the caller), an encode in flight to wait on, or a claim to encode it here."""
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:
+                self._lru.move_to_end(key)
+                entry.refs += 1
+                self.counters.hits += 1
+                return Claim(entry=entry)
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.waiters += 1
+                self.counters.shared += 1
+                return Claim(pending=pending.future)
+            self._pending[key] = _Pending(loop.create_future())
+            self.counters.misses += 1
+            return Claim()
+
+    async def wait(self, pending: asyncio.Future) -> CachedEmbedding:
+        """The entry another request is encoding, held for the caller (see :meth:`fulfil`)."""
+        try:
+            return await asyncio.shield(pending)  # a cancelled waiter must not cancel the others
+        except asyncio.CancelledError:
+            pending.add_done_callback(lambda f: f.exception() is None and self.release(f.result()))
+            raise
+
+    def fulfil(self, key: str, entry: CachedEmbedding) -> None:
+        """The claimed encode of ``key`` is done: wake its waiters, with one reference taken for each."""
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return
+        with self._lock:
+            entry.refs += pending.waiters
+        pending.future.set_result(entry)
+
+    def fail(self, key: str, error: BaseException) -> None:
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.future.set_exception(error)
+            pending.future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+
+    def retain(self, entry: CachedEmbedding) -> CachedEmbedding:
+        with self._lock:
+            entry.refs += 1
+        return entry
+
+    def release(self, entry: CachedEmbedding) -> None:
+        with self._lock:
+            entry.refs -= 1
+            free = entry.refs == 0 and not entry.indexed
+        if free:
+            self.pool.free(entry.region)
+
+    # -- stores (compute thread) -----------------------------------------------------------------------
+    def store(self, key: str, tensor, grid: list[int] | None) -> CachedEmbedding:
+        """Copy one image's rows into the pool (evicting unused entries for room); held once for the caller."""
+        nbytes = tensor.numel() * tensor.element_size()
+        region = self._alloc(nbytes)
+        flat = self.pool.view(region)
+        flat.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1)
+        with self._lock:
+            if 0 < nbytes <= self.capacity:
+                entry.indexed = True
+                self._lru[key] = entry
+                self._bytes += region.nbytes
+                self._evict_over(self.capacity)
+        return entry
+
+    def _alloc(self, nbytes: int) -> Region:
+        while True:
+            try:
+                return self.pool.alloc(nbytes)
+            except PoolExhausted:
+                with self._lock:
+                    if not self._evict_one():
+                        raise
+
+    def _evict_over(self, limit: int) -> None:
+        while self._bytes > limit and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used entry (lock held); its region is freed now or by its last reader."""
+        if not self._lru:
+            return False
+        _, entry = self._lru.popitem(last=False)
+        entry.indexed = False
+        self._bytes -= entry.region.nbytes
+        self.counters.evictions += 1
+        if entry.refs == 0:
+            self.pool.free(entry.region)
+        return True
+
+    # -- counters ------------------------------------------------------------------------------------------
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        with self._lock:
+            return {
+                "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
+                "cache_bytes": self._bytes, "cache_entries": len(self._lru), "cache_capacity": self.capacity,
+                "encodes_shared": c.shared, "vision_runs": c.vision_runs, "images_encoded": c.images_encoded,
+            }

@@ -1,0 +1,81 @@
+"""The scheduler's Prometheus metrics, on Triton's own metrics port (``pb_utils.MetricFamily``).
+
+Every family carries the entry model's ``mode``; the encode stage's cache counters arrive with each
+encode (its ``encode_report``) and are summed per encode instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_FAMILIES = {
+    # name: (kind, description)
+    "trident_requests_total": ("COUNTER", "requests per entry model (mode) and the path they took"),
+    "trident_decisions_total": ("COUNTER", "scheduling decisions: skip_encode, local_prefill, local_encode, fallback:<mode>"),
+    "trident_fallbacks_total": ("COUNTER", "requests served by another mode because a stage had no live instance"),
+    "trident_routed_total": ("COUNTER", "stage calls per stage instance"),
+    "trident_embedding_cache_hits_total": ("COUNTER", "images whose embeddings came from an encode worker's cache"),
+    "trident_embedding_cache_misses_total": ("COUNTER", "images an encode worker had to encode"),
+    "trident_embedding_cache_evictions_total": ("COUNTER", "embedding cache entries evicted, per encode instance"),
+    "trident_embedding_cache_bytes": ("GAUGE", "bytes held in an encode instance's embedding cache"),
+    "trident_encodes_saved_total": ("COUNTER", "image encodes saved by encode-once (shared with a concurrent or repeated image)"),
+    "trident_scheduler_errors_total": ("COUNTER", "requests the scheduler answered with an error, by status"),
+}
+
+
+class SchedulerMetrics:
+    """Counters and gauges of one entry model; no-ops where Triton's metrics API is unavailable."""
+
+    def __init__(self, mode: str, pb_utils: Any = None) -> None:
+        self.mode = mode
+        self._pb = pb_utils
+        self._families: dict[str, Any] = {}
+        self._metrics: dict[tuple, Any] = {}
+        self._evictions_seen: dict[str, int] = {}
+        if pb_utils is not None and hasattr(pb_utils, "MetricFamily"):
+            for name, (kind, description) in _FAMILIES.items():
+                self._families[name] = pb_utils.MetricFamily(
+                    name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind)
+                )
+
+    def _metric(self, name: str, **labels: str):
+        family = self._families.get(name)
+        if family is None:
+            return None
+        key = (name, *sorted(labels.items()))
+        metric = self._metrics.get(key)
+        if metric is None:
+            metric = self._metrics[key] = family.Metric(labels={"mode": self.mode, **labels})
+        return metric
+
+    def add(self, name: str, value: float = 1, **labels: str) -> None:
+        if value:
+            metric = self._metric(name, **labels)
+            if metric is not None:
+                metric.increment(value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        metric = self._metric(name, **labels)
+        if metric is not None:
+            metric.set(value)
+
+    def request(self, path: str, decisions: tuple[str, ...], runs_as: str) -> None:
+        self.add("trident_requests_total", path=path)
+        for decision in decisions:
+            self.add("trident_decisions_total", decision=decision)
+        if runs_as != self.mode:
+            self.add("trident_fallbacks_total", to=runs_as)
+
+    def encode_report(self, instance: str, report: dict) -> None:
+        """An encode instance's report: this request's hits/misses/shared, its cache's bytes and evictions."""
+        self.add("trident_embedding_cache_hits_total", report.get("hits", 0), instance=instance)
+        self.add("trident_embedding_cache_misses_total", report.get("misses", 0), instance=instance)
+        self.add("trident_encodes_saved_total", report.get("shared", 0), instance=instance)
+        if "cache_bytes" in report:
+            self.set("trident_embedding_cache_bytes", report["cache_bytes"], instance=instance)
+        evictions = int(report.get("evictions", 0))
+        seen = self._evictions_seen.get(instance, 0)
+        if evictions < seen:  # the instance restarted: its count began again
+            seen = 0
+        self.add("trident_embedding_cache_evictions_total", evictions - seen, instance=instance)
+        self._evictions_seen[instance] = evictions

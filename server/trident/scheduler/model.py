@@ -1,0 +1,334 @@
+"""The BLS entry model of one mode (python backend, decoupled): Trident's scheduler inside Triton.
+
+Per request it:
+1. reads the entry tensors (the vLLM backend's interface) and the images' content ids;
+2. plans the path (:mod:`.plan`): its mode's chain, without ``encode`` for a text-only request, with the
+   encode on a prefill worker for few images, or a fallback mode when a stage has no live instance;
+3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records;
+   a short prompt is prefilled on the decode worker (no prefill hop, no KV transfer);
+4. streams the last stage's responses through, stopping when the client cancels.
+
+Stage instances are the Triton models ``<stage>`` and ``<stage>-<n>`` that are ready; the scheduler looks
+again every ``refresh_s`` and whenever a call finds an instance gone, so workers can join and leave a
+running server. Decisions are counted on Triton's metrics port (:mod:`.metrics`) and logged per request at
+verbose level (``--log-verbose 1``).
+
+The python backend imports this through the ``model.py`` that :mod:`trident.repository` writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..config import SchedulerConfig
+from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable
+from ..media import content_id, decode_base64
+from ..protocol import (
+    ENCODE_REPORT, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
+    instance_name, parse_instance,
+)
+from .metrics import SchedulerMetrics
+from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
+from .routing import Router, prefix_keys
+
+_ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
+_ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
+_GONE = ("unknown model", "is not ready", "no available versions", "is not found")  # Triton's words for it
+_DONE = object()
+
+
+class StageGone(Exception):
+    """The chosen instance is not there any more (unloaded, or its worker stopped): try another."""
+
+
+class StageError(Exception):
+    """A stage answered with an error: passed to the client with the stage's code and message."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _gone(message: str) -> bool:
+    ours = any(message.startswith(f"{name}:") for name in ERRORS)
+    return not ours and any(words in message for words in _GONE)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils  # provided by the python-backend stub
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.mode: str = params["mode"]
+        self.cfg = SchedulerConfig.model_validate_json(params.get("scheduler") or "{}")
+        self.model_path = params.get("model") or None
+        self.store = Path(args["model_repository"]).parent  # the server's model store
+        self.router = Router(self.cfg.routing, self.cfg.affinity_slack)
+        self.metrics = SchedulerMetrics(self.mode, pb_utils)
+        self.logger = pb_utils.Logger
+        self.stages = sorted({s for m in FALLBACK[self.mode] for s in MODES[m] + LOCAL_ENCODE.get(m, ())})
+        self.live: dict[str, list[str]] = {s: [] for s in self.stages}
+        self._refreshed = 0.0
+        self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
+        self._processor = None
+        if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
+            from ..processor import Processor
+
+            self._processor = Processor(self.model_path)  # measures prompts for local prefill
+        self._refresh(force=True)
+
+    # -- stage instances -------------------------------------------------------------------------------
+    def _ready(self, name: str) -> bool:
+        try:
+            return bool(self.pb.is_model_ready(name))
+        except Exception:
+            return False
+
+    def _refresh(self, force: bool = False) -> None:
+        """Look for the live instances of every stage this mode (or its fallbacks) may use."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < self.cfg.refresh_s:
+            return
+        self._refreshed = now
+        try:
+            listed = [n for n in os.listdir(self.store) if parse_instance(n) is not None]
+        except OSError:
+            listed = []
+        for stage in self.stages:
+            known = [n for n in listed + self.live[stage] if parse_instance(n)[0] == stage]
+            top = max((parse_instance(n)[1] for n in known), default=1)
+            # joined workers need not be in this store: probe a few names past the highest seen
+            candidates = dict.fromkeys([*known, *(instance_name(stage, i) for i in range(1, top + 3))])
+            live = sorted((n for n in candidates if self._ready(n)), key=lambda n: parse_instance(n)[1])
+            for name in set(self.live[stage]) - set(live):
+                self.router.forget(name)
+                self.logger.log_info(f"[trident] {self.mode}: stage instance {name} is gone")
+            for name in set(live) - set(self.live[stage]):
+                self.logger.log_info(f"[trident] {self.mode}: stage instance {name} is live")
+            self.live[stage] = live
+
+    def _mark_gone(self, name: str) -> None:
+        stage = parse_instance(name)[0]
+        if name in self.live.get(stage, []):
+            self.live[stage] = [n for n in self.live[stage] if n != name]
+            self.router.forget(name)
+
+    def _plan(self, num_images: int) -> Plan:
+        self._refresh()
+        live = {s for s, names in self.live.items() if names}
+        p = plan(self.mode, num_images, live, self.cfg.local_encode_images)
+        if p is None:
+            self._refresh(force=True)
+            live = {s for s, names in self.live.items() if names}
+            p = plan(self.mode, num_images, live, self.cfg.local_encode_images)
+        if p is None:
+            needed = " or ".join("+".join(MODES[m]) for m in FALLBACK[self.mode])
+            raise Unavailable(f"the {self.mode} mode has no live stage instances (it needs {needed})")
+        return p
+
+    # -- requests ----------------------------------------------------------------------------------------
+    async def execute(self, requests):
+        await asyncio.gather(*(self._serve(request) for request in requests))
+        return None
+
+    async def _serve(self, request) -> None:
+        pb = self.pb
+        sender = request.get_response_sender()
+        try:
+            await self._run(request, sender)
+        except (StageError, TridentError) as e:
+            code = e.code if isinstance(e, StageError) else getattr(pb.TritonError, e.triton_code, pb.TritonError.INTERNAL)
+            message = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
+            self.metrics.add("trident_scheduler_errors_total", code=str(code))
+            sender.send(pb.InferenceResponse(error=pb.TritonError(message, code)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as e:  # a bug here must not leave the client waiting
+            self.logger.log_error(f"[trident] {self.mode}: scheduler failed: {type(e).__name__}: {e}")
+            self.metrics.add("trident_scheduler_errors_total", code="INTERNAL")
+            sender.send(
+                pb.InferenceResponse(error=pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL)),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+
+    def _inputs(self, request) -> dict:
+        inputs = {}
+        for name in _ENTRY_INPUT_NAMES:
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor
+        return inputs
+
+    async def _run(self, request, sender) -> None:
+        inputs = self._inputs(request)
+        text = _text(inputs.get("text_input"))
+        image_ids = _image_ids(inputs.get("image"))
+        retries = 3
+        while True:
+            p = self._plan(len(image_ids))
+            try:
+                await self._follow(p, request, sender, inputs, text, image_ids)
+                return
+            except StageGone as gone:
+                retries -= 1
+                self._mark_gone(str(gone))
+                if retries == 0:
+                    raise Unavailable(f"stage instance {gone} went away while serving the request") from None
+                self._refresh(force=True)
+
+    async def _follow(self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str]) -> None:
+        records: dict[str, bytes] = {}
+        stages = list(p.stages)
+        token_counts: list[int] = []
+        if stages[0] == "encode":
+            outputs = await self._call("encode", image_ids, inputs, records, [RECORD_TENSOR["embeddings"], ENCODE_REPORT])
+            records[RECORD_TENSOR["embeddings"]] = outputs[RECORD_TENSOR["embeddings"]]
+            token_counts = decode_record(records[RECORD_TENSOR["embeddings"]], EmbeddingsRecord).token_counts
+            stages.pop(0)
+        if needs_prompt_length(p, self.cfg.local_prefill_tokens):
+            length = self._prompt_length(text, token_counts, len(image_ids))
+            if length is not None:
+                p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(image_ids))
+                stages = [s for s in p.stages if s != "encode"]
+        self.metrics.request(p.path, p.decisions, p.runs_as)
+        self.logger.log_verbose(f"[trident] {self.mode} request: path {p.path} {' '.join(p.decisions)}".rstrip())
+        keys = prefix_keys(text, image_ids)
+        for stage in stages[:-1]:  # record stages
+            if request.is_cancelled():
+                return self._cancelled(sender)
+            out = RECORD_TENSOR[STAGES[stage].hands_on]
+            outputs = await self._call(stage, keys, inputs, records, [out])
+            records[out] = outputs[out]
+        if request.is_cancelled():
+            return self._cancelled(sender)
+        await self._stream(stages[-1], keys, request, sender, inputs, records, p)
+
+    def _prompt_length(self, text: str, token_counts: list[int], num_images: int) -> int | None:
+        """The prompt's token count with images expanded; None when it cannot be told here (the stage that
+        prefills will name the problem)."""
+        if self._processor is None or (num_images and not token_counts):
+            return None
+        try:
+            return len(self._processor.prompt_ids(text, token_counts))
+        except Exception:
+            return None
+
+    def _request(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None, outputs: list[str]):
+        pb, tensors = self.pb, []
+        for name in STAGES[stage].input_names:
+            if record is not None and name == record[0]:
+                tensors.append(pb.Tensor(name, np.array([record[1]], dtype=np.object_)))
+            elif name in inputs:
+                tensors.append(inputs[name])
+        return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs)
+
+    @staticmethod
+    def _record_for(stage: str, records: dict[str, bytes], local_prefill: bool = False) -> tuple[str, bytes] | None:
+        """The one record a stage gets: what it takes (a decode stage prefilling itself: the embeddings)."""
+        kind = "embeddings" if local_prefill else STAGES[stage].takes
+        name = RECORD_TENSOR.get(kind) if kind else None
+        return (name, records[name]) if name in records else None
+
+    def _route(self, stage: str, keys: list[str]) -> str:
+        instances = self.live.get(stage) or []
+        if not instances:
+            raise StageGone(instance_name(stage, 1))
+        instance, _ = self.router.choose(stage, instances, keys)
+        self.metrics.add("trident_routed_total", stage=stage, instance=instance)
+        return instance
+
+    async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str]) -> dict:
+        """One non-streaming stage call; its outputs as bytes."""
+        instance = self._route(stage, keys)
+        self.router.begin(instance)
+        try:
+            response = await self._request(stage, instance, inputs, self._record_for(stage, records), outputs).async_exec()
+        finally:
+            self.router.end(instance)
+        self._check(response, instance)
+        result = {}
+        for name in outputs:
+            tensor = self.pb.get_output_tensor_by_name(response, name)
+            value = tensor.as_numpy().reshape(-1)[0] if tensor is not None else b""
+            result[name] = value if isinstance(value, bytes) else str(value).encode()
+        if stage == "encode" and result.get(ENCODE_REPORT):
+            self.metrics.encode_report(instance, json.loads(result[ENCODE_REPORT]))
+        return result
+
+    def _check(self, response, instance: str) -> None:
+        if response.has_error():
+            error = response.error()
+            message = error.message()
+            if _gone(message):
+                raise StageGone(instance)
+            code = error.code() if hasattr(error, "code") else self.pb.TritonError.INTERNAL
+            raise StageError(message, code)
+
+    async def _stream(self, stage: str, keys, request, sender, inputs: dict, records: dict, p: Plan) -> None:
+        """Call the stage that hands on tokens and pass its responses to the client as they come."""
+        pb, loop = self.pb, asyncio.get_running_loop()
+        record = self._record_for(stage, records, p.local_prefill)  # a decode stage prefilling gets the embeddings
+        instance = self._route(stage, keys)
+        self.router.begin(instance)
+        try:
+            stream = await self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES).async_exec(decoupled=True)
+            sent = 0
+            while True:
+                response = await loop.run_in_executor(self._streams, next, stream, _DONE)
+                if response is _DONE:
+                    break
+                if request.is_cancelled():
+                    cancel = getattr(stream, "cancel", None)  # python backend >= 25.04
+                    if cancel is not None:
+                        cancel()
+                    return self._cancelled(sender)
+                if response.has_error():
+                    if sent:  # the client has a partial answer: end it with the stage's error
+                        error = response.error()
+                        sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                        return
+                    self._check(response, instance)
+                tensors = response.output_tensors()
+                if tensors:
+                    sender.send(pb.InferenceResponse(output_tensors=tensors))
+                    sent += 1
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            self.router.end(instance)
+
+    def _cancelled(self, sender) -> None:
+        pb = self.pb
+        sender.send(
+            pb.InferenceResponse(error=pb.TritonError("request cancelled", pb.TritonError.CANCELLED)),
+            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def finalize(self) -> None:
+        self._streams.shutdown(wait=False, cancel_futures=True)
+
+
+def _text(tensor) -> str:
+    if tensor is None:
+        raise InvalidRequest("text_input is required")
+    values = tensor.as_numpy().reshape(-1)
+    if values.size == 0:
+        raise InvalidRequest("text_input is empty")
+    value = values[0]
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise InvalidRequest("text_input is not valid UTF-8") from None
+
+
+def _image_ids(tensor) -> list[str]:
+    """Content ids of the request's images (base64 checked here; the images are decoded where encoded)."""
+    if tensor is None:
+        return []
+    return [content_id(decode_base64(v, i)) for i, v in enumerate(tensor.as_numpy().reshape(-1))]
