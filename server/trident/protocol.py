@@ -75,6 +75,12 @@ class StageSpec:
         return tuple(t.name for t in self.inputs)
 
 
+REQUEST_ID = "trident_request"
+"""Request parameter: the scheduler's id of a request it streams from a stage."""
+CANCEL = "trident_cancel"
+"""Request parameter of a control request to a streaming stage: stop the stream with this id (Triton 2.51's
+python backend cannot cancel a BLS request itself)."""
+
 ENCODE_REPORT = "encode_report"
 """Extra output of the encode stage: JSON counters of its embedding cache for the scheduler's metrics
 (this request's hits, misses and shared encodes, the cache's bytes and evictions). Ensembles ignore it."""

@@ -38,7 +38,8 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, HF_HUB_OFFLINE="1"))
         self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -67,6 +68,25 @@ class Server:
     def worker_pids(self) -> list[int]:
         return [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in self.log if "started worker" in line]
 
+    def worker_pid(self, name: str) -> int:
+        """The pid of the worker bound as stage model ``name`` (e.g. ``prefill-2``)."""
+        for line in self.log:
+            if line.startswith(f"[trident] started worker {name} (pid "):
+                return int(line.rsplit("pid ", 1)[1].rstrip(")"))
+        raise KeyError(name)
+
+    def metrics(self) -> dict[tuple, float]:
+        """Triton's metrics port: ``{(name, (("label", "value"), ...)): value}`` (Trident's own families)."""
+        import requests
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) if family.name.startswith("trident")
+            for sample in family.samples
+        }
+
     def stats(self) -> dict[str, dict]:
         return {p.stem: json.loads(p.read_text()) for p in (self.workspace / "stats").glob("*.json")}
 
@@ -78,6 +98,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(10)  # the log's last lines
         return self.proc.returncode
 
 
@@ -94,15 +115,16 @@ def descendants(pid: int) -> list[int]:
 
 
 def wait_drained(server: Server, stages: set[str], timeout: float = 10.0) -> dict[str, dict]:
-    """Wait until no worker holds a pool region, a vLLM KV block or a running request; assert it, and
-    that no lease expired. Returns the last stats."""
+    """Wait until no worker holds a lease, a pool region outside its embedding cache, a vLLM KV block or a
+    running request; assert it, and that no lease expired. Returns the last stats."""
     deadline = time.monotonic() + timeout
     while True:
         stats = server.stats()
         busy = {
             k: v for k, v in stats.items()
-            if v.get("send_regions_in_use") or v.get("recv_regions_in_use") or v.get("kv_cache_usage")
-            or v.get("vllm_running") or v.get("vllm_waiting")
+            if v.get("leases") or v.get("send_regions_in_use", 0) > v.get("cache_entries", 0)
+            or v.get("recv_regions_in_use") or v.get("kv_cache_usage") or v.get("vllm_running")
+            or v.get("vllm_waiting") or v.get("decode_active")
         }
         if not busy or time.monotonic() > deadline:
             break

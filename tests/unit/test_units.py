@@ -12,7 +12,7 @@ from trident.media import decode_base64_image
 from trident.output import TextStream
 from trident.processor import SamplingParams
 from trident.protocol import MODES
-from trident.repository import REPOSITORY, render_ensemble
+from trident.repository import REPOSITORY, write_repository
 
 
 def test_sampling_params_parse_and_errors():
@@ -62,9 +62,27 @@ def test_decode_base64_image_forms_and_errors():
         decode_base64_image("data:image/png,rawbytes")
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_repository_is_in_step_with_protocol(mode):
-    assert (REPOSITORY / mode / "config.pbtxt").read_text() == render_ensemble(mode)
+def test_repository_is_in_step_with_protocol(tmp_path):
+    """model_repository/ is what `python -m trident.repository` renders from the protocol, file for file."""
+    written = write_repository(tmp_path)
+    assert {p.relative_to(tmp_path) for p in written} == {
+        p.relative_to(REPOSITORY) for p in REPOSITORY.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
+    for path in written:
+        assert (REPOSITORY / path.relative_to(tmp_path)).read_text() == path.read_text(), path
+
+
+def test_ensembles_chain_records_and_bls_models_are_decoupled_python():
+    from trident.repository import bls_config, ensemble_config
+
+    steps = ensemble_config("e_p_d").ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["encode", "prefill", "decode"]
+    assert "encode_report" not in steps[0].output_map  # the scheduler's, not the chain's
+    assert dict(steps[2].input_map)["kv_meta"] == "_kv_meta" and "embedding_meta" not in steps[2].input_map
+    bls = bls_config("e_p_d")
+    assert bls.backend == "python" and bls.model_transaction_policy.decoupled
+    assert bls.parameters["mode"].string_value == "e_p_d"
+    assert [i.name for i in bls.input] == [i.name for i in ensemble_config("e_p_d").input]
 
 
 def test_llava_demo_weights_use_the_hub_layout_and_load(demo_models):

@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable
 from ..media import content_id, decode_base64
 from ..protocol import (
-    ENCODE_REPORT, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
+    CANCEL, ENCODE_REPORT, REQUEST_ID, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
     instance_name, parse_instance,
 )
 from .metrics import SchedulerMetrics
@@ -220,14 +221,18 @@ class TritonPythonModel:
         except Exception:
             return None
 
-    def _request(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None, outputs: list[str]):
+    def _request(
+        self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None, outputs: list[str],
+        parameters: dict | None = None,
+    ):
         pb, tensors = self.pb, []
         for name in STAGES[stage].input_names:
             if record is not None and name == record[0]:
                 tensors.append(pb.Tensor(name, np.array([record[1]], dtype=np.object_)))
             elif name in inputs:
                 tensors.append(inputs[name])
-        return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs)
+        kwargs = {"parameters": parameters} if parameters else {}
+        return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs, **kwargs)
 
     @staticmethod
     def _record_for(stage: str, records: dict[str, bytes], local_prefill: bool = False) -> tuple[str, bytes] | None:
@@ -276,18 +281,18 @@ class TritonPythonModel:
         pb, loop = self.pb, asyncio.get_running_loop()
         record = self._record_for(stage, records, p.local_prefill)  # a decode stage prefilling gets the embeddings
         instance = self._route(stage, keys)
+        request_id = uuid.uuid4().hex
         self.router.begin(instance)
         try:
-            stream = await self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES).async_exec(decoupled=True)
+            call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
+            stream = await call.async_exec(decoupled=True)
             sent = 0
             while True:
                 response = await loop.run_in_executor(self._streams, next, stream, _DONE)
                 if response is _DONE:
                     break
                 if request.is_cancelled():
-                    cancel = getattr(stream, "cancel", None)  # python backend >= 25.04
-                    if cancel is not None:
-                        cancel()
+                    await self._cancel_stream(stage, instance, stream, request_id)
                     return self._cancelled(sender)
                 if response.has_error():
                     if sent:  # the client has a partial answer: end it with the stage's error
@@ -302,6 +307,23 @@ class TritonPythonModel:
             sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
             self.router.end(instance)
+
+    async def _cancel_stream(self, stage: str, instance: str, stream, request_id: str) -> None:
+        """Stop a stage's stream whose client went away."""
+        cancel = getattr(stream, "cancel", None)  # the python backend's own, from Triton 25.04
+        if cancel is not None:
+            cancel()
+            return
+        text = self.pb.Tensor("text_input", np.array([b""], dtype=np.object_))
+        call = self.pb.InferenceRequest(
+            model_name=instance, inputs=[text], requested_output_names=_ENTRY_OUTPUT_NAMES,
+            parameters={CANCEL: request_id},
+        )
+        try:
+            responses = await call.async_exec(decoupled=True)
+            await asyncio.get_running_loop().run_in_executor(self._streams, lambda: [r for r in responses])
+        except Exception as e:  # the stream still ends with its max_tokens
+            self.logger.log_warn(f"[trident] {self.mode}: could not cancel a {stage} stream on {instance}: {e}")
 
     def _cancelled(self, sender) -> None:
         pb = self.pb

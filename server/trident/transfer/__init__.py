@@ -58,6 +58,7 @@ class TransferEndpoint:
             "send_regions_in_use": s.pool.in_use,
             "recv_regions_in_use": self.receiver.pool.in_use,
             "send_bytes_in_use": s.pool.bytes_in_use,
+            "leases": s.active_leases,
             "published": s.published,
             "released": s.released,
             "expired": s.expired,

@@ -86,6 +86,11 @@ class TransferSender:
         region = self.copy_in(tensors)
         return self.lease([region], specs_for(list(tensors)), lambda: self.pool.free(region), lease_s=lease_s)
 
+    @property
+    def active_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
     def release(self, lease_id: str) -> bool:
         """End a lease now; False when it is unknown (already released or expired)."""
         with self._lock:

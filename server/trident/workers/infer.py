@@ -19,9 +19,59 @@ from ..errors import ERRORS, InvalidRequest
 from ..media import ImageItem
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
-from ..protocol import ENCODE_REPORT, RECORD_TENSOR, StageSpec
+from ..protocol import CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, StageSpec
 
 _FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?\]\]")
+
+
+def _parameter(request, name: str) -> str | None:
+    value = (getattr(request, "parameters", None) or {}).get(name)
+    return str(value) if value not in (None, "") else None
+
+
+class Streams:
+    """The streamed requests of a stage by the scheduler's id, so that a cancel request can stop one.
+
+    Triton 2.51's python backend cannot cancel a BLS request, so the scheduler sends the stage a second
+    request carrying ``trident_cancel``; the stream it names ends at its next token, which closes the
+    engine's generation (the hf decoder drops it, vLLM aborts it) and frees what it holds.
+    """
+
+    def __init__(self) -> None:
+        self._stops: dict[str, asyncio.Event] = {}
+        self.cancelled = 0
+
+    def cancel(self, request_id: str) -> bool:
+        stop = self._stops.get(request_id)
+        if stop is None:
+            return False
+        stop.set()
+        self.cancelled += 1
+        return True
+
+    async def relay(self, request_id: str | None, responses):
+        """``responses`` (an async iterator) until it ends or ``request_id`` is cancelled."""
+        if request_id is None:
+            async for item in responses:
+                yield item
+            return
+        stop = self._stops.setdefault(request_id, asyncio.Event())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(responses, None))
+                await asyncio.wait({step, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # cancelled: the generation's own clean-up runs as the step is cancelled
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                    return
+                item = step.result()
+                if item is None:
+                    return
+                yield item
+        finally:
+            stopped.cancel()
+            self._stops.pop(request_id, None)
 
 
 def _value(request, name: str):
@@ -149,12 +199,20 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
 
         return prefill
 
+    streams = Streams()
+
     async def generate(requests):
         request = _single(requests)
+        cancel = _parameter(request, CANCEL)
+        if cancel is not None:  # a control request: nothing to generate
+            streams.cancel(cancel)
+            return
         text, params, kwargs = await read(request)
         opts = output_options(request)
         generation = await engine.generate(text, params, **kwargs)
-        async for responses in entry_responses(generation, opts, None if opts.exclude_input_in_output else text):
-            yield responses
+        responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
+        async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
+            yield item
 
+    generate.streams = streams
     return generate

@@ -1,0 +1,282 @@
+"""The BLS scheduler on a real server: encode skipped without images, the embedding cache and encode-once,
+routing over two prefill instances, a killed and a joining instance, fallback when a stage is gone.
+
+One server (LLaVA demo, E/P/D with two prefill instances, E/PD and EPD for fallback, a 1 MiB embedding
+cache: two LLaVA images) serves the whole module; the tests run in order and the last ones take stages
+away. Outputs are always checked against ``model.generate()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from support import Server, build_reference, grpc_generate, http_generate
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
+CACHE_MIB = 1
+UNIQUE = 8  # distinct images with the same prompt
+CASES = {
+    "one-image": [(224, 224, 1)],
+    "two-images": [(224, 224, 1), (300, 200, 2)],
+    "text-only": [],
+    "same-twice": [(224, 224, 7), (224, 224, 7)],
+    "fresh": [(224, 224, 50)],
+    **{f"unique-{i}": [(224, 224, 100 + i)] for i in range(UNIQUE)},
+    **{f"spread-{i}": [(224, 224, 200 + i)] for i in range(4)},
+}
+
+
+@pytest.fixture(scope="module")
+def server(demo_models, tmp_path_factory):
+    srv = Server(
+        demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
+        extra=["--instances", "prefill=2", "--embedding-cache-mib", str(CACHE_MIB)],
+    )
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def ref(server):
+    return build_reference(server.model_path, CASES, NEW_TOKENS)
+
+
+def _encode(server) -> dict:
+    return server.stats()["encode"]
+
+
+def _settled(server, name: str, key: str, want, timeout: float = 5.0) -> dict:
+    """Worker stats once ``stats[name][key]`` satisfies ``want`` (a value or a predicate); stats files
+    are rewritten every 0.2 s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats().get(name, {})
+        value = stats.get(key)
+        if (want(value) if callable(want) else value == want) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def _generate(server, c, mode="e_p_d", stream=True):
+    return grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=stream).text
+
+
+def _metric(server, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in server.metrics().items() if n == name and want <= set(ls))
+
+
+def test_instances_are_named_models_with_their_own_stats(server):
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(server.http)
+    assert admin.is_model_ready("prefill") and admin.is_model_ready("prefill-2")
+    assert {"prefill", "prefill-2", "encode", "decode"} <= set(server.stats())
+    assert server.stats()["prefill"]["pid"] != server.stats()["prefill-2"]["pid"]
+
+
+def test_text_only_skips_the_vision_tower(server, ref):
+    c = ref["text-only"]
+    runs = _encode(server)["vision_runs"]
+    skipped = _metric(server, "trident_decisions_total", decision="skip_encode")
+    for mode in ("e_p_d", "e_pd"):
+        assert _generate(server, c, mode) == c["expected"]
+        status, body = http_generate(server.http, mode, c["text"], [], GREEDY)
+        assert status == 200 and body["text_output"] == c["expected"]
+    time.sleep(0.3)
+    assert _encode(server)["vision_runs"] == runs
+    assert _metric(server, "trident_decisions_total", decision="skip_encode") == skipped + 4
+
+
+def test_eight_concurrent_requests_with_one_new_image_encode_it_once(server, ref):
+    c = ref["fresh"]
+    before = _encode(server)
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda _: _generate(server, c), range(8)))
+    assert texts == [c["expected"]] * 8
+    after = _settled(server, "encode", "published", before["published"] + 8)
+    assert after["vision_runs"] - before["vision_runs"] == 1
+    assert after["images_encoded"] - before["images_encoded"] == 1
+    assert after["cache_misses"] - before["cache_misses"] == 1
+    # the other seven waited on that encode or found it cached
+    saved = (after["encodes_shared"] - before["encodes_shared"]) + (after["cache_hits"] - before["cache_hits"])
+    assert saved == 7
+
+
+def test_the_same_image_twice_in_one_request_is_encoded_once(server, ref):
+    c = ref["same-twice"]
+    before = _encode(server)
+    assert _generate(server, c) == c["expected"]
+    after = _settled(server, "encode", "published", before["published"] + 1)
+    assert after["vision_runs"] - before["vision_runs"] == 1
+    assert after["images_encoded"] - before["images_encoded"] == 1
+    assert after["encodes_shared"] - before["encodes_shared"] == 1
+
+
+def test_a_repeated_image_is_a_cache_hit(server, ref):
+    c = ref["one-image"]
+    assert _generate(server, c) == c["expected"]
+    before = _settled(server, "encode", "leases", 0)
+    hits = _metric(server, "trident_embedding_cache_hits_total")
+    for mode in ("e_p_d", "e_pd"):
+        assert _generate(server, c, mode) == c["expected"]
+    after = _settled(server, "encode", "published", before["published"] + 2)
+    assert after["vision_runs"] == before["vision_runs"]
+    assert after["cache_hits"] - before["cache_hits"] == 2
+    assert _metric(server, "trident_embedding_cache_hits_total") == hits + 2
+    # a cached image next to a new one: still exact
+    assert _generate(server, ref["two-images"]) == ref["two-images"]["expected"]
+
+
+def test_distinct_images_never_share_an_entry_and_eviction_keeps_the_cap(server, ref):
+    cap = CACHE_MIB << 20
+    cases = [ref[f"unique-{i}"] for i in range(UNIQUE)]
+    assert len({c["text"] for c in cases}) == 1  # the same prompt, different images
+    before = _encode(server)
+    for c in cases + cases[::-1]:  # then again, the last ones from the cache
+        assert _generate(server, c) == c["expected"]
+        assert _encode(server)["cache_bytes"] <= cap
+    after = _settled(server, "encode", "leases", 0)
+    assert after["cache_misses"] - before["cache_misses"] >= UNIQUE
+    assert after["cache_evictions"] - before["cache_evictions"] >= UNIQUE - 2
+    assert 0 < after["cache_bytes"] <= cap and after["cache_entries"] <= 2
+    assert after["send_regions_in_use"] == after["cache_entries"]  # nothing but the cache is held
+
+
+def _reload(server, **scheduling) -> None:
+    """Change the e_p_d entry model's scheduler settings while serving (Triton's config override)."""
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(server.http)
+    config = admin.get_model_config("e_p_d")
+    settings = json.loads(config["parameters"]["scheduler"]["string_value"])
+    settings.update(scheduling)
+    config["parameters"]["scheduler"]["string_value"] = json.dumps(settings)
+    admin.load_model("e_p_d", config=json.dumps(config), headers={"triton-access-token": server.token})
+
+
+def _published(server) -> dict[str, int]:
+    stats = server.stats()
+    return {name: stats[name]["published"] for name in ("prefill", "prefill-2") if name in stats}
+
+
+def test_least_loaded_spreads_concurrent_requests_over_both_instances(server, ref):
+    _reload(server, routing="least_loaded")
+    try:
+        before = _published(server)
+        c = ref["one-image"]
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(lambda _: _generate(server, c), range(16)))
+        assert texts == [c["expected"]] * 16
+        time.sleep(0.5)
+        after = _published(server)
+        spread = {name: after[name] - before[name] for name in after}
+        assert sum(spread.values()) == 16 and min(spread.values()) >= 4, spread
+        assert _metric(server, "trident_routed_total", instance="prefill-2", mode="e_p_d") > 0
+    finally:
+        _reload(server, routing="affinity")
+
+
+def test_affinity_sends_repeats_of_an_image_to_one_instance(server, ref):
+    for case in ("spread-0", "spread-1", "spread-2"):
+        c = ref[case]
+        assert _generate(server, c) == c["expected"]  # first seen: the least-loaded instance
+        time.sleep(0.3)
+        before = _published(server)
+        for _ in range(4):
+            assert _generate(server, c) == c["expected"]
+        time.sleep(0.3)
+        after = _published(server)
+        assert sorted(after[n] - before[n] for n in after) == [0, 4], (case, before, after)
+
+
+def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref):
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(server.http)
+    os.kill(server.worker_pid("prefill-2"), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while admin.is_model_ready("prefill-2") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not admin.is_model_ready("prefill-2")
+    assert any("worker prefill-2 exited" in line for line in server.log)
+    before = _published(server)["prefill"]
+    for case in ("spread-0", "spread-1", "spread-2", "unique-0"):  # some had affinity to prefill-2
+        assert _generate(server, ref[case]) == ref[case]["expected"]
+    assert _settled(server, "prefill", "published", before + 4)["published"] == before + 4
+    assert server.proc.poll() is None
+
+
+def test_a_worker_that_joins_later_gets_traffic(server, ref):
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(server.http)
+    stats_dir = server.workspace / "stats"
+    (stats_dir / "prefill-2.json").unlink(missing_ok=True)  # the killed one's
+    cmd = [sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", server.model_path,
+           "--join", f"http://{server.http}", "--stats-dir", str(stats_dir)]
+    joiner = subprocess.Popen(cmd, env=dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not admin.is_model_ready("prefill-2"):
+            assert joiner.poll() is None and time.monotonic() < deadline, "the joining worker did not bind"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
+        cases = [ref[f"unique-{i}"] for i in range(1, 7)]  # prefixes it has not seen on any live instance
+        for c in cases:
+            assert _generate(server, c) == c["expected"]
+        joined = _settled(server, "prefill-2", "published", lambda v: (v or 0) > 0)
+        assert joined.get("published", 0) > 0 and joined["pid"] == joiner.pid
+    finally:
+        joiner.send_signal(signal.SIGTERM)
+        assert joiner.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while admin.is_model_ready("prefill-2") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _generate(server, ref["unique-1"]) == ref["unique-1"]["expected"]  # it left cleanly
+
+
+def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref):
+    import requests
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(server.http)
+    headers = {"triton-access-token": server.token}
+    admin.unload_model("prefill", headers=headers)
+    deadline = time.monotonic() + 10
+    while admin.is_model_ready("prefill") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fallbacks = _metric(server, "trident_fallbacks_total", to="e_pd")
+    for case in ("one-image", "two-images"):
+        assert _generate(server, ref[case]) == ref[case]["expected"]
+    assert _metric(server, "trident_fallbacks_total", to="e_pd") == fallbacks + 2
+    for stage in ("prefill_decode", "generate"):
+        admin.unload_model(stage, headers=headers)
+    while (admin.is_model_ready("prefill_decode") or admin.is_model_ready("generate")) and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
+    c = ref["one-image"]
+    start = time.monotonic()
+    with pytest.raises(Exception, match="no live stage instances"):
+        grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True, timeout=5)
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    r = requests.post(f"{server.openai_url}/chat/completions", timeout=5, json={
+        "model": f"{os.path.basename(server.model_path)}:e_p_d", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hello"}],
+    })
+    assert r.status_code == 503 and "no live stage instances" in r.json()["error"]["message"], r.text
+    assert r.headers.get("retry-after") and time.monotonic() - start < 1.0
