@@ -264,7 +264,9 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
         *("| " + " | ".join(line) + " |" for line in lines),
         "", f"![throughput and TTFT per mode]({chart.name})", "",
     ]
-    path.write_text("\n".join(md))
+    marker = "<!-- bench-scheduler -->"  # make bench-scheduler's section stays
+    kept = path.read_text().split(marker, 1) if path.exists() else []
+    path.write_text("\n".join(md) + (f"\n{marker}{kept[1]}" if len(kept) == 2 else ""))
     print(f"wrote {path} and {chart}")
 
 

@@ -76,6 +76,22 @@ def test_modes_equal_generate(server, reference, mode, case):
     assert body["finish_reason"] == "length" and body["num_output_tokens"] == NEW_TOKENS
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_ensemble_equals_bls_scheduler(server, reference, mode):
+    """The same entry model as Triton's ensemble (swapped in while serving) and as the BLS scheduler (the
+    default) give model.generate()'s text for every case, streamed over gRPC and over HTTP generate."""
+    try:
+        for kind in ("ensemble", "bls"):
+            server.swap_scheduler(mode, kind)
+            for case, c in reference.items():
+                streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
+                assert streamed.text == c["expected"], (kind, case)
+                status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+                assert status == 200 and body["text_output"] == c["expected"], (kind, case)
+    finally:
+        server.swap_scheduler(mode, "bls")
+
+
 def test_include_input_in_output(server, reference):
     import tritonclient.http as httpclient
 

@@ -78,6 +78,47 @@ def test_modes_equal_generate(server, reference, mode, case):
     assert status == 200 and body["text_output"] == c["expected"]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_ensemble_equals_bls_scheduler(server, reference, mode):
+    """Triton's ensemble (swapped in while serving) and the BLS scheduler (the default) agree with
+    model.generate(), over gRPC streaming and HTTP generate."""
+    try:
+        for kind in ("ensemble", "bls"):
+            server.swap_scheduler(mode, kind)
+            for case in ("one-image", "text-only"):
+                c = reference[case]
+                assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
+                status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+                assert status == 200 and body["text_output"] == c["expected"], (kind, case, body)
+    finally:
+        server.swap_scheduler(mode, "bls")
+
+
+def test_scheduler_paths_and_embedding_cache(server, reference):
+    """On vLLM workers too: a text-only E/P/D request is prefilled on the decode worker without the encoder,
+    a long image prompt takes every stage, and a repeated image comes from the encode worker's cache."""
+    def paths() -> dict[str, float]:
+        return {dict(labels)["path"]: v for (name, labels), v in server.metrics().items()
+                if name == "trident_requests_total" and dict(labels)["mode"] == "e_p_d"}
+
+    text, image = reference["text-only"], reference["one-image"]
+    grpc_generate(server.grpc, "epd", image["text"], image["images"], GREEDY, stream=True)
+    assert grpc_generate(server.grpc, "e_pd", image["text"], image["images"], GREEDY, stream=True).text == image["expected"]
+    time.sleep(0.5)
+    before, runs = paths(), server.stats()["encode"]["vision_runs"]
+    assert grpc_generate(server.grpc, "e_p_d", text["text"], [], GREEDY, stream=True).text == text["expected"]
+    for _ in range(2):
+        got = grpc_generate(server.grpc, "e_p_d", image["text"], image["images"], GREEDY, stream=True)
+        assert got.text == image["expected"]
+    after = paths()
+    assert after.get("decode(prefill)", 0) - before.get("decode(prefill)", 0) == 1
+    image_path = "encode>prefill>decode" if image["num_input_tokens"] > 128 else "encode>decode(prefill)"
+    assert after.get(image_path, 0) - before.get(image_path, 0) == 2
+    time.sleep(0.5)
+    assert server.stats()["encode"]["vision_runs"] == runs  # the image came from the cache both times
+    wait_drained(server, KV_STAGES, timeout=30)
+
+
 def test_two_images_agree_across_modes(server, reference):
     """Two images: every disaggregated mode gives exactly what vLLM gives in one engine (epd). For
     Qwen2-VL that differs from transformers' generate() (see the issue note); for LLaVA it is the same."""

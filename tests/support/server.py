@@ -75,6 +75,24 @@ class Server:
                 return int(line.rsplit("pid ", 1)[1].rstrip(")"))
         raise KeyError(name)
 
+    def ready(self, model: str) -> bool:
+        import tritonclient.http as httpclient
+
+        return httpclient.InferenceServerClient(self.http).is_model_ready(model)
+
+    def swap_scheduler(self, mode: str, kind: str) -> None:
+        """Reload entry model ``mode`` as a BLS scheduler or an ensemble while serving (a config override
+        through Triton's repository API, as an operator would)."""
+        import tritonclient.http as httpclient
+        from google.protobuf import json_format
+
+        from trident.repository import bls_config, ensemble_config
+
+        admin = httpclient.InferenceServerClient(self.http)
+        config = bls_config(mode, model_path=self.model_path) if kind == "bls" else ensemble_config(mode)
+        admin.load_model(mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.token})
+        assert admin.is_model_ready(mode)
+
     def metrics(self) -> dict[tuple, float]:
         """Triton's metrics port: ``{(name, (("label", "value"), ...)): value}`` (Trident's own families)."""
         import requests

@@ -11,7 +11,6 @@ from trident.errors import InvalidRequest
 from trident.media import decode_base64_image
 from trident.output import TextStream
 from trident.processor import SamplingParams
-from trident.protocol import MODES
 from trident.repository import REPOSITORY, write_repository
 
 

@@ -30,13 +30,6 @@ def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int
 
 
 # -- embeddings -------------------------------------------------------------------------------------
-def publish_embeddings(endpoint: TransferEndpoint, emb: ImageEmbeddings, image_ids: list[str]) -> EmbeddingsRecord:
-    return EmbeddingsRecord(
-        transfer=endpoint.publish([emb.embeddings]), token_counts=list(emb.token_counts), grid_thw=emb.grid_thw,
-        image_ids=list(image_ids),
-    )
-
-
 def publish_cached_embeddings(
     sender: TransferSender, cache: EmbeddingCache, entries: list[CachedEmbedding], image_ids: list[str]
 ) -> EmbeddingsRecord:

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""The BLS scheduler's benchmark: embedding cache, encode-once, text-only dispatch, BLS vs ensemble.
+
+Three `trident serve` runs on the LLaVA demo (E/PD, E/P/D and EPD), one after the other, driven by the same
+gRPC streaming client (tritonclient, one thread per in-flight request):
+
+1. BLS, embedding cache on (256 MiB) and 2. BLS, cache off (``--embedding-cache-mib 0``): 200 requests at
+   concurrency 8 over a fixed pool of 40 images (each image 5 times, shuffled: 80% reuse), per mode; mean
+   TTFT cache on / cache off, and encoder runs / unique images (from the encode worker's stats).
+   On server 1 also: text-only TTFT at concurrency 1 through ``e_p_d`` and through ``epd``.
+3. ``--scheduler ensemble``: tokens/s at concurrency 8 with unique images, beside server 2's (BLS, one
+   instance per stage, no cache on either: the scheduler's own cost).
+
+    make bench-scheduler          (prints the table and writes it into docs/benchmarks.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from trident.netutil import free_ports
+
+MODES = ["e_pd", "e_p_d"]
+PROMPT = "Describe the picture in detail, please."
+SECTION = "<!-- bench-scheduler -->"
+
+
+def image_b64(seed: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class Serve:
+    """`trident serve` on free ports, output kept; stopped with SIGTERM."""
+
+    def __init__(self, model: str, extra: list[str]) -> None:
+        self.http, self.grpc, metrics = free_ports(3)
+        self.workspace = Path(tempfile.mkdtemp(prefix="bench-sched-"))
+        cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *MODES, "epd",
+               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
+               "--openai-port", "0", "--workspace", str(self.workspace), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("[trident] ready"):
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        while not ready.wait(0.5):
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited during start-up:\n" + "".join(self.lines[-30:]))
+
+    def encode_stats(self) -> dict:
+        time.sleep(0.5)  # stats files are rewritten every 0.2 s
+        return json.loads((self.workspace / "stats" / "encode.json").read_text())
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def one_request(url: str, mode: str, text: str, images: list[str], max_tokens: int) -> tuple[float, int]:
+    """(TTFT s, output tokens) of one streamed request."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, arr, dtype):
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+
+    params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    inputs = [
+        tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
+        tensor("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([True]), "BOOL"),
+        tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+    ]
+    if images:
+        inputs.append(tensor("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        client.async_stream_infer(mode, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = q.get(timeout=300)
+            if error is not None:
+                raise RuntimeError(str(error))
+            out = result.as_numpy("text_output")
+            if out is not None and out.size and ttft is None:
+                ttft = time.perf_counter() - t0
+            n = result.as_numpy("num_output_tokens")
+            if n is not None and n.size:
+                tokens = int(n.reshape(-1)[0])
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return ttft or float("nan"), tokens
+
+
+def load(url: str, mode: str, jobs: list[tuple[str, list[str]]], concurrency: int, max_tokens: int) -> dict:
+    """Run ``jobs`` (text, images) at ``concurrency``; mean/p50 TTFT and output tokens/s."""
+    one_request(url, mode, jobs[0][0], [], 2)  # warm-up (no image: nothing cached)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda job: one_request(url, mode, job[0], job[1], max_tokens), jobs))
+    span = time.perf_counter() - t0
+    ttfts = [r[0] * 1000 for r in results]
+    return {
+        "ttft_mean": statistics.fmean(ttfts), "ttft_p50": statistics.median(ttfts),
+        "tok_s": sum(r[1] for r in results) / span, "requests": len(results),
+    }
+
+
+def reuse_jobs(text: str, pool_size: int, requests: int, seed: int) -> tuple[list, int]:
+    """``requests`` jobs over ``pool_size`` images, each used requests/pool_size times, shuffled."""
+    images = [image_b64(seed + i) for i in range(pool_size)]
+    order = [i % pool_size for i in range(requests)]
+    random.Random(seed).shuffle(order)
+    return [(text, [images[i]]) for i in order], pool_size
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint (default: the LLaVA demo model)")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--pool", type=int, default=40, help="distinct images in the reuse runs")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--report", type=Path, help="markdown file to put the table into (its scheduler section)")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from trident.dev.demo import default_demo_model
+
+    model = args.model or str(default_demo_model("llava", log=None))
+    tok = AutoTokenizer.from_pretrained(model)
+    chat = lambda n, t: tok.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": t}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    image_text = chat(1, PROMPT)
+    text_only = chat(0, "Tell me a short story about a lighthouse.")
+    rows: dict[str, dict] = {}
+
+    for label, extra in (("cache on", []), ("cache off", ["--embedding-cache-mib", "0"])):
+        print(f"[bench] BLS, {label}: starting the server", flush=True)
+        server = Serve(model, extra)
+        try:
+            url = f"127.0.0.1:{server.grpc}"
+            for k, mode in enumerate(MODES):
+                jobs, unique = reuse_jobs(image_text, args.pool, args.requests, seed=1000 * (k + 1))
+                before = server.encode_stats()
+                result = load(url, mode, jobs, args.concurrency, args.max_tokens)
+                after = server.encode_stats()
+                result["encoder_runs_per_unique"] = (after["images_encoded"] - before["images_encoded"]) / unique
+                rows[f"{label}/{mode}"] = result
+                print(f"[bench] {label} {mode}: {result}", flush=True)
+            if label == "cache off":  # BLS tok/s with unique images, against the ensemble below
+                for mode in MODES:
+                    jobs = [(image_text, [image_b64(50_000 + i)]) for i in range(48)]
+                    rows[f"bls/{mode}"] = load(url, mode, jobs, args.concurrency, 32)
+            else:
+                for mode in ("epd", "e_p_d"):  # text-only at concurrency 1
+                    rows[f"text/{mode}"] = load(url, mode, [(text_only, [])] * 30, 1, args.max_tokens)
+        finally:
+            server.stop()
+
+    print("[bench] ensemble, cache off: starting the server", flush=True)
+    server = Serve(model, ["--scheduler", "ensemble", "--embedding-cache-mib", "0"])
+    try:
+        url = f"127.0.0.1:{server.grpc}"
+        for mode in MODES:
+            jobs = [(image_text, [image_b64(50_000 + i)]) for i in range(48)]
+            rows[f"ensemble/{mode}"] = load(url, mode, jobs, args.concurrency, 32)
+    finally:
+        server.stop()
+
+    lines = table(rows, args)
+    print("\n".join(lines))
+    if args.report:
+        write_section(args.report, lines)
+    return 0
+
+
+def table(rows: dict, args) -> list[str]:
+    out = [
+        SECTION, "## Scheduler (BLS)", "",
+        f"Written by `make bench-scheduler` (`clients/perf/bench_scheduler.py`), one run, the same gRPC streaming client "
+        f"for every row; LLaVA demo, 224 px images, hf engine, 2 CPU cores. Reuse runs: {args.requests} requests at "
+        f"concurrency {args.concurrency} over a pool of {args.pool} images (80% reuse), {args.max_tokens} new tokens.",
+        "", "| measure | mode | value | target |", "|---|---|---|---|",
+    ]
+    for mode in MODES:
+        on, off = rows[f"cache on/{mode}"], rows[f"cache off/{mode}"]
+        out.append(f"| mean TTFT cache on / cache off ({on['ttft_mean']:.0f} / {off['ttft_mean']:.0f} ms) | {mode} | "
+                   f"{on['ttft_mean'] / off['ttft_mean']:.2f} | <= 0.6 |")
+        out.append(f"| encoder runs / unique images, cache on | {mode} | {on['encoder_runs_per_unique']:.2f} | 1.00 |")
+        out.append(f"| encoder runs / unique images, cache off | {mode} | {off['encoder_runs_per_unique']:.2f} | (every request) |")
+    t_epd, t_epd3 = rows["text/epd"], rows["text/e_p_d"]
+    out.append(f"| text-only TTFT e_p_d / epd, concurrency 1 ({t_epd3['ttft_mean']:.0f} / {t_epd['ttft_mean']:.0f} ms) | "
+               f"e_p_d | {t_epd3['ttft_mean'] / t_epd['ttft_mean']:.2f} | <= 1.05 |")
+    for mode in MODES:
+        bls, ens = rows[f"bls/{mode}"], rows[f"ensemble/{mode}"]
+        out.append(f"| tok/s BLS / ensemble, one instance each, concurrency {args.concurrency} "
+                   f"({bls['tok_s']:.0f} / {ens['tok_s']:.0f}) | {mode} | {bls['tok_s'] / ens['tok_s']:.2f} | >= 0.97 |")
+    return out + [""]
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """Replace the scheduler section of ``path`` (everything from its marker on), or append it."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    head = text.split(SECTION)[0].rstrip("\n")
+    path.write_text(head + "\n\n" + "\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
