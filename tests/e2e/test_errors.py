@@ -34,7 +34,9 @@ NAME = "demo"
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("errors") / "ws",
-                 extra=["--fault-injection", "--send-pool-mib", str(SEND_POOL_MIB), "--served-model-name", NAME])
+                 # every stage in its own worker, also for short prompts: faults are injected per stage
+                 extra=["--fault-injection", "--send-pool-mib", str(SEND_POOL_MIB), "--served-model-name", NAME,
+                        "--local-prefill-tokens", "0"])
     try:
         srv.wait_ready()
         yield srv
