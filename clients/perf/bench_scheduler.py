@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """The BLS scheduler's benchmark: embedding cache, encode-once, text-only dispatch, BLS vs ensemble.
 
-Three `trident serve` runs on the LLaVA demo (E/PD, E/P/D and EPD), one after the other, driven by the same
-gRPC streaming client (tritonclient, one thread per in-flight request):
+Two `trident serve` runs on a demo model (E/PD, E/P/D and EPD), one after the other, driven by the same gRPC
+streaming client (tritonclient, one thread per in-flight request):
 
-1. BLS, embedding cache on (256 MiB) and 2. BLS, cache off (``--embedding-cache-mib 0``): 200 requests at
-   concurrency 8 over a fixed pool of 40 images (each image 5 times, shuffled: 80% reuse), per mode; mean
-   TTFT cache on / cache off, and encoder runs / unique images (from the encode worker's stats).
-   On server 1 also: text-only TTFT at concurrency 1 through ``e_p_d`` and through ``epd``.
-3. ``--scheduler ensemble``: tokens/s at concurrency 8 with unique images, beside server 2's (BLS, one
-   instance per stage, no cache on either: the scheduler's own cost).
+1. embedding cache on (256 MiB) and 2. cache off (``--embedding-cache-mib 0``): 200 requests at concurrency
+   8 over a fixed pool of 40 images (each image 5 times, shuffled: 80% reuse), per mode; mean TTFT cache on /
+   cache off, and encoder runs / unique images (from the encode worker's stats). On server 1 also: text-only
+   TTFT at concurrency 1 through ``e_p_d`` and through ``epd``.
+2. also: tokens/s at concurrency 8 with unique images through each entry model as the BLS scheduler and as
+   Triton's ensemble, swapped while serving (Triton's repository API), alternating twice: the scheduler's own
+   cost, one instance per stage.
 
-    make bench-scheduler          (prints the table and writes it into docs/benchmarks.md)
+    make bench-scheduler                     (LLaVA and Qwen2-VL demos; the tables go into docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ PROMPT = "Describe the picture in detail, please."
 SECTION = "<!-- bench-scheduler -->"
 
 
-def image_b64(seed: int) -> str:
+def image_b64(seed: int, size: int = 224) -> str:
     import base64
     import io
 
@@ -48,17 +49,21 @@ def image_b64(seed: int) -> str:
 
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(buf, format="PNG")
+    Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
 
 
 class Serve:
     """`trident serve` on free ports, output kept; stopped with SIGTERM."""
 
+    TOKEN = "bench-scheduler"
+
     def __init__(self, model: str, extra: list[str]) -> None:
         self.http, self.grpc, metrics = free_ports(3)
+        self.model = model
         self.workspace = Path(tempfile.mkdtemp(prefix="bench-sched-"))
         cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *MODES, "epd",
+               "--access-token", self.TOKEN,
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
                "--openai-port", "0", "--workspace", str(self.workspace), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -79,6 +84,18 @@ class Serve:
     def encode_stats(self) -> dict:
         time.sleep(0.5)  # stats files are rewritten every 0.2 s
         return json.loads((self.workspace / "stats" / "encode.json").read_text())
+
+    def swap(self, mode: str, kind: str) -> None:
+        """Reload an entry model as the BLS scheduler or as an ensemble (a config override)."""
+        import tritonclient.http as httpclient
+        from google.protobuf import json_format
+
+        from trident.repository import bls_config, ensemble_config
+
+        config = bls_config(mode, model_path=self.model) if kind == "bls" else ensemble_config(mode)
+        httpclient.InferenceServerClient(f"127.0.0.1:{self.http}").load_model(
+            mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.TOKEN}
+        )
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -134,7 +151,10 @@ def one_request(url: str, mode: str, text: str, images: list[str], max_tokens: i
 
 def load(url: str, mode: str, jobs: list[tuple[str, list[str]]], concurrency: int, max_tokens: int) -> dict:
     """Run ``jobs`` (text, images) at ``concurrency``; mean/p50 TTFT and output tokens/s."""
-    one_request(url, mode, jobs[0][0], [], 2)  # warm-up (no image: nothing cached)
+    text, images = jobs[0]
+    size = 224 if not images else None
+    warm = [image_b64(999_999, size or _side(images[0]))] * len(images)
+    one_request(url, mode, text, warm, 2)  # warm-up, with an image of no run
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda job: one_request(url, mode, job[0], job[1], max_tokens), jobs))
@@ -146,9 +166,18 @@ def load(url: str, mode: str, jobs: list[tuple[str, list[str]]], concurrency: in
     }
 
 
-def reuse_jobs(text: str, pool_size: int, requests: int, seed: int) -> tuple[list, int]:
+def _side(b64: str) -> int:
+    import base64
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64))).width
+
+
+def reuse_jobs(text: str, pool_size: int, requests: int, seed: int, size: int = 224) -> tuple[list, int]:
     """``requests`` jobs over ``pool_size`` images, each used requests/pool_size times, shuffled."""
-    images = [image_b64(seed + i) for i in range(pool_size)]
+    images = [image_b64(seed + i, size) for i in range(pool_size)]
     order = [i % pool_size for i in range(requests)]
     random.Random(seed).shuffle(order)
     return [(text, [images[i]]) for i in order], pool_size
@@ -156,18 +185,30 @@ def reuse_jobs(text: str, pool_size: int, requests: int, seed: int) -> tuple[lis
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint (default: the LLaVA demo model)")
+    ap.add_argument("--arch", nargs="+", default=["llava", "qwen2vl"], help="demo models to run (default: both)")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--pool", type=int, default=40, help="distinct images in the reuse runs")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--report", type=Path, help="markdown file to put the table into (its scheduler section)")
+    ap.add_argument("--size", type=int, default=224, help="image side, px (default: 224)")
+    ap.add_argument("--report", type=Path, help="markdown file to put the tables into (its scheduler section)")
     args = ap.parse_args()
+    lines = [SECTION, "## Scheduler (BLS)", ""]
+    for arch in args.arch:
+        rows = run_arch(arch, args)
+        lines += table(arch, rows, args)
+        print("\n".join(lines), flush=True)
+    if args.report:
+        write_section(args.report, lines)
+    return 0
+
+
+def run_arch(arch: str, args) -> dict[str, dict]:
     from transformers import AutoTokenizer
 
     from trident.dev.demo import default_demo_model
 
-    model = args.model or str(default_demo_model("llava", log=None))
+    model = str(default_demo_model(arch, log=None))
     tok = AutoTokenizer.from_pretrained(model)
     chat = lambda n, t: tok.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": t}]}],
@@ -176,53 +217,46 @@ def main() -> int:
     image_text = chat(1, PROMPT)
     text_only = chat(0, "Tell me a short story about a lighthouse.")
     rows: dict[str, dict] = {}
-
     for label, extra in (("cache on", []), ("cache off", ["--embedding-cache-mib", "0"])):
-        print(f"[bench] BLS, {label}: starting the server", flush=True)
+        print(f"[bench] {arch}, {label}: starting the server", flush=True)
         server = Serve(model, extra)
         try:
             url = f"127.0.0.1:{server.grpc}"
             for k, mode in enumerate(MODES):
-                jobs, unique = reuse_jobs(image_text, args.pool, args.requests, seed=1000 * (k + 1))
+                jobs, unique = reuse_jobs(image_text, args.pool, args.requests, 1000 * (k + 1), args.size)
                 before = server.encode_stats()
                 result = load(url, mode, jobs, args.concurrency, args.max_tokens)
                 after = server.encode_stats()
                 result["encoder_runs_per_unique"] = (after["images_encoded"] - before["images_encoded"]) / unique
                 rows[f"{label}/{mode}"] = result
-                print(f"[bench] {label} {mode}: {result}", flush=True)
-            if label == "cache off":  # BLS tok/s with unique images, against the ensemble below
-                for mode in MODES:
-                    jobs = [(image_text, [image_b64(50_000 + i)]) for i in range(48)]
-                    rows[f"bls/{mode}"] = load(url, mode, jobs, args.concurrency, 32)
-            else:
+                print(f"[bench] {arch} {label} {mode}: {result}", flush=True)
+            if label == "cache on":
                 for mode in ("epd", "e_p_d"):  # text-only at concurrency 1
                     rows[f"text/{mode}"] = load(url, mode, [(text_only, [])] * 30, 1, args.max_tokens)
+                continue
+            for mode in MODES:  # the scheduler's own cost: BLS and ensemble alternating, unique images
+                for round_ in range(2):
+                    for kind in ("bls", "ensemble"):
+                        server.swap(mode, kind)
+                        seed = 50_000 + 1000 * round_ + (100 if kind == "ensemble" else 0)
+                        jobs = [(image_text, [image_b64(seed + i, args.size)]) for i in range(48)]
+                        result = load(url, mode, jobs, args.concurrency, 32)
+                        rows.setdefault(f"{kind}/{mode}", []).append(result["tok_s"])
+                        print(f"[bench] {arch} {kind} {mode} round {round_}: {result}", flush=True)
+                server.swap(mode, "bls")
         finally:
             server.stop()
-
-    print("[bench] ensemble, cache off: starting the server", flush=True)
-    server = Serve(model, ["--scheduler", "ensemble", "--embedding-cache-mib", "0"])
-    try:
-        url = f"127.0.0.1:{server.grpc}"
-        for mode in MODES:
-            jobs = [(image_text, [image_b64(50_000 + i)]) for i in range(48)]
-            rows[f"ensemble/{mode}"] = load(url, mode, jobs, args.concurrency, 32)
-    finally:
-        server.stop()
-
-    lines = table(rows, args)
-    print("\n".join(lines))
-    if args.report:
-        write_section(args.report, lines)
-    return 0
+    return rows
 
 
-def table(rows: dict, args) -> list[str]:
+def table(arch: str, rows: dict, args) -> list[str]:
     out = [
-        SECTION, "## Scheduler (BLS)", "",
+        f"### {arch} demo, {args.size} px images",
+        "",
         f"Written by `make bench-scheduler` (`clients/perf/bench_scheduler.py`), one run, the same gRPC streaming client "
-        f"for every row; LLaVA demo, 224 px images, hf engine, 2 CPU cores. Reuse runs: {args.requests} requests at "
-        f"concurrency {args.concurrency} over a pool of {args.pool} images (80% reuse), {args.max_tokens} new tokens.",
+        f"for every row; hf engine, 2 CPU cores. Reuse runs: {args.requests} requests at concurrency "
+        f"{args.concurrency} over a pool of {args.pool} images (80% reuse), {args.max_tokens} new tokens. BLS / "
+        "ensemble: 48 requests with unique images, 32 new tokens, each kind twice, alternating, on one server.",
         "", "| measure | mode | value | target |", "|---|---|---|---|",
     ]
     for mode in MODES:
@@ -235,9 +269,9 @@ def table(rows: dict, args) -> list[str]:
     out.append(f"| text-only TTFT e_p_d / epd, concurrency 1 ({t_epd3['ttft_mean']:.0f} / {t_epd['ttft_mean']:.0f} ms) | "
                f"e_p_d | {t_epd3['ttft_mean'] / t_epd['ttft_mean']:.2f} | <= 1.05 |")
     for mode in MODES:
-        bls, ens = rows[f"bls/{mode}"], rows[f"ensemble/{mode}"]
+        bls, ens = statistics.fmean(rows[f"bls/{mode}"]), statistics.fmean(rows[f"ensemble/{mode}"])
         out.append(f"| tok/s BLS / ensemble, one instance each, concurrency {args.concurrency} "
-                   f"({bls['tok_s']:.0f} / {ens['tok_s']:.0f}) | {mode} | {bls['tok_s'] / ens['tok_s']:.2f} | >= 0.97 |")
+                   f"({bls:.0f} / {ens:.0f}) | {mode} | {bls / ens:.2f} | >= 0.97 |")
     return out + [""]
 
 
