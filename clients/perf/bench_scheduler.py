@@ -9,7 +9,7 @@ streaming client (tritonclient, one thread per in-flight request):
    cache off, and encoder runs / unique images (from the encode worker's stats). On server 1 also: text-only
    TTFT at concurrency 1 through ``e_p_d`` and through ``epd``.
 2. also: tokens/s at concurrency 8 with unique images through each entry model as the BLS scheduler and as
-   Triton's ensemble, swapped while serving (Triton's repository API), alternating twice: the scheduler's own
+   Triton's ensemble, swapped while serving (Triton's repository API), alternating three times: the scheduler's own
    cost, one instance per stage.
 
     make bench-scheduler                     (LLaVA and Qwen2-VL demos; the tables go into docs/benchmarks.md)
@@ -149,12 +149,17 @@ def one_request(url: str, mode: str, text: str, images: list[str], max_tokens: i
     return ttft or float("nan"), tokens
 
 
-def load(url: str, mode: str, jobs: list[tuple[str, list[str]]], concurrency: int, max_tokens: int) -> dict:
-    """Run ``jobs`` (text, images) at ``concurrency``; mean/p50 TTFT and output tokens/s."""
-    text, images = jobs[0]
-    size = 224 if not images else None
-    warm = [image_b64(999_999, size or _side(images[0]))] * len(images)
-    one_request(url, mode, text, warm, 2)  # warm-up, with an image of no run
+def warm_up(url: str, mode: str, job: tuple[str, list[str]]) -> None:
+    """One request like ``job``, with an image of no run."""
+    text, images = job
+    one_request(url, mode, text, [image_b64(999_999, _side(images[0]))] * len(images) if images else [], 2)
+
+
+def load(url: str, mode: str, jobs: list[tuple[str, list[str]]], concurrency: int, max_tokens: int,
+         warm: bool = True) -> dict:
+    """Run ``jobs`` (text, images) at ``concurrency`` (after a warm-up); mean/p50 TTFT and output tokens/s."""
+    if warm:
+        warm_up(url, mode, jobs[0])
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda job: one_request(url, mode, job[0], job[1], max_tokens), jobs))
@@ -224,8 +229,9 @@ def run_arch(arch: str, args) -> dict[str, dict]:
             url = f"127.0.0.1:{server.grpc}"
             for k, mode in enumerate(MODES):
                 jobs, unique = reuse_jobs(image_text, args.pool, args.requests, 1000 * (k + 1), args.size)
+                warm_up(url, mode, jobs[0])  # (its image is not one of the pool's)
                 before = server.encode_stats()
-                result = load(url, mode, jobs, args.concurrency, args.max_tokens)
+                result = load(url, mode, jobs, args.concurrency, args.max_tokens, warm=False)
                 after = server.encode_stats()
                 result["encoder_runs_per_unique"] = (after["images_encoded"] - before["images_encoded"]) / unique
                 rows[f"{label}/{mode}"] = result
@@ -235,7 +241,7 @@ def run_arch(arch: str, args) -> dict[str, dict]:
                     rows[f"text/{mode}"] = load(url, mode, [(text_only, [])] * 30, 1, args.max_tokens)
                 continue
             for mode in MODES:  # the scheduler's own cost: BLS and ensemble alternating, unique images
-                for round_ in range(2):
+                for round_ in range(3):
                     for kind in ("bls", "ensemble"):
                         server.swap(mode, kind)
                         seed = 50_000 + 1000 * round_ + (100 if kind == "ensemble" else 0)
@@ -256,7 +262,7 @@ def table(arch: str, rows: dict, args) -> list[str]:
         f"Written by `make bench-scheduler` (`clients/perf/bench_scheduler.py`), one run, the same gRPC streaming client "
         f"for every row; hf engine, 2 CPU cores. Reuse runs: {args.requests} requests at concurrency "
         f"{args.concurrency} over a pool of {args.pool} images (80% reuse), {args.max_tokens} new tokens. BLS / "
-        "ensemble: 48 requests with unique images, 32 new tokens, each kind twice, alternating, on one server.",
+        "ensemble: 48 requests with unique images, 32 new tokens, each kind three times, alternating, on one server.",
         "", "| measure | mode | value | target |", "|---|---|---|---|",
     ]
     for mode in MODES:

@@ -157,16 +157,57 @@ def test_distinct_images_never_share_an_entry_and_eviction_keeps_the_cap(server,
     assert after["send_regions_in_use"] == after["cache_entries"]  # nothing but the cache is held
 
 
-def _reload(server, **scheduling) -> None:
-    """Change the e_p_d entry model's scheduler settings while serving (Triton's config override)."""
+def _reload(server, mode: str = "e_p_d", **scheduling) -> None:
+    """Change an entry model's scheduler settings while serving (Triton's config override)."""
     import tritonclient.http as httpclient
 
     admin = httpclient.InferenceServerClient(server.http)
-    config = admin.get_model_config("e_p_d")
+    config = admin.get_model_config(mode)
     settings = json.loads(config["parameters"]["scheduler"]["string_value"])
     settings.update(scheduling)
     config["parameters"]["scheduler"]["string_value"] = json.dumps(settings)
-    admin.load_model("e_p_d", config=json.dumps(config), headers={"triton-access-token": server.token})
+    admin.load_model(mode, config=json.dumps(config), headers={"triton-access-token": server.token})
+
+
+def test_local_encode_runs_few_images_on_a_worker_that_encodes_and_prefills(server, ref):
+    c = ref["one-image"]
+    _reload(server, "e_pd", local_encode_images=1)
+    try:
+        runs = _settled(server, "encode", "leases", 0)["published"]
+        local = _metric(server, "trident_requests_total", mode="e_pd", path="generate")
+        assert _generate(server, c, "e_pd") == c["expected"]  # one image: on the generate worker
+        assert _generate(server, ref["two-images"], "e_pd") == ref["two-images"]["expected"]  # two: encode stage
+        assert _metric(server, "trident_requests_total", mode="e_pd", path="generate") == local + 1
+        assert _metric(server, "trident_decisions_total", mode="e_pd", decision="local_encode") >= 1
+        assert _settled(server, "encode", "published", runs + 1)["published"] == runs + 1
+    finally:
+        _reload(server, "e_pd", local_encode_images=0)
+
+
+def test_a_cancelled_stream_stops_its_decode_within_a_second(server, ref):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from support.clients import _grpc_inputs, entry_inputs
+
+    c = ref["one-image"]
+    params = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(c["text"], c["images"], params, True)})
+    client.async_stream_infer("e_p_d", inputs)
+    for _ in range(3):
+        result, error = q.get(timeout=60)
+        assert error is None
+    assert _settled(server, "decode", "decode_active", 1)["decode_active"] == 1
+    start = time.monotonic()
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    stats = _settled(server, "decode", "decode_active", 0, timeout=5)
+    assert stats["decode_active"] == 0 and time.monotonic() - start < 1.0
+    assert _generate(server, c) == c["expected"]
 
 
 def _published(server) -> dict[str, int]:
