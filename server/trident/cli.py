@@ -224,7 +224,8 @@ def _add_worker(sub) -> None:
     _opt(w, "--threads", WorkerSettings, "threads", type=int)
     _opt(w, "--model-store", WorkerSettings, "model_store", shown=None)
     _opt(w, "--stats-dir", WorkerSettings, "stats_dir", shown=None)
-    w.add_argument("--embedding-cache-mib", type=int, default=256, help="encode stage: embedding cache, MiB (default: 256)")
+    w.add_argument("--embedding-cache-mib", type=int, default=ServeSettings().embedding_cache_mib,
+                   help=f"encode stage: embedding cache, MiB (default: {ServeSettings().embedding_cache_mib})")
     w.set_defaults(func=_worker)
 
 

@@ -106,7 +106,7 @@ class WorkerSettings(_Settings):
     model_store: str | None = Field(
         None, description="the server's model repository folder on this host (needed for ensembles over the stage)"
     )
-    stats_dir: str | None = Field(None, description="folder to keep <stage>.json counters in")
+    stats_dir: str | None = Field(None, description="folder to keep <model>.json counters in (one per instance)")
     transfer: TransferConfig = TransferConfig()
     vllm: VLLMConfig = VLLMConfig()
     embedding_cache_bytes: int = Field(256 * MiB, ge=0, description="encode stage: embedding cache size (0: off)")
