@@ -96,10 +96,6 @@ def render_entry_model(mode: str, scheduler: str = "bls", scheduling: SchedulerC
     return header + text_format.MessageToString(config)
 
 
-def render_ensemble(mode: str) -> str:
-    return render_entry_model(mode, "ensemble")
-
-
 def _write_entry_model(dst: Path, mode: str, scheduler: str, scheduling=None, model_path=None) -> None:
     if scheduler not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; schedulers: {', '.join(SCHEDULERS)}")

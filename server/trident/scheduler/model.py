@@ -187,13 +187,13 @@ class TritonPythonModel:
     async def _follow(self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str]) -> None:
         records: dict[str, bytes] = {}
         stages = list(p.stages)
-        token_counts: list[int] = []
+        embeddings = RECORD_TENSOR["embeddings"]
         if stages[0] == "encode":
-            outputs = await self._call("encode", image_ids, inputs, records, [RECORD_TENSOR["embeddings"], ENCODE_REPORT])
-            records[RECORD_TENSOR["embeddings"]] = outputs[RECORD_TENSOR["embeddings"]]
-            token_counts = decode_record(records[RECORD_TENSOR["embeddings"]], EmbeddingsRecord).token_counts
+            outputs = await self._call("encode", image_ids, inputs, records, [embeddings, ENCODE_REPORT])
+            records[embeddings] = outputs[embeddings]
             stages.pop(0)
         if needs_prompt_length(p, self.cfg.local_prefill_tokens):
+            token_counts = decode_record(records[embeddings], EmbeddingsRecord).token_counts if embeddings in records else []
             length = self._prompt_length(text, token_counts, len(image_ids))
             if length is not None:
                 p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(image_ids))
