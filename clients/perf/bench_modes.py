@@ -264,9 +264,10 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
         *("| " + " | ".join(line) + " |" for line in lines),
         "", f"![throughput and TTFT per mode]({chart.name})", "",
     ]
-    marker = "<!-- bench-scheduler -->"  # make bench-scheduler's section stays
-    kept = path.read_text().split(marker, 1) if path.exists() else []
-    path.write_text("\n".join(md) + (f"\n{marker}{kept[1]}" if len(kept) == 2 else ""))
+    # the sections of make bench-hops and make bench-scheduler (from the first one's marker on) stay
+    text = path.read_text() if path.exists() else ""
+    starts = [i for i in (text.find("<!-- bench-hops -->"), text.find("<!-- bench-scheduler -->")) if i >= 0]
+    path.write_text("\n".join(md) + ("\n" + text[min(starts):] if starts else ""))
     print(f"wrote {path} and {chart}")
 
 

@@ -187,6 +187,10 @@ class ServeSettings(_Settings):
     instances: dict[str, int] = Field(default_factory=dict, description="workers per stage (default 1 each)")
     embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
     frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
+    trace_dir: str | None = Field(
+        None, description="write each request's step timings there: one <process>.jsonl per stage worker, "
+        "stage stub and scheduler (what `make bench-hops` reads; off by default)"
+    )
     fault_injection: bool = False  # see WorkerSettings.fault_injection
 
     @field_validator("instances")

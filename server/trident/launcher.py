@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import timings
 from .config import MiB, FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import free_ports
 from .protocol import MODES, STAGES, instance_name, parse_instance, stages_for
@@ -126,6 +127,9 @@ class Launcher:
         from pytriton.utils.workspace import Workspace
 
         _server_environment()
+        if self.s.trace_dir:  # Triton's stubs (the schedulers, the stage proxies) and the workers inherit it
+            os.environ[timings.ENV] = str(Path(self.s.trace_dir).resolve())
+            self.out(f"[trident] writing step timings of every request to {os.environ[timings.ENV]}")
         self.out(
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"

@@ -34,15 +34,18 @@ CASES = {
     "fresh": [(224, 224, 50)],
     **{f"unique-{i}": [(224, 224, 100 + i)] for i in range(UNIQUE)},
     **{f"spread-{i}": [(224, 224, 200 + i)] for i in range(4)},
+    "traced": [(224, 224, 300)],
 }
 
 
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("trace")
     srv = Server(
         demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
-        extra=["--instances", "prefill=2", "--embedding-cache-mib", str(CACHE_MIB)],
+        extra=["--instances", "prefill=2", "--embedding-cache-mib", str(CACHE_MIB), "--trace-dir", str(trace_dir)],
     )
+    srv.trace_dir = trace_dir
     try:
         srv.wait_ready()
         yield srv
@@ -87,6 +90,43 @@ def test_instances_are_named_models_with_their_own_stats(server):
     assert admin.is_model_ready("prefill") and admin.is_model_ready("prefill-2")
     assert {"prefill", "prefill-2", "encode", "decode"} <= set(server.stats())
     assert server.stats()["prefill"]["pid"] != server.stats()["prefill-2"]["pid"]
+
+
+def test_trace_dir_times_every_hop_of_one_request(server, ref):
+    """``--trace-dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
+    nested as the calls are (what ``make bench-hops`` reads)."""
+    c = ref["traced"]
+    folder = server.trace_dir.resolve()
+    assert any(line.endswith(f"writing step timings of every request to {folder}") for line in server.log)
+    t_send = time.monotonic_ns()
+    assert _generate(server, c) == c["expected"]
+    t_done = time.monotonic_ns()
+    time.sleep(0.3)
+    steps: dict[str, list[tuple[int, int]]] = {}
+    for path in folder.glob("*.jsonl"):
+        process = "prefill" if path.stem == "prefill-2" else path.stem
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if t_send <= rec["t0"] <= rec["t1"] <= t_done:
+                steps.setdefault(f"{process}/{rec['step']}", []).append((rec["t0"], rec["t1"]))
+    want = {
+        "bls-e_p_d": ["execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
+        "proxy-encode": ["execute"], "proxy-decode": ["execute"],
+        "encode": ["inputs", "image_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "infer"],
+        "prefill": ["inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
+        "decode": ["inputs", "record_decode", "nixl_read", "decode_admit", "decode_step", "infer_first", "infer"],
+    }
+    missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in steps]
+    assert not missing, f"steps not written: {missing}; written: {sorted(steps)}"
+    one = {k: v[0] for k, v in steps.items()}
+    # each stage's work lies inside the BLS's call of it, and the calls follow each other
+    for stage in ("encode", "prefill"):
+        call, work = one[f"bls-e_p_d/call:{stage}"], one[f"{stage}/infer"]
+        assert call[0] <= work[0] <= work[1] <= call[1], stage
+    assert one["bls-e_p_d/call:encode"][1] <= one["bls-e_p_d/call:prefill"][0]
+    assert one["bls-e_p_d/call:prefill"][1] <= one["decode/infer"][0] <= one["decode/infer_first"][1]
+    assert one["decode/infer_first"][1] <= one["bls-e_p_d/first_send"][0]
+    assert one["encode/vision_tower"][0] >= one["encode/infer"][0] and one["encode/vision_tower"][1] <= one["encode/infer"][1]
 
 
 def test_text_only_skips_the_vision_tower(server, ref):

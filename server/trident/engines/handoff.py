@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from .. import timings
 from ..errors import TridentError
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
@@ -61,13 +62,15 @@ def receive_embeddings(
     frees the embeddings. A prompt that does not match is refused before the READ, and the producer is told
     to free its copy.
     """
-    record = data if isinstance(data, EmbeddingsRecord) else decode_record(data, EmbeddingsRecord)
+    with timings.step("record_decode"):
+        record = data if isinstance(data, EmbeddingsRecord) else decode_record(data, EmbeddingsRecord)
     try:
         prompt = prepare_prompt(processor, text, record.token_counts)
     except Exception:
         endpoint.discard(record.transfer)
         raise
-    received = endpoint.fetch(record.transfer)
+    with timings.step("nixl_read"):
+        received = endpoint.fetch(record.transfer)
     emb = ImageEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw)
     return prompt, emb, record, received.release
 
@@ -82,8 +85,10 @@ def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> HFKVRecord:
 
 def receive_kv(endpoint: TransferEndpoint, data: bytes, params: SamplingParams, request_id: str = "") -> DecodeRequest:
     """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it."""
-    record = decode_record(data, HFKVRecord)
-    received = endpoint.fetch(record.transfer)  # decode_record checked the (k, v) pairs and sizes
+    with timings.step("record_decode"):
+        record = decode_record(data, HFKVRecord)
+    with timings.step("nixl_read"):
+        received = endpoint.fetch(record.transfer)  # decode_record checked the (k, v) pairs and sizes
     t = received.tensors
     return DecodeRequest(
         kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,

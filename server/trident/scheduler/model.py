@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import timings
 from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable
 from ..media import content_id, decode_base64
@@ -70,6 +71,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.mode: str = params["mode"]
+        timings.start(f"bls-{self.mode}")
         self.cfg = SchedulerConfig.model_validate_json(params.get("scheduler") or "{}")
         self.model_path = params.get("model") or None
         self.store = Path(args["model_repository"]).parent  # the server's model store
@@ -143,6 +145,7 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         pb = self.pb
+        timings.mark("execute", time.monotonic_ns())
         sender = request.get_response_sender()
         try:
             await self._run(request, sender)
@@ -168,9 +171,10 @@ class TritonPythonModel:
         return inputs
 
     async def _run(self, request, sender) -> None:
-        inputs = self._inputs(request)
-        text = _text(inputs.get("text_input"))
-        image_ids = _image_ids(inputs.get("image"))
+        with timings.step("inputs"):
+            inputs = self._inputs(request)
+            text = _text(inputs.get("text_input"))
+            image_ids = _image_ids(inputs.get("image"))
         retries = 3
         while True:
             p = self._plan(len(image_ids))
@@ -254,7 +258,8 @@ class TritonPythonModel:
         instance = self._route(stage, keys)
         self.router.begin(instance)
         try:
-            response = await self._request(stage, instance, inputs, self._record_for(stage, records), outputs).async_exec()
+            with timings.step(f"call:{stage}"):
+                response = await self._request(stage, instance, inputs, self._record_for(stage, records), outputs).async_exec()
         finally:
             self.router.end(instance)
         self._check(response, instance)
@@ -284,9 +289,10 @@ class TritonPythonModel:
         self.router.begin(instance)
         try:
             call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
+            t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
             outcome = await asyncio.get_running_loop().run_in_executor(
-                self._streams, self._forward, stream, instance, request, sender
+                self._streams, self._forward, stream, instance, request, sender, f"call:{stage}", t0
             )
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, stream, request_id)
@@ -294,9 +300,10 @@ class TritonPythonModel:
         finally:
             self.router.end(instance)
 
-    def _forward(self, stream, instance: str, request, sender) -> str:
+    def _forward(self, stream, instance: str, request, sender, step: str = "stream", t0: int = 0) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
-        looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled"."""
+        looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled". The call (from
+        ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``."""
         pb = self.pb
         sent, check_at = 0, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:
@@ -311,7 +318,13 @@ class TritonPythonModel:
                 self._check(response, instance)
             tensors = response.output_tensors()
             if tensors:
-                sender.send(pb.InferenceResponse(output_tensors=tensors))
+                if not sent and timings.enabled():
+                    t1 = time.monotonic_ns()
+                    timings.mark(step, t0, t1)
+                    sender.send(pb.InferenceResponse(output_tensors=tensors))
+                    timings.mark("first_send", t1)
+                else:
+                    sender.send(pb.InferenceResponse(output_tensors=tensors))
                 sent += 1
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return "done"

@@ -33,8 +33,9 @@ class TransferSender:
     :meth:`publish` copies the tensors back to back into a region of the send pool and returns the
     :class:`~trident.protocol.Transfer` describing it (the caller puts it in a record). The region is freed
     when the consumer's READ-completion notification (the lease id) arrives, or when the lease expires,
-    whichever comes first. A background thread polls for both. :meth:`copy_in` and :meth:`lease` are the
-    two halves, for callers that keep regions beyond one READ (the embedding cache).
+    whichever comes first. A background thread polls for both while leases are open, and sleeps while none
+    is (a release notification only ever names an open lease). :meth:`copy_in` and :meth:`lease` are the two
+    halves, for callers that keep regions beyond one READ (the embedding cache).
     """
 
     def __init__(self, agent: NixlAgent, config: TransferConfig, extra_pool_bytes: int = 0) -> None:
@@ -45,6 +46,7 @@ class TransferSender:
         self._lock = threading.Lock()
         self.published = self.released = self.expired = 0
         self._stop = threading.Event()
+        self._leased = threading.Event()  # set by lease(): wakes the reaper
         self._thread = threading.Thread(target=self._reap_loop, name="trident-lease-reaper", daemon=True)
         self._thread.start()
 
@@ -71,6 +73,7 @@ class TransferSender:
         with self._lock:
             self._leases[lease_id] = _Lease(on_release, nbytes, expires_at)
             self.published += 1
+        self._leased.set()
         return Transfer(
             agent=self.agent.name,
             agent_meta=self.agent.metadata,
@@ -117,7 +120,13 @@ class TransferSender:
             log.warning("lease %s expired unread; freed %d bytes", lease_id, lease.nbytes)
 
     def _reap_loop(self) -> None:
-        while not self._stop.wait(self.config.poll_interval_s):
+        while not self._stop.is_set():
+            if not self.active_leases:  # nothing to free: sleep until a lease opens (no busy polling)
+                self._leased.wait()
+                self._leased.clear()
+                continue
+            if self._stop.wait(self.config.poll_interval_s):
+                return
             try:
                 self.poll()
             except Exception:  # keep reaping whatever one poll hit
@@ -125,4 +134,5 @@ class TransferSender:
 
     def close(self) -> None:
         self._stop.set()
+        self._leased.set()
         self._thread.join(timeout=1.0)

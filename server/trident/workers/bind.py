@@ -112,6 +112,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     import pytriton.proxy.inference
     from pytriton.model_config import ModelConfig
 
+    from .. import timings
     from ..engines import build_engine
     from .infer import make_infer
 
@@ -119,6 +120,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     _install_proxy_model()
     spec = STAGES[settings.stage]
     name = settings.model_name
+    timings.start(name)
     engine = build_engine(settings)
     infer = make_infer(spec, engine, settings.fault_injection)
     stop = threading.Event()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import numpy as np
 
+from .. import timings
 from ..errors import ERRORS, InvalidRequest
 from ..media import ImageItem
 from ..output import OutputOptions, entry_responses
@@ -116,7 +118,11 @@ def image_items(request) -> list[ImageItem]:
 
 async def open_images(items: list[ImageItem]) -> list:
     """Decoded images, off the event loop (a large PNG takes a while)."""
-    return await asyncio.to_thread(lambda: [item.open() for item in items])
+    def decode() -> list:
+        with timings.step("image_decode"):
+            return [item.open() for item in items]
+
+    return await asyncio.to_thread(decode)
 
 
 def output_options(request) -> OutputOptions:
@@ -154,6 +160,10 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
     async def read(request) -> tuple[str | None, SamplingParams, dict]:
         """The request's text, sampling parameters and engine arguments; a record it brought is discarded
         when the request is refused here."""
+        with timings.step("inputs"):
+            return await _read(request)
+
+    async def _read(request) -> tuple[str | None, SamplingParams, dict]:
         kwargs: dict = {}
         records = {name: r for name in record_names if (r := record_input(request, name)) is not None}
         try:
@@ -181,6 +191,7 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
 
     if spec.hands_on == "embeddings":
         async def encode(requests):
+            t0 = time.monotonic_ns()
             _, _, kwargs = await read(_single(requests))
             items = kwargs["images"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
@@ -188,14 +199,18 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
             outputs = record_output(spec, encoded.record if encoded else None)
             report = json.dumps(encoded.report if encoded else {}).encode()
             outputs[0][ENCODE_REPORT] = np.array([report], dtype=np.object_)
+            timings.mark("infer", t0)
             return outputs
 
         return encode
 
     if spec.hands_on == "kv":
         async def prefill(requests):
+            t0 = time.monotonic_ns()
             text, params, kwargs = await read(_single(requests))
-            return record_output(spec, await engine.prefill(text, params, **kwargs))
+            outputs = record_output(spec, await engine.prefill(text, params, **kwargs))
+            timings.mark("infer", t0)
+            return outputs
 
         return prefill
 
@@ -207,12 +222,17 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
         if cancel is not None:  # a control request: nothing to generate
             streams.cancel(cancel)
             return
+        t0, first = time.monotonic_ns(), True
         text, params, kwargs = await read(request)
         opts = output_options(request)
         generation = await engine.generate(text, params, **kwargs)
         responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
         async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
+            if first:
+                timings.mark("infer_first", t0)
+                first = False
             yield item
+        timings.mark("infer", t0)
 
     generate.streams = streams
     return generate

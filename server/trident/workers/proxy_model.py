@@ -8,9 +8,12 @@ decoupled stages as an error response, for the others as the request's error res
 exception wrapped in the stub's traceback.
 """
 
+import time
+
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 from pytriton.proxy import model as _proxy
 
+from trident import timings
 from trident.errors import client_message, from_wire
 
 
@@ -46,6 +49,17 @@ class _BatchResponses(_proxy.BatchResponsesHandler):
         return result
 
 
+class TritonPythonModel(_proxy.TritonPythonModel):
+    """PyTriton's proxy; with ``TRIDENT_TRACE_DIR`` set it notes when each request reaches the stub."""
+
+    def initialize(self, args):
+        timings.start(f"proxy-{args['model_name']}")
+        return super().initialize(args)
+
+    def execute(self, requests):
+        timings.mark("execute", time.monotonic_ns())
+        return super().execute(requests)
+
+
 _proxy.pb_utils = _BackendUtils()
 _proxy.BatchResponsesHandler = _BatchResponses
-TritonPythonModel = _proxy.TritonPythonModel

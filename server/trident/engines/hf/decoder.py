@@ -11,10 +11,12 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Iterator
 
 import torch
 
+from ... import timings
 from ...output import DecodeEvent, RequestOutput
 from ..base import DecodeRequest
 from .model import HFModel
@@ -219,6 +221,7 @@ class HFDecoder:
                 return
             req, stream = item
             block = False
+            t0 = time.monotonic_ns()
             try:
                 active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
                 # The first token was sampled by prefill: emit it before the request enters the batch.
@@ -231,6 +234,7 @@ class HFDecoder:
             finally:
                 if req.on_admit is not None:
                     req.on_admit()
+                timings.mark("decode_admit", t0)
 
     def _emit(self, a: _Active, token: int, cache_len: int) -> bool:
         """Send one generated token; True when the request is finished."""
@@ -241,6 +245,10 @@ class HFDecoder:
 
     @torch.inference_mode()
     def _step(self) -> None:
+        with timings.step("decode_step"):
+            self._step_batch()
+
+    def _step_batch(self) -> None:
         model, kv = self.m.model, self._kv
         tokens = torch.tensor([[a.last_token] for a in self._active], dtype=torch.long)
         mask = kv.begin_step()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ... import timings
 from ...errors import InvalidRequest
 from ...processor import Processor, SamplingParams
 from ..base import ImageEmbeddings, PrefillResult
@@ -48,7 +49,10 @@ class HFEncoder:
     def encode(self, images: list) -> ImageEmbeddings:
         if not images:
             raise InvalidRequest("encode needs at least one image")
-        features, grid = self.m.family.encode_images(self.m.model, self.m.processor.pixel_inputs(images))
+        with timings.step("image_preprocess"):
+            pixels = self.m.processor.pixel_inputs(images)
+        with timings.step("vision_tower"):
+            features, grid = self.m.family.encode_images(self.m.model, pixels)
         return ImageEmbeddings(torch.cat(features), [f.shape[0] for f in features], grid)
 
 
@@ -77,7 +81,7 @@ class HFPrefiller:
             features = torch.split(images.embeddings, images.token_counts)
             kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
             kwargs.update(family.prefill_inputs(ids, self.m.processor.image_token_id, images.grid_thw))
-        with self.m.lock:
+        with self.m.lock, timings.step("prefill"):
             family.reset(self.m.model)
             out = self.m.model(**kwargs, logits_to_keep=1)
         rope_delta = family.rope_delta(out)

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from ... import timings
 from ...config import TransferConfig
 from ...media import ImageItem
 from ...output import Generation
@@ -106,7 +107,8 @@ class HFStageEngine:
             seen.add(key)
         record = handoff.publish_cached_embeddings(self.endpoint.sender, cache, entries, [i.content_id for i in images])
         report.update(vision_runs=int(bool(mine)), cache_bytes=cache.bytes, evictions=cache.counters.evictions)
-        return Encoded(record.encode(), report)
+        with timings.step("record_encode"):
+            return Encoded(record.encode(), report)
 
     async def _encode_claimed(self, claimed: dict[str, ImageItem]) -> dict[str, CachedEmbedding]:
         """Encode the images this request claimed, in one vision-tower pass on the compute thread, and wake
@@ -132,19 +134,24 @@ class HFStageEngine:
         return dict(zip(keys, entries))
 
     def _encode_into_cache(self, claimed: list[tuple[str, ImageItem]]) -> list[CachedEmbedding]:
-        images = [item.open() for _, item in claimed]
+        with timings.step("image_decode"):
+            images = [item.open() for _, item in claimed]
         emb = self.encoder.encode(images)
         self.cache.counters.vision_runs += 1
         self.cache.counters.images_encoded += len(images)
         rows = emb.embeddings.split(emb.token_counts)
         grids = emb.grid_thw or [None] * len(rows)
-        return [self.cache.store(key, r, g) for (key, _), r, g in zip(claimed, rows, grids)]
+        with timings.step("publish"):  # the copy into the send pool
+            return [self.cache.store(key, r, g) for (key, _), r, g in zip(claimed, rows, grids)]
 
     async def prefill(
         self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
         result = await self._run(self._prefill, text, params, list(images), embedding_meta)
-        return handoff.publish_kv(self.endpoint, result).encode()
+        with timings.step("publish"):
+            record = handoff.publish_kv(self.endpoint, result)
+        with timings.step("record_encode"):
+            return record.encode()
 
     def _prefill(self, text: str, params: SamplingParams, images: list, embedding_meta: bytes | None) -> PrefillResult:
         """Encode the raw ``images`` here, or READ the embeddings of ``embedding_meta``, then prefill."""

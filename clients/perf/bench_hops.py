@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Where one request's time goes: a per-hop breakdown of TTFT for E/P/D and EP/D at concurrency 1.
+
+Starts `trident serve --trace-dir` on a demo model (hf engine), sends requests one at a time over gRPC
+streaming (tritonclient), each with a new image, and reads the step timings every process wrote
+(:mod:`trident.timings`: the BLS scheduler, each stage's python-backend stub and each stage worker, on one
+monotonic clock). A step belongs to the request whose send..done window holds it. The same requests also
+run through the ``generate`` stage's engine in this process (no Triton, no transfers), traced the same way.
+
+Prints, per mode, the median over the requests of each hop in ms, and TTFT against in-process.
+
+    make bench-hops                          (LLaVA demo; the table goes into docs/benchmarks.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from bench_scheduler import PROMPT, Serve, image_b64, one_request
+
+MODES = ("e_p_d", "ep_d")
+SECTION = "<!-- bench-hops -->"
+END = "<!-- /bench-hops -->"
+
+# (what the row shows, how to get it from one request's steps); each returns ms or None
+Steps = dict[str, list[tuple[int, int]]]  # "process/step" -> [(t0, t1)] inside the request's window
+
+
+def _dur(steps: Steps, key: str) -> float | None:
+    spans = steps.get(key)
+    return sum(t1 - t0 for t0, t1 in spans) / 1e6 if spans else None
+
+
+def _gap(a: int | None, b: int | None) -> float | None:
+    return (b - a) / 1e6 if a is not None and b is not None else None
+
+
+def _first(steps: Steps, key: str, end: bool = False) -> int | None:
+    spans = steps.get(key)
+    return (spans[0][1] if end else spans[0][0]) if spans else None
+
+
+def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, float | None]]:
+    """One stage call seen from the BLS: the hops to the worker and back, and the worker's own steps."""
+    call = steps.get(f"bls/call:{stage}")
+    call_t0, call_t1 = (call[0] if call else (None, None))
+    stub = _first(steps, f"proxy-{stage}/execute")
+    infer = steps.get(f"{stage}/infer_first" if streamed else f"{stage}/infer")
+    infer_t0, infer_t1 = (infer[0] if infer else (None, None))
+    rows = [
+        (f"{stage}: BLS -> Triton -> stage stub", _gap(call_t0, stub)),
+        (f"{stage}: stub -> PyTriton -> worker", _gap(stub, infer_t0)),
+        (f"{stage}: worker, request inputs", _dur(steps, f"{stage}/inputs")),
+    ]
+    for step in ("record_decode", "nixl_read", "image_decode", "image_preprocess", "vision_tower", "prefill",
+                 "publish", "record_encode", "decode_admit"):
+        value = _dur(steps, f"{stage}/{step}")
+        if value is not None:
+            rows.append((f"{stage}: {step.replace('_', ' ')}", value))
+    if streamed:
+        rows.append((f"{stage}: worker -> first token out", None if infer_t1 is None else _gap(
+            max((t1 for k, v in steps.items() if k.startswith(f"{stage}/") and k != f"{stage}/infer_first"
+                 and k != f"{stage}/infer" for _, t1 in v if t1 <= infer_t1), default=infer_t0), infer_t1)))
+    rows.append((f"{stage}: worker -> stub -> Triton -> BLS", _gap(infer_t1, call_t1)))
+    rows.append((f"{stage}: whole call, from the BLS", _gap(call_t0, call_t1)))
+    return rows
+
+
+def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | None]]:
+    stages = {"e_p_d": ("encode", "prefill", "decode"), "ep_d": ("encode_prefill", "decode")}[mode]
+    execute = _first(steps, "bls/execute")
+    rows = [("client -> Triton -> BLS", _gap(clock["send"], execute)),
+            ("BLS: read inputs (hash images)", _dur(steps, "bls/inputs"))]
+    last = _first(steps, "bls/inputs", end=True)
+    for stage in stages:
+        t0 = _first(steps, f"bls/call:{stage}")
+        rows.append((f"BLS between calls (before {stage})", _gap(last, t0)))
+        rows += stage_rows(steps, stage, streamed=stage == "decode")
+        last = _first(steps, f"bls/call:{stage}", end=True)
+    rows.append(("BLS: first response sent", _dur(steps, "bls/first_send")))
+    rows.append(("BLS -> Triton -> client", _gap(_first(steps, "bls/first_send", end=True), clock["first"])))
+    rows.append(("TTFT", _gap(clock["send"], clock["first"])))
+    return rows
+
+
+def read_steps(trace_dir: Path) -> list[tuple[str, int, int]]:
+    out = []
+    for path in trace_dir.glob("*.jsonl"):
+        process = path.stem
+        process = "bls" if process.startswith("bls-") else process
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            out.append((f"{process}/{rec['step']}", rec["t0"], rec["t1"]))
+    return out
+
+
+def window(all_steps, clock: dict) -> Steps:
+    steps: Steps = defaultdict(list)
+    for key, t0, t1 in sorted(all_steps, key=lambda s: s[1]):
+        if clock["send"] <= t0 <= clock["done"]:
+            steps[key].append((t0, t1))
+    return steps
+
+
+def in_process(model: str, text: str, images: list[str], trace_dir: Path) -> list[dict]:
+    """The same requests through the ``generate`` stage engine here: TTFT, and this process's steps."""
+    os.environ["TRIDENT_TRACE_DIR"] = str(trace_dir)
+    import torch
+
+    from trident import timings
+    from trident.engines.hf.stage import HFStageEngine
+    from trident.media import ImageItem
+    from trident.processor import SamplingParams
+    from trident.protocol import STAGES
+
+    torch.set_num_threads(1)  # as a worker runs
+    timings.start("in-process")
+    engine = HFStageEngine(STAGES["generate"], model)
+    params = SamplingParams.from_json(json.dumps({"max_tokens": 4, "temperature": 0, "ignore_eos": True}))
+
+    async def one(b64: str) -> dict:
+        clock = {"send": time.monotonic_ns()}
+        with timings.step("image_decode"):
+            opened = [ImageItem.from_base64(b64.encode(), 0).open()]
+        generation = await engine.generate(text, params, images=opened)
+        async for _ in generation.events:
+            clock.setdefault("first", time.monotonic_ns())
+        clock["done"] = time.monotonic_ns()
+        return clock
+
+    async def run() -> list[dict]:
+        await one(image_b64(424_242))
+        return [await one(b64) for b64 in images]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="llava", help="demo model (default: llava)")
+    ap.add_argument("--requests", type=int, default=20, help="requests per mode (default: 20)")
+    ap.add_argument("--report", type=Path, help="markdown file to put the table into (its hops section)")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from trident.dev.demo import default_demo_model
+
+    model = str(default_demo_model(args.arch, log=None))
+    tok = AutoTokenizer.from_pretrained(model)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
+    print(f"[bench-hops] starting the server (steps in {trace_dir})", flush=True)
+    # every request takes its mode's full path (no prefill on the decode side for short prompts)
+    server = Serve(model, ["--trace-dir", str(trace_dir / "server"), "--local-prefill-tokens", "0"],
+                   modes=(*MODES, "epd"))
+    clocks: dict[str, list[dict]] = {}
+    try:
+        url = f"127.0.0.1:{server.grpc}"
+        for k, mode in enumerate(MODES):
+            for i in range(3):  # warm-up: connections, first-call costs
+                one_request(url, mode, text, [image_b64(900_000 + 10 * k + i)], 4)
+            clocks[mode] = []
+            for i in range(args.requests):
+                clock: dict = {}
+                one_request(url, mode, text, [image_b64(100_000 * (k + 1) + i)], 4, clock)
+                clocks[mode].append(clock)
+                time.sleep(0.05)  # keep the windows apart
+            print(f"[bench-hops] {mode}: {args.requests} requests", flush=True)
+    finally:
+        server.stop()
+    images = [image_b64(700_000 + i) for i in range(args.requests)]
+    local = in_process(model, text, images, trace_dir / "local")
+    steps = read_steps(trace_dir / "server")
+    local_steps = read_steps(trace_dir / "local")
+
+    lines = [SECTION, f"## Where TTFT goes: one request at a time ({args.arch} demo, hf engine)", "",
+             "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve --trace-dir`, the same "
+             f"gRPC streaming client for {args.requests} requests per mode, each with a new 224 px image, 4 new "
+             "tokens, one at a time; the median of each hop in ms, from the step timings the BLS, the stage stubs "
+             "and the workers write on one clock. In-process: the same requests through the `generate` stage "
+             "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
+    in_rows = [{k: _dur(window(local_steps, c), f"in-process/{k}") for k in
+                ("image_decode", "image_preprocess", "vision_tower", "prefill", "decode_admit")}
+               | {"TTFT": _gap(c["send"], c["first"])} for c in local]
+    table: dict[str, dict[str, float]] = {}
+    order: list[str] = []
+    for mode in MODES:
+        for clock in clocks[mode]:
+            for label, value in breakdown(window(steps, clock), clock, mode):
+                if label not in order:
+                    order.append(label)
+                if value is not None:
+                    table.setdefault(label, {}).setdefault(mode, []).append(value)
+    lines += ["| hop | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
+    for label in order:
+        cells = [f"{statistics.median(table[label][m]):.2f}" if m in table.get(label, {}) else "" for m in MODES]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    local_ttft = statistics.median(r["TTFT"] for r in in_rows)
+    lines += ["", "| in-process (generate engine) | ms |", "|---|---|"]
+    for key in ("image_decode", "image_preprocess", "vision_tower", "prefill", "decode_admit", "TTFT"):
+        values = [r[key] for r in in_rows if r[key] is not None]
+        if values:
+            lines.append(f"| {key.replace('_', ' ')} | {statistics.median(values):.2f} |")
+    lines += ["", "| mode | TTFT p50 ms | in-process p50 ms | added ms | target |", "|---|---|---|---|---|"]
+    for mode in MODES:
+        ttft = statistics.median(table["TTFT"][mode])
+        lines.append(f"| {mode} | {ttft:.1f} | {local_ttft:.1f} | {ttft - local_ttft:+.1f} | <= +5 |")
+    lines += ["", END]
+    print("\n".join(lines), flush=True)
+    if args.report:
+        write_section(args.report, lines)
+    return 0
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """Replace the hops section of ``path`` (between its markers), or put it before the scheduler's."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = "\n".join(lines)
+    if SECTION in text and END in text:
+        head, rest = text.split(SECTION, 1)
+        text = head + block + rest.split(END, 1)[1]
+    elif "<!-- bench-scheduler -->" in text:
+        head, rest = text.split("<!-- bench-scheduler -->", 1)
+        text = head + block + "\n\n<!-- bench-scheduler -->" + rest
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
