@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int]) -> list[int]:
     """Prompt ids with each image placeholder expanded; checks placeholders and the context window."""
-    prompt = processor.prompt_ids(text, image_token_counts)
+    with timings.step("tokenize"):
+        prompt = processor.prompt_ids(text, image_token_counts)
     processor.check_length(len(prompt))
     return prompt
 

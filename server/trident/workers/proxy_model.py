@@ -8,6 +8,7 @@ decoupled stages as an error response, for the others as the request's error res
 exception wrapped in the stub's traceback.
 """
 
+import asyncio
 import time
 
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
@@ -49,17 +50,70 @@ class _BatchResponses(_proxy.BatchResponsesHandler):
         return result
 
 
+class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
+    """Decoupled stages (the token streams): each response goes to Triton from the stub's requests loop
+    itself. PyTriton's handler hands every ``sender.send`` to a thread pool, a thread switch per token, for
+    parallelism that one request per call (no batching) never uses. With ``--trace-dir`` the first response's
+    arrival from the worker and its hand-over to Triton are timed."""
+
+    async def handle_responses(self, scope, responses_queue, responses_future):
+        requests_id = scope["requests_id"]
+        triton_requests = self._requests_map[requests_id]
+        senders = [request.get_response_sender() for request in triton_requests]
+        first, eos = True, False
+        while not eos:
+            error = False
+            payload = b""
+            try:
+                flags, payload = await responses_queue.get()
+                t_in = time.monotonic_ns() if first else 0
+                eos = bool(flags & _proxy.PyTritonResponseFlags.EOS)
+                error = bool(flags & _proxy.PyTritonResponseFlags.ERROR)
+                if error:
+                    responses = [pb_utils.InferenceResponse(error=triton_error(payload.decode("utf-8"))) for _ in senders]
+                else:
+                    decoded = self._serializer_deserializer.deserialize_responses(payload)
+                    responses = [
+                        _proxy._wrap_response(response, request.requested_output_names(), self._model_outputs_dict)
+                        for request, response in zip(triton_requests, decoded)
+                    ]
+                flags_out = 0
+                if eos:  # the end of the stream may come without a response (then only the flag goes)
+                    flags_out = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+                    responses = responses or [None] * len(senders)
+                for sender, response in zip(senders, responses):
+                    sender.send(response, flags_out)
+                if first and not eos:
+                    timings.mark("first_response", t_in)
+                    first = False
+            except asyncio.CancelledError:
+                final = pb_utils.InferenceResponse(error=pb_utils.TritonError("Cancelled responses handler"))
+                for sender in senders:
+                    sender.send(final, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                eos = True
+            finally:
+                if not error and payload:
+                    self._serializer_deserializer.free_responses_resources(payload)
+                responses_queue.task_done()
+        self._requests_map.pop(requests_id)
+        responses_future.set_result(None)
+
+
 class TritonPythonModel(_proxy.TritonPythonModel):
-    """PyTriton's proxy; with ``TRIDENT_TRACE_DIR`` set it notes when each request reaches the stub."""
+    """PyTriton's proxy; with ``TRIDENT_TRACE_DIR`` set it times each ``execute`` call."""
 
     def initialize(self, args):
         timings.start(f"proxy-{args['model_name']}")
         return super().initialize(args)
 
     def execute(self, requests):
-        timings.mark("execute", time.monotonic_ns())
-        return super().execute(requests)
+        t0 = time.monotonic_ns()
+        try:
+            return super().execute(requests)  # a decoupled stage's returns at once, the others' with the responses
+        finally:
+            timings.mark("execute", t0)
 
 
 _proxy.pb_utils = _BackendUtils()
 _proxy.BatchResponsesHandler = _BatchResponses
+_proxy.DecoupledResponsesHandler = _DecoupledResponses

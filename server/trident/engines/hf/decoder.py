@@ -225,7 +225,9 @@ class HFDecoder:
             try:
                 active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
                 # The first token was sampled by prefill: emit it before the request enters the batch.
-                if not self._emit(active, req.first_token, req.prompt_len):
+                finished = self._emit(active, req.first_token, req.prompt_len)
+                timings.mark("first_token", t0)
+                if not finished:
                     self._kv.add(req.kv)
                     self._active.append(active)
             except Exception as e:  # this request cannot join; the batch goes on
