@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench_scheduler import PROMPT, Serve, image_b64, one_request
+from bench_scheduler import PROMPT, Serve, Stream, image_b64
 
 MODES = ("e_p_d", "ep_d")
 SECTION = "<!-- bench-hops -->"
@@ -132,7 +132,7 @@ def window(all_steps, clock: dict) -> Steps:
     return steps
 
 
-def in_process(model: str, text: str, images: list[str], trace_dir: Path) -> list[dict]:
+def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_tokens: int) -> list[dict]:
     """The same requests through the ``generate`` stage engine here: TTFT, and this process's steps."""
     os.environ["TRIDENT_TRACE_DIR"] = str(trace_dir)
     import torch
@@ -146,7 +146,7 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path) -> lis
     torch.set_num_threads(1)  # as a worker runs
     timings.start("in-process")
     engine = HFStageEngine(STAGES["generate"], model)
-    params = SamplingParams.from_json(json.dumps({"max_tokens": 4, "temperature": 0, "ignore_eos": True}))
+    params = SamplingParams.from_json(json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
 
     async def one(b64: str) -> dict:
         clock = {"send": time.monotonic_ns()}
@@ -191,27 +191,28 @@ def main() -> int:
                    modes=(*MODES, "epd"))
     clocks: dict[str, list[dict]] = {}
     try:
-        url = f"127.0.0.1:{server.grpc}"
+        stream = Stream(f"127.0.0.1:{server.grpc}")  # one client and stream, as a real client keeps them
         for k, mode in enumerate(MODES):
             for i in range(3):  # warm-up: connections, first-call costs
-                one_request(url, mode, text, [image_b64(900_000 + 10 * k + i)], args.max_tokens)
+                stream.request(mode, text, [image_b64(900_000 + 10 * k + i)], args.max_tokens)
             clocks[mode] = []
             for i in range(args.requests):
                 clock: dict = {}
-                one_request(url, mode, text, [image_b64(100_000 * (k + 1) + i)], args.max_tokens, clock)
+                stream.request(mode, text, [image_b64(100_000 * (k + 1) + i)], args.max_tokens, clock)
                 clocks[mode].append(clock)
                 time.sleep(0.05)  # keep the windows apart
             print(f"[bench-hops] {mode}: {args.requests} requests", flush=True)
+        stream.close()
     finally:
         server.stop()
     images = [image_b64(700_000 + i) for i in range(args.requests)]
-    local = in_process(model, text, images, trace_dir / "local")
+    local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
     steps = read_steps(trace_dir / "server")
     local_steps = read_steps(trace_dir / "local")
 
     lines = [SECTION, f"## Where TTFT goes: one request at a time ({args.arch} demo, hf engine)", "",
-             "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve --trace-dir`, the same "
-             f"gRPC streaming client for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
+             "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve --trace-dir`, one "
+             f"gRPC stream (tritonclient) kept open for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
              "tokens, one at a time; the median of each hop in ms, from the step timings the BLS, the stage stubs "
              "and the workers write on one clock. In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]

@@ -141,37 +141,39 @@ def _process_tree(root: int) -> dict[int, list[int]]:
     return {pid: below(pid) for pid in below(root)}
 
 
-def one_request(
-    url: str, mode: str, text: str, images: list[str], max_tokens: int, clock: dict | None = None
-) -> tuple[float, int]:
-    """(TTFT s, output tokens) of one streamed request; ``clock`` gets its send, first-token and done times
-    (``time.monotonic_ns()``)."""
-    import tritonclient.grpc as grpcclient
+class Stream:
+    """One gRPC stream (tritonclient) for requests sent one after another."""
 
-    def tensor(name, arr, dtype):
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self._q: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: self._q.put((result, error, time.monotonic_ns())))
+
+    def _tensor(self, name, arr, dtype):
+        t = self._grpc.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         return t
 
-    params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    inputs = [
-        tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
-        tensor("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
-        tensor("stream", np.array([True]), "BOOL"),
-        tensor("return_num_output_tokens", np.array([True]), "BOOL"),
-    ]
-    if images:
-        inputs.append(tensor("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
-    q: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: q.put((result, error, time.monotonic_ns())))
-    clock = clock if clock is not None else {}
-    clock["send"] = time.monotonic_ns()
-    ttft, tokens = None, 0
-    try:
-        client.async_stream_infer(mode, inputs, enable_empty_final_response=True)
+    def request(self, mode: str, text: str, images: list[str], max_tokens: int, clock: dict | None = None):
+        """(TTFT s, output tokens); ``clock`` gets the send, first-token and done times (``time.monotonic_ns()``)."""
+        params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        inputs = [
+            self._tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
+            self._tensor("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
+            self._tensor("stream", np.array([True]), "BOOL"),
+            self._tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+        ]
+        if images:
+            inputs.append(self._tensor("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+        clock = clock if clock is not None else {}
+        clock["send"] = time.monotonic_ns()
+        ttft, tokens = None, 0
+        self.client.async_stream_infer(mode, inputs, enable_empty_final_response=True)
         while True:
-            result, error, arrived = q.get(timeout=300)
+            result, error, arrived = self._q.get(timeout=300)
             if error is not None:
                 raise RuntimeError(str(error))
             out = result.as_numpy("text_output")
@@ -184,11 +186,23 @@ def one_request(
             final = result.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 clock["done"] = arrived
-                break
+                return ttft or float("nan"), tokens
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def one_request(
+    url: str, mode: str, text: str, images: list[str], max_tokens: int, clock: dict | None = None
+) -> tuple[float, int]:
+    """(TTFT s, output tokens) of one streamed request on a stream of its own (as each client thread of the
+    load opens one)."""
+    stream = Stream(url)
+    try:
+        return stream.request(mode, text, images, max_tokens, clock)
     finally:
-        client.stop_stream()
-        client.close()
-    return ttft or float("nan"), tokens
+        stream.close()
 
 
 def warm_up(url: str, mode: str, job: tuple[str, list[str]]) -> None:
