@@ -85,7 +85,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, openai_port=args.openai_port,
         access_token=args.access_token, threads_per_worker=args.threads, workspace=args.workspace,
         worker_python=args.worker_python, backend=args.backend, vllm=vllm, transfer=transfer, frontend=frontend,
-        trace_dir=args.trace_dir, fault_injection=args.fault_injection,
+        warm_up=args.warm_up, trace_dir=args.trace_dir, fault_injection=args.fault_injection,
     )
 
 
@@ -137,6 +137,7 @@ def _add_serve(sub) -> None:
     _opt(g, "--vllm-dtype", VLLMConfig, "dtype", shown=None)
     _opt(g, "--vllm-eager", VLLMConfig, "enforce_eager", action=argparse.BooleanOptionalAction)
     _opt(g, "--vllm-cpu-bind", VLLMConfig, "cpu_bind")
+    _opt(sv, "--warm-up", ServeSettings, "warm_up", action=argparse.BooleanOptionalAction)
     _opt(sv, "--trace-dir", ServeSettings, "trace_dir", metavar="DIR", shown="off")
     sv.add_argument("--fault-injection", action="store_true", help=argparse.SUPPRESS)  # tests only
     sv.set_defaults(func=_serve)

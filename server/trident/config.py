@@ -187,6 +187,10 @@ class ServeSettings(_Settings):
     instances: dict[str, int] = Field(default_factory=dict, description="workers per stage (default 1 each)")
     embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
     frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
+    warm_up: bool = Field(
+        True, description="send one small request with an image through each loaded entry model before "
+        "serving, so that the first client request pays no first-call costs (NIXL connections, lazy set-up)"
+    )
     trace_dir: str | None = Field(
         None, description="write each request's step timings there: one <process>.jsonl per stage worker, "
         "stage stub and scheduler (what `make bench-hops` reads; off by default)"

@@ -102,6 +102,8 @@ class Launcher:
         load = self.s.load if self.s.load is not None else self.s.modes
         for mode in load:
             self.load_entry_model(mode)
+        if self.s.warm_up and load:
+            self._warm_up(load)
         openai = ""
         if self.s.openai_port:
             self._start_frontend()
@@ -224,6 +226,42 @@ class Launcher:
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
             time.sleep(0.2)
+
+    def _warm_up(self, modes) -> None:
+        """One small request with an image through each loaded entry model (one per instance of its busiest
+        stage), so that the first client request pays none of the first-call costs: NIXL connections between
+        the workers, torch's and PIL's lazy set-up, Triton's and PyTriton's first call of each model."""
+        import base64
+        import io
+        import json
+        import urllib.request
+
+        from PIL import Image
+        from transformers import AutoConfig
+
+        from .engines.families import family_of
+
+        t0 = time.monotonic()
+        placeholder = family_of(AutoConfig.from_pretrained(self.model_path)).placeholder
+        params = json.dumps({"max_tokens": 2, "temperature": 0})
+        for mode in modes:
+            for i in range(max(self.s.instances.get(stage, 1) for stage in MODES[mode])):
+                buf = io.BytesIO()
+                Image.new("RGB", (64, 64), (17 * i % 256, 80, 160)).save(buf, format="PNG")
+                body = json.dumps({
+                    "text_input": f"{placeholder}\nWarm-up.", "image": [base64.b64encode(buf.getvalue()).decode()],
+                    "sampling_parameters": params,
+                }).encode()
+                request = urllib.request.Request(
+                    f"{self.http_url}/v2/models/{mode}/generate", data=body, headers={"Content-Type": "application/json"}
+                )
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as reply:
+                        reply.read()
+                except Exception as e:  # serve anyway: the first request will show what is wrong
+                    self.out(f"[trident] warm-up request through {mode} failed: {e}")
+                    break
+        self.out(f"[trident] warmed up {', '.join(modes)} in {time.monotonic() - t0:.1f} s")
 
     def load_entry_model(self, mode: str) -> None:
         self._client().load_model(mode, headers=self.headers)

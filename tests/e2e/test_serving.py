@@ -45,6 +45,14 @@ def reference(server):
     return build_reference(server.model_path, IMAGE_SPECS, NEW_TOKENS)
 
 
+def test_start_up_warms_every_loaded_mode(server):
+    """Before `ready`, one request with an image went through each loaded entry model, and none failed."""
+    warmed = [line for line in server.log if line.startswith("[trident] warmed up ")]
+    assert warmed and warmed[0].startswith("[trident] warmed up epd, e_pd, e_p_d in "), server.log
+    assert not [line for line in server.log if "warm-up request" in line], server.log
+    assert server.log.index(warmed[0]) < next(i for i, line in enumerate(server.log) if line.startswith("[trident] ready"))
+
+
 def test_add_mode_while_serving(server, reference):
     import tritonclient.http as httpclient
 
