@@ -31,7 +31,6 @@ MODES = ("e_p_d", "ep_d")
 SECTION = "<!-- bench-hops -->"
 END = "<!-- /bench-hops -->"
 
-# (what the row shows, how to get it from one request's steps); each returns ms or None
 Steps = dict[str, list[tuple[int, int]]]  # "process/step" -> [(t0, t1)] inside the request's window
 
 

@@ -318,13 +318,11 @@ class TritonPythonModel:
                 self._check(response, instance)
             tensors = response.output_tensors()
             if tensors:
-                if not sent and timings.enabled():
-                    t1 = time.monotonic_ns()
+                t1 = 0 if sent else time.monotonic_ns()
+                sender.send(pb.InferenceResponse(output_tensors=tensors))
+                if not sent:
                     timings.mark(step, t0, t1)
-                    sender.send(pb.InferenceResponse(output_tensors=tensors))
                     timings.mark("first_send", t1)
-                else:
-                    sender.send(pb.InferenceResponse(output_tensors=tensors))
                 sent += 1
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return "done"
