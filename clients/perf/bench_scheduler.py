@@ -22,6 +22,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -58,14 +59,16 @@ class Serve:
 
     TOKEN = "bench-scheduler"
 
-    def __init__(self, model: str, extra: list[str], modes: tuple[str, ...] = (*MODES, "epd")) -> None:
-        self.http, self.grpc, metrics = free_ports(3)
+    def __init__(self, model: str, extra: list[str], modes: tuple[str, ...] = (*MODES, "epd"),
+                 openai: bool = False) -> None:
+        self.http, self.grpc, metrics, openai_port = free_ports(4)
+        self.openai = openai_port if openai else 0
         self.model = model
         self.workspace = Path(tempfile.mkdtemp(prefix="bench-sched-"))
         cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *modes,
                "--access-token", self.TOKEN,
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
-               "--openai-port", "0", "--workspace", str(self.workspace), *extra]
+               "--openai-port", str(self.openai), "--workspace", str(self.workspace), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         ready = threading.Event()
@@ -113,6 +116,8 @@ class Serve:
             self.proc.wait(90)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.workspace, ignore_errors=True)
 
 
 def _cpu(pid: int) -> float:
