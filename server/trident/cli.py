@@ -24,6 +24,7 @@ from .config import (
     BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
     TransferConfig, VLLMConfig, WorkerSettings,
 )
+from . import signing
 from .protocol import MODES, STAGES, instance_name
 
 
@@ -80,10 +81,11 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
     )
     return ServeSettings(
         scheduler=args.scheduler, scheduling=scheduling, instances=_instances(args.instances),
-        embedding_cache_mib=args.embedding_cache_mib,
+        embedding_cache_mib=args.embedding_cache_mib, max_inflight=args.max_inflight,
         model=args.model, modes=_modes(args.mode), load=_modes(args.load), host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, openai_port=args.openai_port,
-        access_token=args.access_token, threads_per_worker=args.threads, workspace=args.workspace,
+        access_token=args.access_token, transfer_secret=args.transfer_secret, threads_per_worker=args.threads,
+        workspace=args.workspace,
         worker_python=args.worker_python, backend=args.backend, vllm=vllm, transfer=transfer, frontend=frontend,
         warm_up=args.warm_up, trace_dir=args.trace_dir, fault_injection=args.fault_injection,
     )
@@ -106,6 +108,9 @@ def _add_serve(sub) -> None:
         _opt(sv, f"--{port.replace('_', '-')}", ServeSettings, port, type=int)
     _opt(sv, "--access-token", ServeSettings, "access_token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
          help="token for Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: generated and printed)")
+    _opt(sv, "--transfer-secret", ServeSettings, "transfer_secret", default=os.environ.get(signing.ENV), shown=None,
+         help="the deployment's key for signing the records stages hand on; workers on other hosts need the same "
+         f"(env {signing.ENV}; default: generated at each start)")
     _opt(sv, "--threads", ServeSettings, "threads_per_worker", type=int)
     _opt(sv, "--worker-python", ServeSettings, "worker_python", default=os.environ.get("TRIDENT_WORKER_PYTHON"),
          help="Python interpreter of the stage workers, an environment with trident installed "
@@ -121,6 +126,7 @@ def _add_serve(sub) -> None:
                     "of a stage is the Triton model <stage>-<n>")
     _opt(sc, "--routing", SchedulerConfig, "routing", choices=ROUTINGS)
     _opt(sc, "--embedding-cache-mib", ServeSettings, "embedding_cache_mib", type=int)
+    _opt(sc, "--max-inflight", ServeSettings, "max_inflight", type=int)
     _opt(sc, "--local-prefill-tokens", SchedulerConfig, "local_prefill_tokens", type=int)
     _opt(sc, "--local-encode-images", SchedulerConfig, "local_encode_images", type=int)
     _add_frontend_flags(sv.add_argument_group("OpenAI frontend"))
@@ -185,6 +191,8 @@ def _worker(args: argparse.Namespace) -> int:
     from .workers.bind import run_worker
 
     token = args.access_token
+    if args.transfer_secret:
+        os.environ[signing.ENV] = args.transfer_secret
     if args.settings:
         settings = WorkerSettings.model_validate_json(args.settings)
     else:
@@ -222,6 +230,9 @@ def _add_worker(sub) -> None:
     _opt(w, "--name", WorkerSettings, "name", shown=None)
     w.add_argument("--access-token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
                    help="the server's repository-API token, printed by serve (env TRIDENT_ACCESS_TOKEN)")
+    w.add_argument("--transfer-secret", default=None,
+                   help=f"the server's record-signing key (env {signing.ENV}; a worker joining a server on "
+                   "another host needs the secret that server was started with)")
     _opt(w, "--backend", WorkerSettings, "backend", choices=BACKENDS)
     _opt(w, "--threads", WorkerSettings, "threads", type=int)
     _opt(w, "--model-store", WorkerSettings, "model_store", shown=None)

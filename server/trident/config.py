@@ -110,6 +110,10 @@ class WorkerSettings(_Settings):
     transfer: TransferConfig = TransferConfig()
     vllm: VLLMConfig = VLLMConfig()
     embedding_cache_bytes: int = Field(256 * MiB, ge=0, description="encode stage: embedding cache size (0: off)")
+    max_inflight: int = Field(
+        64, ge=1, description="requests this worker takes at once; one more is refused at once with 503 and "
+        "Retry-After rather than queued"
+    )
     fault_injection: bool = Field(
         False, description="tests only: a prompt holding [[trident-fault:<ErrorClass>]] makes the stage raise it"
     )
@@ -172,6 +176,10 @@ class ServeSettings(_Settings):
     metrics_port: int = 8002
     openai_port: int = Field(9000, description="OpenAI-compatible API port; 0 turns it off")
     access_token: str | None = Field(None, description="token for Triton's repository API (default: generated)")
+    transfer_secret: str | None = Field(
+        None, exclude=True, repr=False,
+        description="the deployment's key for signing transfer records (default: generated per start)",
+    )
     threads_per_worker: int = Field(1, ge=1, description="torch threads per worker process")
     startup_timeout_s: float = 300.0
     repository: str | None = None  # entry-model sources (default: model_repository/ of this checkout)
@@ -186,6 +194,10 @@ class ServeSettings(_Settings):
     scheduling: SchedulerConfig = SchedulerConfig()
     instances: dict[str, int] = Field(default_factory=dict, description="workers per stage (default 1 each)")
     embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
+    max_inflight: int = Field(
+        64, ge=1, description="requests each stage worker takes at once; one more is refused at once with 503 "
+        "and Retry-After rather than queued"
+    )
     frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
     warm_up: bool = Field(
         True, description="send one small request with an image through each loaded entry model before "

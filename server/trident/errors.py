@@ -64,6 +64,20 @@ class MalformedRecord(TransferError, InvalidRequest):
     triton_code = "INVALID_ARG"
 
 
+class ForgedRecord(MalformedRecord):
+    """A record whose signature is not this deployment's, or whose regions lie outside the producer's pool.
+
+    403 at the OpenAI frontend; Triton has no such code, so a stage model answers INVALID_ARG (400)."""
+
+    http_status = 403
+
+
+class ReplayedRecord(MalformedRecord):
+    """A record already used: each one is good for a single READ (or a single discard)."""
+
+    http_status = 403
+
+
 class PeerUnavailable(TransferError, Unavailable):
     """The producing process is gone or cannot be reached."""
 
@@ -93,7 +107,8 @@ class LeaseExpired(TransferError):
 ERRORS: dict[str, type[TridentError]] = {
     cls.__name__: cls
     for cls in (
-        TridentError, InvalidRequest, NotFound, Unavailable, TransferError, MalformedRecord, PeerUnavailable,
+        TridentError, InvalidRequest, NotFound, Unavailable, TransferError, MalformedRecord, ForgedRecord,
+        ReplayedRecord, PeerUnavailable,
         PoolExhausted, TransferTimeout, LeaseExpired,
     )
 }

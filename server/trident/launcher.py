@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import timings
+from . import signing, timings
 from .config import MiB, FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import free_ports
 from .protocol import MODES, STAGES, instance_name, parse_instance, stages_for
@@ -45,6 +45,8 @@ class Launcher:
         self.s = settings
         self.out = out
         self.token = settings.access_token or os.environ.get("TRIDENT_ACCESS_TOKEN") or secrets.token_urlsafe(24)
+        # the key every record is signed with: Triton (the schedulers) and every worker get it by environment
+        self.transfer_secret = settings.transfer_secret or os.environ.get(signing.ENV) or signing.new_secret()
         self.workers: dict[str, subprocess.Popen] = {}  # by Triton model name (and "frontend")
         self.triton = None
         self._tmp: str | None = None
@@ -129,6 +131,7 @@ class Launcher:
         from pytriton.utils.workspace import Workspace
 
         _server_environment()
+        os.environ[signing.ENV] = self.transfer_secret
         if self.s.trace_dir:  # Triton's stubs (the schedulers, the stage proxies) and the workers inherit it
             os.environ[timings.ENV] = str(Path(self.s.trace_dir).resolve())
             self.out(f"[trident] writing step timings of every request to {os.environ[timings.ENV]}")
@@ -163,7 +166,7 @@ class Launcher:
             stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
             threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
             transfer=self.s.transfer, vllm=vllm, embedding_cache_bytes=self.s.embedding_cache_mib * MiB,
-            fault_injection=self.s.fault_injection,
+            max_inflight=self.s.max_inflight, fault_injection=self.s.fault_injection,
         )
 
     def _start_worker(self, name: str) -> None:

@@ -6,6 +6,7 @@ decodable image of a sane size is an :class:`~trident.errors.InvalidRequest` nam
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -24,6 +25,13 @@ from .errors import InvalidRequest
 
 MAX_IMAGE_PIXELS = 40_000_000  # PIL's decompression-bomb guard, raised to an error
 MAX_IMAGE_BYTES = MediaPolicy().max_bytes
+MAX_IMAGES = 16  # per request: each one is decoded, encoded and held in memory until the request ends
+
+
+def check_image_count(count: int) -> None:
+    """A request may carry at most :data:`MAX_IMAGES` images (checked before any is decoded)."""
+    if count > MAX_IMAGES:
+        raise InvalidRequest(f"the request carries {count} images; at most {MAX_IMAGES} are accepted")
 
 
 def decode_base64(data: bytes | str, index: int = 0) -> bytes:
@@ -100,47 +108,89 @@ def open_image(raw: bytes, index: int = 0) -> Image.Image:
 
 
 # -- image URLs of the OpenAI API (frontend) -------------------------------------------------------------
-def _check_public(host: str, policy: MediaPolicy) -> None:
-    if policy.allow_private_urls:
-        return
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def is_public_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """A globally routable address, also for the IPv4 address an IPv6 one carries (IPv4-mapped, NAT64,
+    6to4, Teredo): 100.64/10, NAT64 prefixes and the like are not."""
+    if not addr.is_global or addr.is_multicast:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address):
+        if any(addr in net for net in _NAT64):
+            return False  # the gateway reaches whatever IPv4 address the last 32 bits name
+        embedded = addr.ipv4_mapped or addr.sixtofour or (addr.teredo[1] if addr.teredo else None)
+        if embedded is not None and not is_public_address(embedded):
+            return False
+    return True
+
+
+async def resolve_public(host: str, port: int, policy: MediaPolicy) -> str:
+    """The address to fetch an image URL's host from: resolved once, off the event loop, and only if every
+    address the name has is public (the fetch then connects to that address: no second lookup for a DNS
+    rebinding to answer differently)."""
     try:
-        infos = socket.getaddrinfo(host, None)
-    except socket.gaierror as e:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
         raise InvalidRequest(f"image URL host {host!r} does not resolve: {e}") from None
-    for info in infos:
-        addr = ipaddress.ip_address(info[4][0])
-        if addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_reserved or addr.is_multicast:
-            raise InvalidRequest(
-                f"image URL host {host!r} resolves to the non-public address {addr}; "
-                "start the server with --allow-private-media-urls to allow it"
-            )
+    addrs = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+    if not addrs:
+        raise InvalidRequest(f"image URL host {host!r} does not resolve")
+    if not policy.allow_private_urls:
+        for addr in addrs:
+            if not is_public_address(addr):
+                raise InvalidRequest(
+                    f"image URL host {host!r} resolves to the non-public address {addr}; "
+                    "start the server with --allow-private-media-urls to allow it"
+                )
+    return str(addrs[0])
 
 
-async def image_url_to_base64(url: str, policy: MediaPolicy, index: int = 0) -> str:
-    """An OpenAI ``image_url`` (data URL, http(s) URL or allowed local path) as validated base64."""
-    if url.startswith("data:"):
-        decode_base64_image(url, index)  # validates
-        return url.split(",", 1)[1]
+async def _fetch(url: str, policy: MediaPolicy, index: int) -> bytes:
+    """GET an http(s) image URL from its pinned address, within ``policy``'s size and total time."""
+    import httpx
+
     parsed = urlparse(url)
-    if parsed.scheme in ("http", "https"):
-        import httpx
-
-        if not parsed.hostname:
-            raise InvalidRequest(f"image {index} URL has no host")
-        _check_public(parsed.hostname, policy)
-        try:
+    if not parsed.hostname:
+        raise InvalidRequest(f"image {index} URL has no host")
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:
+        raise InvalidRequest(f"image {index} URL has an invalid port") from None
+    address = await resolve_public(parsed.hostname, port, policy)
+    netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    pinned = parsed._replace(netloc=netloc).geturl()
+    host_header = parsed.netloc.rsplit("@", 1)[-1]
+    data = bytearray()
+    try:
+        async with asyncio.timeout(policy.timeout_s):
             async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
-                async with client.stream("GET", url) as response:
+                async with client.stream("GET", pinned, headers={"Host": host_header},
+                                         extensions={"sni_hostname": parsed.hostname}) as response:
                     if response.status_code != 200:
                         raise InvalidRequest(f"image {index} URL answered HTTP {response.status_code}")
-                    data = bytearray()
                     async for part in response.aiter_bytes():
                         data += part
                         if len(data) > policy.max_bytes:
                             raise InvalidRequest(f"image {index} URL is larger than {policy.max_bytes >> 20} MiB")
-        except httpx.HTTPError as e:
-            raise InvalidRequest(f"image {index} URL could not be fetched: {type(e).__name__}") from None
-        raw = bytes(data)
+    except TimeoutError:
+        raise InvalidRequest(f"image {index} URL took longer than {policy.timeout_s:g} s to fetch") from None
+    except httpx.HTTPError as e:
+        raise InvalidRequest(f"image {index} URL could not be fetched: {type(e).__name__}") from None
+    return bytes(data)
+
+
+async def image_url_to_base64(url: str, policy: MediaPolicy, index: int = 0) -> str:
+    """An OpenAI ``image_url`` (data URL, http(s) URL or allowed local path) as base64.
+
+    Not decoded as an image here: the entry model does that once, and refuses what is not an image with
+    the same message (a 400 through the frontend too)."""
+    if url.startswith("data:"):
+        decode_base64(url, index)  # a clear 400 without a round trip
+        return url.split(",", 1)[1]
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        raw = await _fetch(url, policy, index)
     elif parsed.scheme in ("file", ""):
         path = Path(parsed.path if parsed.scheme == "file" else url).resolve()
         root = policy.allowed_media_dir
@@ -156,5 +206,6 @@ async def image_url_to_base64(url: str, policy: MediaPolicy, index: int = 0) -> 
         raw = path.read_bytes()
     else:
         raise InvalidRequest(f"image {index} URL scheme {parsed.scheme!r} is not supported (data:, http(s), file)")
-    open_image(raw, index)  # validates
+    if not raw:
+        raise InvalidRequest(f"image {index} is empty")
     return base64.b64encode(raw).decode()

@@ -18,10 +18,13 @@ from .engines.families import Family, family_of
 from .errors import InvalidRequest
 
 
+GREEDY_BELOW = 1e-5
+
+
 class SamplingParams(BaseModel):
     """The ``sampling_parameters`` JSON of the entry interface (vLLM's names and defaults)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0)
@@ -38,7 +41,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy (as in vLLM): dividing logits by them overflows."""
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_json(cls, text: str | bytes | None) -> "SamplingParams":
@@ -110,6 +114,7 @@ class Processor:
         if stray:
             raise InvalidRequest(f"the prompt has {self.family.image_token!r} outside an image placeholder")
         ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        self.check_length(len(ids) - len(image_token_counts) + sum(image_token_counts))  # before expanding
         expanded: list[int] = []
         images = iter(image_token_counts)
         for tok in ids:

@@ -6,8 +6,10 @@
 - :data:`MODES`: each deployment mode's entry model and the stages it chains.
 - The records that cross Triton between stages (``embedding_meta``, ``kv_meta``): one versioned, tagged
   union (:data:`Record`) encoded with msgpack as positional arrays, so a record stays well under 1 KiB.
-  A record says where a producer's tensors are (:class:`Transfer`: NIXL agent, regions, dtype/shape) and
-  what the next stage needs to continue; none of the tensor values are in it.
+  A record says where a producer's tensors are (:class:`Transfer`: NIXL agent, regions inside its
+  registered pool, dtype/shape, lease) and what the next stage needs to continue; none of the tensor values
+  are in it. Each record is signed with the deployment's key (:mod:`trident.signing`) and checked before
+  it is decoded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import msgspec
 import numpy as np
 from pytriton.model_config import Tensor
 
-from .errors import MalformedRecord
+from . import signing
+from .errors import ForgedRecord, MalformedRecord
 
 # -- the entry interface (Triton's vLLM backend's) ------------------------------------------------------
 _SAMPLING = Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)
@@ -158,7 +161,8 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 2
+RECORD_VERSION = 3
+MAX_TENSOR_RANK = 8
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1,
@@ -186,6 +190,7 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
 
     agent: str  # producer NIXL agent name
     agent_meta: bytes  # producer NIXL agent metadata (lets the consumer connect)
+    pool: tuple[int, int]  # (address, length) of the producer's registered send pool: regions lie inside
     regions: tuple[tuple[int, int], ...]  # (address, length) in the producer's registered memory
     tensors: tuple[TensorSpec, ...]  # laid out back to back across the regions
     lease_id: str
@@ -198,10 +203,19 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
     def validate(self) -> None:
         if not self.regions or any(addr <= 0 or length <= 0 for addr, length in self.regions):
             raise MalformedRecord(f"transfer record has invalid regions {self.regions}")
+        start, size = self.pool
+        if any(addr < start or addr + length > start + size for addr, length in self.regions):
+            raise ForgedRecord(
+                f"transfer record regions {list(self.regions)[:4]} lie outside the producer's pool "
+                f"[{start:#x}, {start + size:#x})"
+            )
+        if not self.tensors:
+            raise MalformedRecord("transfer record describes no tensors")
         for spec in self.tensors:
             if spec.dtype not in DTYPE_SIZES:
                 raise MalformedRecord(f"unknown dtype {spec.dtype!r} in transfer record")
-            if spec.count < 1 or any(d < 0 for d in spec.shape):
+            # every tensor holds at least one element, so ``count`` is bounded by the regions' bytes
+            if spec.count < 1 or len(spec.shape) > MAX_TENSOR_RANK or any(d < 1 for d in spec.shape):
                 raise MalformedRecord(f"transfer record has an invalid tensor spec {spec}")
         want = sum(spec.nbytes for spec in self.tensors)
         if want != self.nbytes:
@@ -210,7 +224,8 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
 
 class _Record(msgspec.Struct, array_like=True, frozen=True, tag=True):
     def encode(self) -> bytes:
-        return _encoder.encode(self)
+        """The record's wire bytes: msgpack, then the deployment's MAC over them."""
+        return signing.sign(_encoder.encode(self))
 
     def validate(self) -> None:
         pass
@@ -280,12 +295,14 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 
 def decode_record(data: Any, expect: type | tuple[type, ...] = RECORD_TYPES) -> Record:
-    """Decode and validate a record of one of the ``expect`` types; :class:`MalformedRecord` names the problem."""
+    """Check the signature of a record, then decode and validate it as one of the ``expect`` types;
+    :class:`MalformedRecord` (or :class:`ForgedRecord`) names the problem."""
     expect = expect if isinstance(expect, tuple) else (expect,)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MalformedRecord(f"transfer record must be bytes, got {type(data).__name__}")
     if not data:
         raise MalformedRecord("transfer record is empty")
+    data = signing.verify(data)
     try:
         head = msgspec.msgpack.decode(data)
     except msgspec.DecodeError as e:

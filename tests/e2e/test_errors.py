@@ -29,6 +29,7 @@ GRPC_STATUS = {400: "StatusCode.INVALID_ARGUMENT", 503: "StatusCode.UNAVAILABLE"
 TRITON_HTTP = {400: 400, 503: 503, 504: 503, 500: 500}  # Triton has no timeout status: 504s answer 503
 SEND_POOL_MIB = 2  # small enough for a long text prompt's KV cache to exhaust it (~24 KiB per token)
 NAME = "demo"
+MAX_INFLIGHT = 2  # requests per stage worker
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("errors") / "ws",
                  # every stage in its own worker, also for short prompts: faults are injected per stage
                  extra=["--fault-injection", "--send-pool-mib", str(SEND_POOL_MIB), "--served-model-name", NAME,
-                        "--local-prefill-tokens", "0"])
+                        "--local-prefill-tokens", "0", "--max-inflight", str(MAX_INFLIGHT)])
     try:
         srv.wait_ready()
         yield srv
@@ -121,11 +122,17 @@ def test_error_class_status_through_triton_and_openai(server, client, cls):
 
 
 def test_garbage_records_are_400(server, client):
+    from trident.signing import sign
+
     http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=b"\x93not a record")
+    assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
+    assert "MalformedRecord: transfer record of 13 bytes is too short to carry its signature" in grpc_error.message()
+    # signed (as by a worker of this deployment with a bug): refused as what it is
+    http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=sign(b"\x93not a record"))
     assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
     assert "MalformedRecord: transfer record is not valid msgpack" in grpc_error.message()
     with pytest.raises(Exception, match="MalformedRecord: "):
-        _drain(server, b"\x92\xa7hf_kv/2\x07")
+        _drain(server, sign(b"\x92\xa7hf_kv/2\x07"))
     _still_serving(server, client)
 
 
@@ -190,4 +197,168 @@ def test_expired_lease_is_refused(server, client):
         proc.join(10)
     assert str(grpc_error.status()) == "StatusCode.UNAVAILABLE"
     assert "LeaseExpired: lease" in grpc_error.message()
+    _still_serving(server, client)
+
+
+# -- signed, single-use, bounded records -----------------------------------------------------------------
+IMAGE_PROMPT = _prompt("<image>\nWhat is it?")
+
+
+def _embedding_meta(server) -> bytes:
+    """A real record: the encode stage called directly, as any client can."""
+    from support import b64, make_image, png_bytes, stage_output
+
+    return stage_output(server.grpc, "encode", {"image": strings(b64(png_bytes(make_image(224, 224, 7))))})
+
+
+def _resigned(data: bytes, change) -> bytes:
+    """``data`` with ``change`` applied to its decoded record, signed with this deployment's key (as a worker
+    with a bug, or an attacker holding the key, would)."""
+    from trident.protocol import decode_record
+
+    return change(decode_record(data)).encode()
+
+
+def _read_ok(server, embedding_meta: bytes) -> None:
+    """Use a real record: two tokens from the prefill_decode stage (its KV cache stays in that worker)."""
+    import json
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    tensors = []
+    for name, (arr, dtype) in {"text_input": strings(IMAGE_PROMPT), "embedding_meta": strings(embedding_meta),
+                               "sampling_parameters": strings(json.dumps({"max_tokens": 2}))}.items():
+        t = grpcclient.InferInput(name, arr.shape, dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    try:
+        client.async_stream_infer("prefill_decode", tensors)
+        result, error = q.get(timeout=60)
+        assert error is None, error.message()
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_forged_records_are_refused_before_any_read(server, client, monkeypatch):
+    import msgspec
+
+    from trident import signing
+    from trident.protocol import decode_record
+
+    good = _embedding_meta(server)
+    fetched = server.stats()["prefill"]["fetched"]
+    flipped = bytearray(good)
+    flipped[40] ^= 0x01  # one byte of the agent metadata or regions changed
+    record = decode_record(good)
+    monkeypatch.setenv(signing.ENV, "another deployment's secret")
+    other_key = record.encode()
+    monkeypatch.undo()
+    unsigned = good[: -signing.MAC_BYTES]  # the msgpack alone, as a hand-made record would be
+    for data in (bytes(flipped), other_key, unsigned, msgspec.msgpack.encode(["embeddings/3", []]) + b"\0" * 40):
+        _, grpc_error = _infer_prefill(server, IMAGE_PROMPT, embedding_meta=data)
+        assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
+        assert "ForgedRecord: transfer record signature does not match this deployment's key" in grpc_error.message()
+    assert server.stats()["prefill"]["fetched"] == fetched  # nothing was read
+    _read_ok(server, good)  # the real record still works (the peer was not dropped)
+    _still_serving(server, client)
+
+
+def test_a_replayed_record_is_refused(server, client):
+    record = _embedding_meta(server)
+    _read_ok(server, record)
+    with pytest.raises(AssertionError) as info:  # the same consumer again
+        _read_ok(server, record)
+    assert "ReplayedRecord: record of lease" in str(info.value) and "already used" in str(info.value)
+    _still_serving(server, client)
+
+
+def test_regions_outside_the_producers_pool_are_refused(server, client):
+    good = _embedding_meta(server)
+    fetched = server.stats()["prefill"]["fetched"]
+
+    def elsewhere(record):  # the same bytes, one pool-length further on: another process's memory
+        t = record.transfer
+        regions = tuple((addr + t.pool[1], n) for addr, n in t.regions)
+        return msgspec_replace(record, transfer=msgspec_replace(t, regions=regions))
+
+    _, grpc_error = _infer_prefill(server, IMAGE_PROMPT, embedding_meta=_resigned(good, elsewhere))
+    assert "ForgedRecord: transfer record regions" in grpc_error.message()
+    assert "outside the producer's pool" in grpc_error.message()
+    assert server.stats()["prefill"]["fetched"] == fetched
+    _read_ok(server, good)
+    _still_serving(server, client)
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"first_token": 10**6}, "first_token 1000000 is outside the vocabulary"),
+    ({"rope_delta": 10**15}, "rope_delta"),
+], ids=["first token out of vocabulary", "huge rope_delta"])
+def test_a_bad_kv_record_fails_only_its_own_request(server, client, change, message):
+    """A decode record that the model cannot continue is refused before it joins the batch, while another
+    request streams through the same decode worker, which gets exactly its own text."""
+    import threading
+
+    from support import stage_output
+
+    kv = stage_output(server.grpc, "prefill", {"text_input": strings(_prompt("hi"))})  # (small: the pool is too)
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = grpc_generate(server.grpc, "e_p_d", _prompt("Tell me a story."), [], params, stream=True).text
+    got: dict = {}
+    other = threading.Thread(target=lambda: got.update(
+        r=grpc_generate(server.grpc, "e_p_d", _prompt("Tell me a story."), [], params, stream=True)))
+    other.start()
+    with pytest.raises(Exception) as info:
+        from support import drain_kv
+
+        drain_kv(server.grpc, _resigned(kv, lambda r: msgspec_replace(r, **change)))
+    other.join(60)
+    assert "MalformedRecord: kv record" in str(info.value) and message in str(info.value)
+    assert got["r"].text == expected
+    _still_serving(server, client)
+
+
+def test_a_full_stage_refuses_at_once_with_503_and_retry_after(server, client):
+    """With --max-inflight 2, a third concurrent stream through the decode worker is refused at once (not
+    queued), over Triton and over the OpenAI API; the two admitted streams finish with their full output."""
+    import threading
+    import time
+
+    import openai
+
+    params = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    done: list = []
+    streams = [threading.Thread(target=lambda: done.append(
+        grpc_generate(server.grpc, "e_p_d", _prompt("Tell me a long story."), [], params, stream=True)))
+        for _ in range(MAX_INFLIGHT)]
+    for t in streams:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.stats().get("decode", {}).get("decode_active", 0) < MAX_INFLIGHT and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=f"Unavailable: the decode stage has {MAX_INFLIGHT} requests in flight"):
+        grpc_generate(server.grpc, "e_p_d", _prompt("One more?"), [], {"max_tokens": 4}, stream=True)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model=f"{NAME}:e_p_d", messages=[{"role": "user", "content": "And me?"}],
+                                       max_tokens=4)
+    assert time.monotonic() - t0 < 5
+    assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "1"
+    assert "requests in flight, its limit (--max-inflight)" in info.value.body["message"]
+    for t in streams:
+        t.join(120)
+    assert [r.num_output_tokens for r in done] == [160] * MAX_INFLIGHT
+    from support import wait_drained
+
+    wait_drained(server, {"prefill", "decode"})  # the refused requests' KV caches were freed, not left to expire
     _still_serving(server, client)

@@ -7,6 +7,7 @@ import re
 import urllib.request
 
 import pytest
+import requests
 
 from support import MODES, Server, b64, grpc_generate, make_image, png_bytes
 
@@ -203,3 +204,13 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
             assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
     finally:
         httpd.shutdown()
+
+
+def test_a_lone_surrogate_is_a_400(server, client):
+    """JSON can escape a lone surrogate (``\\ud800``), which is no text: a clear 400, not a 500."""
+    body = ('{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}' % NAME)
+    r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", data=body,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "the prompt is not valid UTF-8 text" in r.json()["error"]["message"]
+    assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)

@@ -156,7 +156,7 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     wait_drained(server, KV_STAGES, timeout=30)
 
 
-VLLM_BAD = ["undecodable image", "image count", "bad value", "too long"]
+VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images"]
 
 
 @pytest.mark.parametrize("problem", VLLM_BAD)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from trident.config import MiB, TransferConfig
-from trident.errors import LeaseExpired, PeerUnavailable, PoolExhausted
+from trident.errors import LeaseExpired, PeerUnavailable, PoolExhausted, ReplayedRecord
 from trident.protocol import Transfer
 from trident.transfer import MemoryPool, TransferEndpoint
 
-CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002)
+# (an expired region is freed read_timeout_s + 1 s after its expiry: when no READ of it can still run)
+CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002, read_timeout_s=1.0)
 
 
 def _tensors(seed: int) -> dict[str, list[torch.Tensor]]:
@@ -114,10 +115,23 @@ def test_byte_exact_and_pools_return_to_zero(consumer, producer, layout):
 def test_expired_lease_frees_region_and_is_refused(consumer, producer):
     data = producer.call("publish", ("embeddings", 0.3))
     assert producer.call("stats")["send_regions_in_use"] == 1
-    stats = producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
-    assert stats["send_regions_in_use"] == 0 and stats["expired"] == 1
+    time.sleep(0.5)
     with pytest.raises(LeaseExpired, match="expired"):
         consumer.fetch(_read(data))
+    # not reused while a READ started just before the expiry could still be running
+    assert producer.call("stats")["send_regions_in_use"] == 1
+    stats = producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
+    assert stats["send_regions_in_use"] == 0 and stats["expired"] == 1
+    assert consumer.stats()["recv_regions_in_use"] == 0
+
+
+def test_a_record_is_read_once(consumer, producer):
+    record = _read(producer.call("publish", ("kv", None)))
+    consumer.fetch(record).release()
+    with pytest.raises(ReplayedRecord, match="already used"):
+        consumer.fetch(record)
+    with pytest.raises(ReplayedRecord):
+        consumer.discard(record)
     assert consumer.stats()["recv_regions_in_use"] == 0
 
 

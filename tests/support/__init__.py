@@ -20,6 +20,7 @@ BAD_REQUESTS = {  # problem -> (what changes in a good one-image request, what t
     "bad json": ({"params": "{max_tokens: 3"}, "sampling_parameters is not valid JSON"),
     "bad value": ({"params": {"max_tokens": -4}}, "max_tokens"),
     "too long": ({"suffix": " word" * 5000}, "context window"),
+    "too many images": ({"images": 17}, "carries 17 images; at most 16 are accepted"),
 }
 
 
@@ -27,7 +28,9 @@ def bad_request(case: dict, problem: str, params) -> tuple[str, list[str], objec
     """A good request (a reference case) with one problem: (text, images, sampling params, expected message)."""
     change, message = BAD_REQUESTS[problem]
     text = case["text"] + change.get("suffix", "")
-    images = case["images"] * 2 if change.get("images") == "two" else change.get("images", case["images"])
+    images = change.get("images", case["images"])
+    if images == "two" or isinstance(images, int):  # the case's image, that many times
+        images = case["images"] * (2 if images == "two" else images)
     return text, images, change.get("params", params), message
 IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300, 200, 2)], "text-only": []}
 

@@ -8,7 +8,9 @@ from support import chat_prompt, make_image
 from trident.engines.base import DecodeRequest
 from trident.engines.hf.decoder import HFDecoder
 from trident.engines.hf.model import HFEncoder, HFModel, HFPrefiller
+from trident.errors import InvalidRequest, MalformedRecord
 from trident.processor import SamplingParams
+from trident.protocol import HFKVRecord, TensorSpec, Transfer
 
 PROMPTS = [
     "Hi.",
@@ -99,3 +101,60 @@ def test_stop_conditions(engine):
     req.params = req.params.model_copy(update={"stop": [], "ignore_eos": False})
     events = list(decoder.submit(req))
     assert [e.finish_reason for e in events] == ["stop"] and events[0].text == ""
+
+
+def test_one_bad_request_never_fails_the_batch(engine):
+    model, encoder, prefiller, decoder = engine
+    requests = _requests(model, encoder, prefiller)[:4]
+    alone = [_collect(decoder.submit(r)) for r in requests]
+    # temperature 1e-300 is greedy (it once overflowed the logits and failed every request in the batch)
+    tiny = requests[1].params.model_copy(update={"temperature": 1e-300})
+    assert tiny.greedy and SamplingParams.from_json('{"temperature": 1e-300}').greedy
+    # sampling values that slip past validation fail their own request only
+    broken = SamplingParams.model_construct(**{**requests[2].params.model_dump(), "temperature": float("nan")})
+    odd = [
+        DecodeRequest(kv=r.kv, first_token=r.first_token, prompt_len=r.prompt_len, params=p, rope_delta=r.rope_delta,
+                      seed=r.seed, request_id=f"odd-{i}")
+        for i, (r, p) in enumerate(((requests[1], tiny), (requests[2], broken)))
+    ]
+    streams = [decoder.submit(r) for r in requests] + [decoder.submit(r) for r in odd]
+    assert [_collect(s) for s in streams[:4]] == alone
+    tiny_tokens, _ = _collect(streams[4])
+    greedy = requests[1].params.model_copy(update={"temperature": 0.0})
+    assert tiny_tokens == _collect(decoder.submit(DecodeRequest(
+        kv=requests[1].kv, first_token=requests[1].first_token, prompt_len=requests[1].prompt_len, params=greedy,
+        rope_delta=requests[1].rope_delta, seed=requests[1].seed)))[0]
+    with pytest.raises(RuntimeError):
+        _collect(streams[5])
+    assert _collect(decoder.submit(requests[0])) == alone[0]  # and the decoder keeps serving
+
+
+def test_prompt_length_is_checked_before_image_tokens_are_expanded(engine):
+    model, *_ = engine
+    prompt = chat_prompt(model.processor.tokenizer, 1, "Hi.")
+    with pytest.raises(InvalidRequest, match="context window"):
+        model.processor.prompt_ids(prompt, [10**12])  # once: a list of 10**12 ids built first
+
+
+def test_kv_records_are_checked_against_the_model(engine):
+    model, *_ = engine
+    n = 40
+
+    def record(shape=(1, model.kv_heads, n, model.head_dim), count=2 * model.num_layers, dtype="float32", **kw):
+        spec = TensorSpec(dtype, shape, count)
+        transfer = Transfer("p", b"m", (1 << 40, 1 << 30), ((1 << 40, spec.nbytes),), (spec,), "l", 2e9)
+        return HFKVRecord(**{"transfer": transfer, "prompt_len": n, "first_token": 5, **kw})
+
+    model.check_kv(record())
+    bad = {
+        "a broadcast shape": (record(shape=(1, 1, n, 1)), "this model's KV cache"),
+        "too few layers": (record(count=2), "this model's KV cache"),
+        "another dtype": (record(dtype="float16"), "this model's KV cache"),
+        "first token out of vocabulary": (record(first_token=model.vocab_size), "outside the vocabulary"),
+        "huge rope_delta": (record(rope_delta=10**15), "rope_delta"),
+        "negative positions": (record(rope_delta=-n - 1), "rope_delta"),
+        "prompt over the context": (record(prompt_len=model.processor.max_model_len), "context window"),
+    }
+    for name, (rec, match) in bad.items():
+        with pytest.raises(MalformedRecord, match=match):
+            model.check_kv(rec)

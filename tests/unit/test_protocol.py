@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from trident import errors
+from trident import errors, signing
 from trident.errors import (
-    ERRORS, InvalidRequest, LeaseExpired, MalformedRecord, NotFound, PeerUnavailable, PoolExhausted, TransferTimeout,
-    TridentError, Unavailable,
+    ERRORS, ForgedRecord, InvalidRequest, LeaseExpired, MalformedRecord, NotFound, PeerUnavailable, PoolExhausted,
+    ReplayedRecord, TransferTimeout, TridentError, Unavailable,
 )
 from trident.protocol import (
     MODES, RECORD_VERSION, STAGES, EmbeddingsRecord, HFKVRecord, TensorSpec, Transfer, VLLMKVRecord, decode_record,
@@ -18,8 +18,11 @@ from trident.protocol import (
 META = b"m" * 450  # a NIXL agent's metadata is ~450 bytes
 
 
-def _transfer(nbytes: int, specs: tuple[TensorSpec, ...], expires_at: float = 2e9) -> Transfer:
-    return Transfer("trident-123-abcdef12", META, ((1 << 40, nbytes),), specs, "0123456789abcdef", expires_at)
+POOL = (1 << 40, 256 << 20)  # the producer's registered send pool: (address, bytes)
+
+
+def _transfer(nbytes: int, specs: tuple[TensorSpec, ...], expires_at: float = 2e9, at: int = 1 << 40) -> Transfer:
+    return Transfer("trident-123-abcdef12", META, POOL, ((at, nbytes),), specs, "0123456789abcdef", expires_at)
 
 
 def _embeddings(**kw) -> EmbeddingsRecord:
@@ -40,7 +43,7 @@ def test_records_round_trip_small_and_typed(record):
     assert len(data) <= 1024
     assert decode_record(data) == record
     assert decode_record(data, type(record)) == record
-    assert msgspec.msgpack.decode(data)[0] == f"{type(record).__struct_config__.tag}"
+    assert msgspec.msgpack.decode(data[: -signing.MAC_BYTES])[0] == f"{type(record).__struct_config__.tag}"
     assert type(record).__struct_config__.tag.endswith(f"/{RECORD_VERSION}")
 
 
@@ -55,20 +58,61 @@ def test_a_record_of_the_wrong_kind_is_refused_by_name():
     "data, match",
     [
         (b"", "empty"),
-        (b"\xc1garbage", "not valid msgpack"),
-        (msgspec.msgpack.encode(["embeddings/1", []]), r"'embeddings/1' is not supported here"),
-        (msgspec.msgpack.encode({"version": 1}), "kind and format version"),
-        (msgspec.msgpack.encode(["hf_kv/2", 7]), "malformed"),
+        (b"\xc1garbage", "too short to carry its signature"),
+        (signing.sign(b"\xc1garbage"), "not valid msgpack"),
+        (signing.sign(msgspec.msgpack.encode(["embeddings/1", []])), r"'embeddings/1' is not supported here"),
+        (signing.sign(msgspec.msgpack.encode({"version": 1})), "kind and format version"),
+        (signing.sign(msgspec.msgpack.encode([f"hf_kv/{RECORD_VERSION}", 7])), "malformed"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (196, 512)),))).encode(), "16 bytes"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("complex", (4,)),))).encode(), "dtype"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)),))).encode(), "do not hold 196 rows"),
         (_embeddings(image_ids=["a", "b"]).encode(), "token counts and image ids"),
         (_embeddings(token_counts=[0]).encode(), "invalid token counts"),
+        # a zero-size tensor with a huge count (once looped over in unpack_tensors)
+        (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)), TensorSpec("float32", (0, 4), 1 << 40)))).encode(),
+         "invalid tensor spec"),
     ],
 )
 def test_malformed_records_name_the_problem(data, match):
     with pytest.raises(MalformedRecord, match=match):
         decode_record(data)
+
+
+def test_records_are_signed_with_the_deployment_key(monkeypatch):
+    data = _kv().encode()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1  # any one byte changed (here: inside the msgpack)
+    with pytest.raises(ForgedRecord, match="signature does not match this deployment's key"):
+        decode_record(bytes(flipped))
+    with pytest.raises(ForgedRecord):  # no signature at all: msgpack as an attacker would write it
+        decode_record(data[: -signing.MAC_BYTES] + b"\0" * signing.MAC_BYTES)
+    monkeypatch.setenv(signing.ENV, "another deployment's secret")
+    with pytest.raises(ForgedRecord):
+        decode_record(data)
+    assert decode_record(_kv().encode()) == _kv()  # that deployment reads its own records
+    assert ForgedRecord.http_status == 403 and ForgedRecord.triton_code == "INVALID_ARG"
+
+
+def test_regions_outside_the_producers_pool_are_refused():
+    inside = _transfer(4096, (TensorSpec("uint8", (4096,)),), at=POOL[0] + POOL[1] - 4096)
+    _embeddings(transfer=inside, token_counts=[4096], image_ids=["a"])  # fits exactly
+    for at in (POOL[0] - 4096, POOL[0] + POOL[1] - 4095, 1 << 20):
+        transfer = _transfer(4096, (TensorSpec("uint8", (4096, 1)),), at=at)
+        with pytest.raises(ForgedRecord, match="outside the producer's pool"):
+            decode_record(_embeddings(transfer=transfer, token_counts=[4096], image_ids=["a"]).encode())
+
+
+def test_single_use_refuses_a_replay_and_forgets_expired_records():
+    used = signing.SingleUse(limit=4)
+    used.claim("a", until=2e9, what="record a")
+    with pytest.raises(ReplayedRecord, match="record a was already used"):
+        used.claim("a", until=2e9, what="record a")
+    for key in "bcd":
+        used.claim(key, until=0.0, what=key)  # already expired: forgotten once the table is full
+    used.claim("e", until=2e9, what="e")
+    used.claim("b", until=2e9, what="b")  # forgotten after its expiry, so accepted (its lease check refuses it)
+    with pytest.raises(ReplayedRecord):
+        used.claim("a", until=2e9, what="record a")
 
 
 def test_stage_specs_follow_from_what_a_stage_does():
@@ -98,6 +142,7 @@ def test_instance_names():
 def test_error_classes_carry_their_status():
     expected = {
         InvalidRequest: (400, "INVALID_ARG", False), MalformedRecord: (400, "INVALID_ARG", False),
+        ForgedRecord: (403, "INVALID_ARG", False), ReplayedRecord: (403, "INVALID_ARG", False),
         NotFound: (404, "NOT_FOUND", False), Unavailable: (503, "UNAVAILABLE", True),
         PeerUnavailable: (503, "UNAVAILABLE", True), PoolExhausted: (503, "UNAVAILABLE", True),
         TransferTimeout: (504, "UNAVAILABLE", True), LeaseExpired: (504, "UNAVAILABLE", True),

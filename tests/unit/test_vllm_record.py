@@ -9,6 +9,7 @@ from trident.engines.vllm import VLLMStageEngine, prompt_digest
 from trident.errors import InvalidRequest, MalformedRecord
 from trident.processor import Processor
 from trident.protocol import VLLMKVRecord, decode_record
+from trident.signing import sign
 
 PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
@@ -31,9 +32,9 @@ def test_kv_record_round_trip_and_size():
 
 
 @pytest.mark.parametrize("data, message", [
-    (b"\x00garbage", "not valid msgpack"),
-    (msgspec.msgpack.encode([1, "x"]), "kind and format version"),
-    (msgspec.msgpack.encode(["vllm_kv/1", {}]), "'vllm_kv/1' is not supported"),
+    (sign(b"\x00garbage"), "not valid msgpack"),
+    (sign(msgspec.msgpack.encode([1, "x"])), "kind and format version"),
+    (sign(msgspec.msgpack.encode(["vllm_kv/1", {}])), "'vllm_kv/1' is not supported"),
     (_record(image_ids=[]).encode(), "image token counts and image ids"),
 ])
 def test_malformed_kv_records_are_refused(data, message):
@@ -64,3 +65,12 @@ def test_decode_checks_text_input_against_the_prefilled_prompt(demo_models):
         engine._decode_inputs(text.replace("What", "Who"), record)
     with pytest.raises(InvalidRequest, match="needs text_input"):
         engine._decode_inputs(None, record)
+
+
+def test_decode_refuses_image_counts_beyond_the_prompt_before_allocating(demo_models):
+    engine = _decode_side(demo_models["llava"])
+    engine.hidden_size = 4096
+    text = "USER: <image>\nWhat is it? ASSISTANT:"
+    for counts, prompt_len in (([10**12], 220), ([300], 220), ([196], 10**9)):
+        with pytest.raises(InvalidRequest, match="context window"):  # once: zeros(10**12, 4096) first
+            engine._decode_inputs(text, _record(token_counts=counts, prompt_len=prompt_len))

@@ -84,10 +84,21 @@ def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> HFKVRecord:
     )
 
 
-def receive_kv(endpoint: TransferEndpoint, data: bytes, params: SamplingParams, request_id: str = "") -> DecodeRequest:
-    """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it."""
+def receive_kv(
+    endpoint: TransferEndpoint, data: bytes, params: SamplingParams, request_id: str = "",
+    check: Callable[[HFKVRecord], None] | None = None,
+) -> DecodeRequest:
+    """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it.
+
+    ``check`` (the model's) refuses a record this decoder cannot continue, before the READ."""
     with timings.step("record_decode"):
         record = decode_record(data, HFKVRecord)
+        if check is not None:
+            try:
+                check(record)
+            except Exception:
+                endpoint.discard(record.transfer)
+                raise
     with timings.step("nixl_read"):
         received = endpoint.fetch(record.transfer)  # decode_record checked the (k, v) pairs and sizes
     t = received.tensors

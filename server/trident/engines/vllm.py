@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
+from .. import signing
 from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
 from ..media import image_digest
@@ -37,6 +39,8 @@ from ..output import DecodeEvent, Generation
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from . import handoff
+
+KV_RECORD_LIFE_S = 600.0  # how long a kv_meta is remembered as used: beyond vLLM's NIXL abort timeout (480 s)
 
 log = logging.getLogger("trident.vllm")
 
@@ -138,6 +142,7 @@ class VLLMStageEngine:
         takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
         self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
+        self._used_kv = signing.SingleUse()  # the kv_meta records this decode has taken
         self._stats = _EngineStats()
 
         _environment(config, threads)
@@ -210,6 +215,11 @@ class VLLMStageEngine:
     def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> tuple[dict, int]:
         if text is None:
             raise InvalidRequest("the vllm decode stage needs text_input (the prompt) along with kv_meta")
+        if record.prompt_len > self.processor.max_model_len or sum(record.token_counts) > record.prompt_len:
+            raise InvalidRequest(
+                f"kv_meta describes a prompt of {record.prompt_len} tokens with {sum(record.token_counts)} image "
+                f"tokens; the context window is {self.processor.max_model_len}"
+            )
         mm = None
         if record.token_counts:
             placeholders = torch.zeros(sum(record.token_counts), self.hidden_size)
@@ -247,6 +257,9 @@ class VLLMStageEngine:
         if kv_meta is not None:
             record = decode_record(kv_meta, VLLMKVRecord)
             prompt, length = self._decode_inputs(text, record)
+            # vLLM frees the prefill's blocks once read: a second read would find other requests' KV there
+            self._used_kv.claim(bytes(kv_meta[-signing.MAC_BYTES:]), time.time() + KV_RECORD_LIFE_S,
+                                "this kv_meta")
             sampling = _sampling(params, extra_args={"kv_transfer_params": record.kv_transfer_params})
         else:
             prompt, length, *_ = await self._inputs(text, list(images), embedding_meta)

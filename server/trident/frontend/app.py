@@ -9,6 +9,7 @@ lease).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import AsyncIterator
@@ -18,13 +19,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from .. import timings
 from ..config import FrontendSettings
 from ..errors import InvalidRequest, NotFound, TridentError
-from ..media import image_url_to_base64
+from ..media import check_image_count, image_url_to_base64
 from ..protocol import MODES
 from .engine import Chunk, Engine
 from .responses import DONE, Completion, error_body, error_headers
 from .schemas import ChatCompletionRequest, CompletionRequest, Message
+
+log = logging.getLogger("trident.frontend")
 
 
 class Metrics:
@@ -69,6 +73,7 @@ class OpenAIServer:
         """The chat template's prompt (one placeholder per image) and the images as base64."""
         images: list[str] = []
         converted = []
+        check_image_count(sum(1 for m in messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"))
         for m in messages:
             if not isinstance(m.content, list):
                 converted.append({"role": m.role, "content": m.content or ""})
@@ -90,10 +95,12 @@ class OpenAIServer:
         m = self.metrics
         m.requests.labels(mode, endpoint).inc()
         start = last = time.perf_counter()
-        first = True
+        first, t0 = True, time.monotonic_ns()
         try:
             async for chunk in self.engine.generate(mode, prompt, images, sampling, uuid.uuid4().hex):
                 now = time.perf_counter()
+                if first:
+                    timings.mark("engine_first_chunk", t0)
                 (m.ttft if first else m.itl).labels(mode).observe(now - (start if first else last))
                 first, last = False, now
                 if chunk.finish_reason is not None:
@@ -105,6 +112,7 @@ class OpenAIServer:
             raise
 
     async def respond(self, req, endpoint: str, prompt: str, images: list[str], mode: str):
+        _check_text(prompt)
         chunks = self._chunks(mode, endpoint, prompt, images, req.sampling(self.settings.default_max_tokens))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage)
@@ -140,6 +148,16 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _check_text(prompt: str) -> None:
+    """JSON may carry lone surrogates (``"\\ud800"``), which are not text: a 400, not a failure later."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"the prompt is not valid UTF-8 text: {e.reason} at character {e.start} ({prompt[e.start]!r})"
+        ) from None
+
+
 def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     server = OpenAIServer(settings, engine)
     app = FastAPI(title="Trident OpenAI-compatible API")
@@ -149,6 +167,11 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
         return JSONResponse(error_body(exc.message, exc.http_status), status_code=exc.http_status,
                             headers=error_headers(exc))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, exc: Exception):  # a bug: logged here, a short JSON error there
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__})", 500), status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
@@ -156,8 +179,10 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
+        timings.mark("handler", time.monotonic_ns())
         mode = server.resolve(req)
-        prompt, images = await server.chat_prompt(req.messages)
+        with timings.step("chat_prompt"):
+            prompt, images = await server.chat_prompt(req.messages)
         return await server.respond(req, "chat", prompt, images, mode)
 
     @app.post("/v1/completions")
@@ -189,6 +214,7 @@ def run_frontend(settings: FrontendSettings) -> int:
 
     from .engine import TritonEngine
 
+    timings.start("frontend")
     app = create_app(settings, TritonEngine(settings.grpc_url))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     return 0

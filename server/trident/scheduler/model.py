@@ -31,7 +31,7 @@ import numpy as np
 from .. import timings
 from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable
-from ..media import content_id, decode_base64
+from ..media import check_image_count, content_id, decode_base64
 from ..protocol import (
     CANCEL, ENCODE_REPORT, REQUEST_ID, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
     instance_name, parse_instance,
@@ -372,4 +372,6 @@ def _image_ids(tensor) -> list[str]:
     """Content ids of the request's images (base64 checked here; the images are decoded where encoded)."""
     if tensor is None:
         return []
-    return [content_id(decode_base64(v, i)) for i, v in enumerate(tensor.as_numpy().reshape(-1))]
+    values = tensor.as_numpy().reshape(-1)
+    check_image_count(len(values))
+    return [content_id(decode_base64(v, i)) for i, v in enumerate(values)]

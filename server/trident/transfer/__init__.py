@@ -63,6 +63,7 @@ class TransferEndpoint:
             "released": s.released,
             "expired": s.expired,
             "fetched": self.receiver.fetched,
+            "recv_quarantined": self.receiver.quarantined,
         }
 
     def close(self) -> None:

@@ -113,10 +113,16 @@ class NixlAgent:
             except Exception as e:
                 self._forget(remote)
                 raise PeerUnavailable(f"READ from NIXL agent {remote!r} failed: {type(e).__name__}: {e}") from None
+        released = False
         try:
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferTimeout(f"READ of {offset} bytes from {remote!r} took over {timeout_s:.1f} s")
+                    with self._lock:
+                        released = self._release(handle)
+                    error = TransferTimeout(f"READ of {offset} bytes from {remote!r} took over {timeout_s:.1f} s")
+                    # whether NIXL stopped it: if not, it may still write into the local buffer
+                    error.aborted = released
+                    raise error
                 time.sleep(0)  # let other threads at the lock between polls
                 with self._lock:
                     try:
@@ -128,11 +134,18 @@ class NixlAgent:
                 self._forget(remote)
                 raise PeerUnavailable(f"READ from NIXL agent {remote!r} ended in state {state}")
         finally:
-            with self._lock:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except Exception as e:  # a failed transfer may refuse release; nothing more to do
-                    log.debug("release of transfer handle failed: %s", e)
+            if not released:
+                with self._lock:
+                    self._release(handle)
+
+    def _release(self, handle) -> bool:
+        """Release a transfer handle (aborting the transfer if it still runs); False when NIXL refuses."""
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception as e:  # a failed or stuck transfer may refuse release
+            log.debug("release of transfer handle failed: %s", e)
+            return False
 
     def _forget(self, remote: str) -> None:
         """Drop a peer after an error so the next record from it reconnects from its metadata."""

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from ..config import TransferConfig
-from ..errors import LeaseExpired
+from ..errors import LeaseExpired, TransferTimeout
+from ..signing import SingleUse
 from ..protocol import Transfer
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
 from .tensors import unpack_tensors
+
+log = logging.getLogger(__name__)
 
 
 class Received:
@@ -40,13 +44,19 @@ class Received:
 
 
 class TransferReceiver:
-    """Reads the tensors a :class:`~trident.protocol.Transfer` describes."""
+    """Reads the tensors a :class:`~trident.protocol.Transfer` describes, each record once."""
 
     def __init__(self, agent: NixlAgent, config: TransferConfig) -> None:
         self.agent = agent
         self.config = config
         self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register)
         self.fetched = 0
+        self.quarantined = 0  # regions a timed-out READ that NIXL could not stop may still write into
+        self._used = SingleUse()  # (agent, lease id) of each record read or discarded
+
+    def _claim(self, record: Transfer) -> None:
+        self._used.claim((record.agent, record.lease_id), record.expires_at,
+                         f"record of lease {record.lease_id} from {record.agent}")
 
     def fetch(self, record: Transfer) -> Received:
         """READ the record's regions into a fresh region of the receive pool; the producer is notified."""
@@ -54,6 +64,7 @@ class TransferReceiver:
         if left < self.config.lease_margin_s:
             state = f"expired {-left:.2f} s ago" if left <= 0 else f"expires in {left:.2f} s, too soon to read safely"
             raise LeaseExpired(f"lease {record.lease_id} from {record.agent} {state}")
+        self._claim(record)
         region = self.pool.alloc(record.nbytes)
         try:
             self.agent.read(
@@ -64,6 +75,14 @@ class TransferReceiver:
                 record.lease_id.encode(),
                 self.config.read_timeout_s,
             )
+        except TransferTimeout as e:
+            if getattr(e, "aborted", True):
+                self.pool.free(region)
+            else:  # the READ may still land: never hand this memory out again
+                self.quarantined += 1
+                log.warning("READ from %s timed out and could not be stopped; %d bytes of the receive pool "
+                            "are set aside", record.agent, region.nbytes)
+            raise
         except BaseException:
             self.pool.free(region)
             raise
@@ -72,4 +91,5 @@ class TransferReceiver:
 
     def discard(self, record: Transfer) -> None:
         """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
+        self._claim(record)
         self.agent.notify(record.agent, record.agent_meta, record.lease_id.encode())

@@ -32,8 +32,8 @@ class TransferSender:
 
     :meth:`publish` copies the tensors back to back into a region of the send pool and returns the
     :class:`~trident.protocol.Transfer` describing it (the caller puts it in a record). The region is freed
-    when the consumer's READ-completion notification (the lease id) arrives, or when the lease expires,
-    whichever comes first. A background thread polls for both while leases are open, and sleeps while none
+    when the consumer's READ-completion notification (the lease id) arrives, or once the lease has expired
+    and a READ started before the expiry would have timed out, whichever comes first. A background thread polls for both while leases are open, and sleeps while none
     is (a release notification only ever names an open lease). :meth:`copy_in` and :meth:`lease` are the two
     halves, for callers that keep regions beyond one READ (the embedding cache).
     """
@@ -77,6 +77,7 @@ class TransferSender:
         return Transfer(
             agent=self.agent.name,
             agent_meta=self.agent.metadata,
+            pool=(self.pool.address, self.pool.capacity),
             regions=tuple((self.pool.address_of(r), r.nbytes) for r in regions),
             tensors=tuple(specs),
             lease_id=lease_id,
@@ -111,9 +112,11 @@ class TransferSender:
                 lease_id = msg.decode(errors="replace")
                 if not self.release(lease_id):
                     log.debug("release of unknown lease %s from %s ignored", lease_id, peer)
-        now = time.time()
+        # A consumer starts a READ only before expiry (less its margin) and gives up on it after its read
+        # timeout: a region is reused only once no READ of it can still be running.
+        cutoff = time.time() - self.config.read_timeout_s - 1.0
         with self._lock:
-            gone = [(k, self._leases.pop(k)) for k, lease in list(self._leases.items()) if lease.expires_at <= now]
+            gone = [(k, self._leases.pop(k)) for k, lease in list(self._leases.items()) if lease.expires_at <= cutoff]
             self.expired += len(gone)
         for lease_id, lease in gone:
             lease.on_release()

@@ -122,7 +122,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     name = settings.model_name
     timings.start(name)
     engine = build_engine(settings)
-    infer = make_infer(spec, engine, settings.fault_injection)
+    infer = make_infer(spec, engine, settings.fault_injection, settings.max_inflight)
     stop = threading.Event()
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)

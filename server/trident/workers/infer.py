@@ -9,6 +9,7 @@ stage takes ``kv_meta``, or a short prompt with its ``embedding_meta`` that it p
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -17,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from .. import timings
-from ..errors import ERRORS, InvalidRequest
-from ..media import ImageItem
+from ..errors import ERRORS, InvalidRequest, Unavailable
+from ..media import ImageItem, check_image_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, StageSpec
@@ -113,7 +114,9 @@ def image_items(request) -> list[ImageItem]:
     value = _value(request, "image")
     if value is None:
         return []
-    return [ImageItem.from_base64(v, i) for i, v in enumerate(np.asarray(value).reshape(-1))]
+    values = np.asarray(value).reshape(-1)
+    check_image_count(len(values))
+    return [ImageItem.from_base64(v, i) for i, v in enumerate(values)]
 
 
 async def open_images(items: list[ImageItem]) -> list:
@@ -152,10 +155,52 @@ def _inject_fault(spec: StageSpec, text: str | None) -> None:
         raise ERRORS[match.group(1)](f"injected {match.group(1)} in the {spec.name} stage")
 
 
-def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
+class Admission:
+    """At most ``limit`` requests in a worker at once: one more is refused at once (503 with Retry-After)
+    rather than queued, so overload shows up as a quick retryable error, not as memory and latency growth."""
+
+    def __init__(self, stage: str, limit: int) -> None:
+        self.stage, self.limit, self.inflight = stage, limit, 0
+
+    def enter(self) -> None:
+        if self.inflight >= self.limit:
+            raise Unavailable(
+                f"the {self.stage} stage has {self.inflight} requests in flight, its limit (--max-inflight); retry later"
+            )
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+
+
+def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64):
     """The async inference function PyTriton binds for ``spec`` over ``engine``."""
     names = spec.input_names
+    admission = Admission(spec.name, max_inflight)
     record_names = [RECORD_TENSOR[kind] for kind in (spec.takes, spec.also_takes) if kind is not None]
+
+    def admit(request) -> None:
+        """Count the request in, or refuse it (a record it brought is discarded: its producer frees it now)."""
+        try:
+            admission.enter()
+        except Unavailable:
+            for name in record_names:
+                if (record := record_input(request, name)) is not None:
+                    engine.discard(record)
+            raise
+
+    def admitted(fn):
+        """A one-response stage function, counted in and out."""
+        @functools.wraps(fn)
+        async def run(requests):
+            request = _single(requests)
+            admit(request)
+            try:
+                return await fn(request)
+            finally:
+                admission.leave()
+
+        return run
 
     async def read(request) -> tuple[str | None, SamplingParams, dict]:
         """The request's text, sampling parameters and engine arguments; a record it brought is discarded
@@ -190,9 +235,10 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
         return text, params, kwargs
 
     if spec.hands_on == "embeddings":
-        async def encode(requests):
+        @admitted
+        async def encode(request):
             t0 = time.monotonic_ns()
-            _, _, kwargs = await read(_single(requests))
+            _, _, kwargs = await read(request)
             items = kwargs["images"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
             encoded = await engine.encode(items) if items else None
@@ -205,9 +251,10 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
         return encode
 
     if spec.hands_on == "kv":
-        async def prefill(requests):
+        @admitted
+        async def prefill(request):
             t0 = time.monotonic_ns()
-            text, params, kwargs = await read(_single(requests))
+            text, params, kwargs = await read(request)
             outputs = record_output(spec, await engine.prefill(text, params, **kwargs))
             timings.mark("infer", t0)
             return outputs
@@ -223,15 +270,19 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False):
             streams.cancel(cancel)
             return
         t0, first = time.monotonic_ns(), True
-        text, params, kwargs = await read(request)
-        opts = output_options(request)
-        generation = await engine.generate(text, params, **kwargs)
-        responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
-        async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
-            if first:
-                timings.mark("infer_first", t0)
-                first = False
-            yield item
+        admit(request)
+        try:
+            text, params, kwargs = await read(request)
+            opts = output_options(request)
+            generation = await engine.generate(text, params, **kwargs)
+            responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
+            async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
+                if first:
+                    timings.mark("infer_first", t0)
+                    first = False
+                yield item
+        finally:
+            admission.leave()
         timings.mark("infer", t0)
 
     generate.streams = streams

@@ -269,8 +269,14 @@ class HFDecoder:
         self.max_batch_seen = max(self.max_batch_seen, kv.n)
         finished = []
         for row, a in enumerate(self._active):
-            token = sample(logits[row], a.req.params, a.req.seed, step=a.generated)
-            if self._emit(a, token, kv.lens[row]):
+            try:
+                token = sample(logits[row], a.req.params, a.req.seed, step=a.generated)
+                done = self._emit(a, token, kv.lens[row])
+            except Exception as e:  # this request's sampling or output failed: it alone ends
+                log.exception("decode request %s failed", a.req.request_id)
+                a.stream.put(e)
+                done = True
+            if done:
                 finished.append(row)
         for row in reversed(finished):  # highest first, so moved rows stay valid
             kv.remove(row)

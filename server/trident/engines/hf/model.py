@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from ... import timings
-from ...errors import InvalidRequest
+from ...errors import InvalidRequest, MalformedRecord
 from ...processor import Processor, SamplingParams
+from ...protocol import HFKVRecord, TensorSpec
 from ..base import ImageEmbeddings, PrefillResult
 from .sampling import sample
 
@@ -36,7 +37,26 @@ class HFModel:
         self.num_layers: int = text.num_hidden_layers
         self.kv_heads: int = text.num_key_value_heads
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.vocab_size: int = self.model.get_output_embeddings().out_features
         self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
+
+    def check_kv(self, record: HFKVRecord) -> None:
+        """A ``kv_meta`` must describe this model's KV cache of its prompt and a continuation it can run:
+        refused before anything is read or allocated, so that one bad record fails only its own request."""
+        max_len = self.processor.max_model_len
+        if record.prompt_len >= max_len:
+            raise MalformedRecord(f"kv record prompt_len {record.prompt_len} is not below the context window {max_len}")
+        want = TensorSpec("float32", (1, self.kv_heads, record.prompt_len, self.head_dim), 2 * self.num_layers)
+        if record.transfer.tensors != (want,):
+            got = ", ".join(f"{s.count} x {s.dtype}{list(s.shape)}" for s in record.transfer.tensors)
+            raise MalformedRecord(
+                f"kv record holds {got}; this model's KV cache of {record.prompt_len} tokens is "
+                f"{want.count} x {want.dtype}{list(want.shape)}"
+            )
+        if not 0 <= record.first_token < self.vocab_size:
+            raise MalformedRecord(f"kv record first_token {record.first_token} is outside the vocabulary ({self.vocab_size})")
+        if not 0 <= record.prompt_len + record.rope_delta <= max_len:
+            raise MalformedRecord(f"kv record rope_delta {record.rope_delta} puts positions outside 0..{max_len}")
 
 
 class HFEncoder:

@@ -174,7 +174,7 @@ class HFStageEngine:
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
         if kv_meta is not None:
-            request = await self._run(handoff.receive_kv, self.endpoint, kv_meta, params)
+            request = await self._run(handoff.receive_kv, self.endpoint, kv_meta, params, "", self.model.check_kv)
         else:
             result = await self._run(self._prefill, text, params, list(images), embedding_meta)
             request = handoff.continue_locally(result, params)
