@@ -38,6 +38,10 @@ def _server_environment() -> None:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
 
+QUICK_DEATH_S = 60.0  # a worker that exits sooner than this after its start counts as a quick death
+MAX_QUICK_DEATHS = 5  # quick deaths in a row after which a worker is left down
+
+
 class Launcher:
     """Owns every process ``trident serve`` starts."""
 
@@ -53,6 +57,10 @@ class Launcher:
         self.workspace = Path(settings.workspace or self._make_tmp())
         self.model_path: str | None = settings.model
         self._stopping = False
+        self._started_at: dict[str, float] = {}  # worker name -> when its process started
+        self._quick_deaths: dict[str, int] = {}  # worker name -> exits in a row within QUICK_DEATH_S of a start
+        self._restart_at: dict[str, float] = {}  # worker name -> when to start it again
+        self._coming_back: set[str] = set()  # restarted workers whose stage model is not ready yet
 
     def _make_tmp(self) -> str:
         self._tmp = tempfile.mkdtemp(prefix="trident-")
@@ -178,6 +186,7 @@ class Launcher:
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # and transformers draws a bar per checkpoint load
         self.workers[name] = subprocess.Popen(cmd, env=env)
+        self._started_at[name] = time.monotonic()
         self.out(f"[trident] started worker {name} (pid {self.workers[name].pid})")
 
     def _start_frontend(self) -> None:
@@ -273,7 +282,9 @@ class Launcher:
     # -- run and stop -------------------------------------------------------------------------------
     def supervise(self) -> None:
         """Block until a signal or until Triton dies. A worker that exits has its stage model unloaded, so
-        that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve."""
+        that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve, and
+        is started again after a backoff (1, 2, 4, ... s); after :data:`MAX_QUICK_DEATHS` exits in a row
+        each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down."""
         stop = {"signal": None}
 
         def _handler(signum, _frame):
@@ -289,6 +300,7 @@ class Launcher:
                 if proc.poll() is not None:
                     self.workers.pop(name)
                     self._worker_exited(name, proc.returncode)
+            self._restart_due()
             time.sleep(0.2)
         self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
 
@@ -297,6 +309,7 @@ class Launcher:
             self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
             return
         self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
+        self._coming_back.discard(name)
         try:
             import tritonclient.http as httpclient
 
@@ -304,6 +317,31 @@ class Launcher:
             client.unload_model(name, headers=self.headers)
         except Exception as e:  # Triton may be going away too
             self.out(f"[trident] could not unload {name}: {e}")
+        quick = time.monotonic() - self._started_at.get(name, 0.0) < QUICK_DEATH_S
+        self._quick_deaths[name] = self._quick_deaths.get(name, 0) + 1 if quick else 0
+        if self._quick_deaths[name] >= MAX_QUICK_DEATHS:
+            self.out(f"[trident] worker {name} failed: it exited {MAX_QUICK_DEATHS} times in a row within "
+                     f"{QUICK_DEATH_S:.0f} s of starting; not restarting it (its modes answer 503 or fall back)")
+            return
+        delay = 2.0 ** self._quick_deaths[name]
+        self._restart_at[name] = time.monotonic() + delay
+        self.out(f"[trident] restarting worker {name} in {delay:.0f} s")
+
+    def _restart_due(self) -> None:
+        """Start the workers whose backoff is over; say when a restarted one serves again."""
+        for name, at in list(self._restart_at.items()):
+            if time.monotonic() >= at:
+                del self._restart_at[name]
+                self._start_worker(name)
+                self._coming_back.add(name)
+        for name in list(self._coming_back):
+            try:
+                ready = self._client().is_model_ready(name)
+            except Exception:
+                ready = False
+            if ready:
+                self._coming_back.discard(name)
+                self.out(f"[trident] worker {name} is back: stage model {name} is ready")
 
     def stop(self) -> None:
         if self._stopping:

@@ -84,6 +84,14 @@ CANCEL = "trident_cancel"
 """Request parameter of a control request to a streaming stage: stop the stream with this id (Triton 2.51's
 python backend cannot cancel a BLS request itself)."""
 
+STAGE_ERROR_MARK = b"\x00trident_error:"
+"""Starts a decoupled stage's last ``finish_reason`` when it carries the error envelope of a failure after
+other responses, to the scheduler (Triton 2.51 loses such an error response on its way to a BLS caller)."""
+
+WORKER_FILE = "trident_worker.json"
+"""Written by a stage worker next to its stage model's ``model.py``: ``{"pid", "name"}``, so that the
+python-backend stub can tell when the worker is gone."""
+
 ENCODE_REPORT = "encode_report"
 """Extra output of the encode stage: JSON counters of its embedding cache for the scheduler's metrics
 (this request's hits, misses and shared encodes, the cache's bytes and evictions). Ensembles ignore it."""

@@ -362,3 +362,25 @@ def test_a_full_stage_refuses_at_once_with_503_and_retry_after(server, client):
 
     wait_drained(server, {"prefill", "decode"})  # the refused requests' KV caches were freed, not left to expire
     _still_serving(server, client)
+
+
+def test_a_stage_failing_mid_stream_ends_the_stream_with_its_error(server, client):
+    """A failure after some tokens reaches the client as the stage's error (Triton 2.51 drops an error response
+    that follows others on its way to a BLS caller: the stream used to hang, or end as if complete)."""
+    import openai
+
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    text = _prompt("Tell me a story. [[trident-fault:Unavailable@decode#3]]")
+    with pytest.raises(Exception, match="Unavailable: injected Unavailable in the decode stage"):
+        grpc_generate(server.grpc, "e_p_d", text, [], params, stream=True)
+    stream = client.chat.completions.create(model=f"{NAME}:e_p_d", stream=True, max_tokens=40,
+                                            messages=[{"role": "user", "content": text}])
+    chunks = []
+    with pytest.raises(openai.APIError, match="injected Unavailable in the decode stage"):
+        for chunk in stream:
+            chunks.append(chunk)
+    assert len(chunks) == 3
+    from support import wait_drained
+
+    wait_drained(server, {"prefill", "decode"})
+    _still_serving(server, client)

@@ -69,8 +69,8 @@ class Server:
         return [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in self.log if "started worker" in line]
 
     def worker_pid(self, name: str) -> int:
-        """The pid of the worker bound as stage model ``name`` (e.g. ``prefill-2``)."""
-        for line in self.log:
+        """The pid of the (latest) worker bound as stage model ``name`` (e.g. ``prefill-2``)."""
+        for line in reversed(self.log):
             if line.startswith(f"[trident] started worker {name} (pid "):
                 return int(line.rsplit("pid ", 1)[1].rstrip(")"))
         raise KeyError(name)

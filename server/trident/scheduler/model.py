@@ -30,10 +30,10 @@ import numpy as np
 
 from .. import timings
 from ..config import SchedulerConfig
-from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable
+from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
 from ..media import check_image_count, content_id, decode_base64
 from ..protocol import (
-    CANCEL, ENCODE_REPORT, REQUEST_ID, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
+    CANCEL, ENCODE_REPORT, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
     instance_name, parse_instance,
 )
 from .metrics import SchedulerMetrics
@@ -311,9 +311,12 @@ class TritonPythonModel:
                 if request.is_cancelled():
                     return "cancelled"
                 check_at = time.monotonic() + _CANCEL_CHECK_S
+            response = self._carried_error(response)
             if response.has_error():
                 if sent:  # the client has a partial answer: end it with the stage's error
-                    sender.send(pb.InferenceResponse(error=response.error()), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    # (as a response of its own: an error on the final response after others is dropped)
+                    sender.send(pb.InferenceResponse(error=response.error()))
+                    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     return "done"
                 self._check(response, instance)
             tensors = response.output_tensors()
@@ -326,6 +329,20 @@ class TritonPythonModel:
                 sent += 1
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return "done"
+
+    def _carried_error(self, response):
+        """A stage's failure after other responses comes in its last ``finish_reason`` (see
+        :data:`~trident.protocol.STAGE_ERROR_MARK`): made an error response again."""
+        pb = self.pb
+        tensor = pb.get_output_tensor_by_name(response, "finish_reason")
+        if tensor is None:
+            return response
+        value = tensor.as_numpy().reshape(-1)
+        if not value.size or not isinstance(value[0], bytes) or not value[0].startswith(STAGE_ERROR_MARK):
+            return response
+        error = from_wire(value[0][len(STAGE_ERROR_MARK):].decode("utf-8", "replace"))
+        code = getattr(pb.TritonError, error.triton_code, pb.TritonError.INTERNAL)
+        return pb.InferenceResponse(error=pb.TritonError(client_message(error), code))
 
     async def _cancel_stream(self, stage: str, instance: str, stream, request_id: str) -> None:
         """Stop a stage's stream whose client went away."""

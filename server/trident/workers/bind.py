@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import WorkerSettings
 from ..errors import TridentError, client_message, to_wire
-from ..protocol import STAGES
+from ..protocol import STAGES, WORKER_FILE
 
 log = logging.getLogger("trident.worker")
 _PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
@@ -72,7 +72,10 @@ def _install_proxy_model() -> None:
 
     def generate_model(self, model_repository: Path) -> None:
         original(self, model_repository)
-        shutil.copy(_PROXY_MODEL, Path(model_repository) / self.model_name / str(self.model_version) / "model.py")
+        version_dir = Path(model_repository) / self.model_name / str(self.model_version)
+        shutil.copy(_PROXY_MODEL, version_dir / "model.py")
+        # the stub watches this process: requests waiting on a worker that died fail at once (503)
+        (version_dir / WORKER_FILE).write_text(json.dumps({"pid": os.getpid(), "name": self.model_name}))
 
     generate_model._trident = True
     Model.generate_model = generate_model

@@ -24,7 +24,7 @@ from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, StageSpec
 
-_FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?\]\]")
+_FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?(?:#(\d+))?\]\]")
 
 
 def _parameter(request, name: str) -> str | None:
@@ -148,10 +148,12 @@ def _single(requests: list) -> Any:
     return requests[0]
 
 
-def _inject_fault(spec: StageSpec, text: str | None) -> None:
-    """Tests only (``fault_injection``): raise the error a ``[[trident-fault:Name@stage]]`` marker names."""
+def _inject_fault(spec: StageSpec, text: str | None, responses: int | None = None) -> None:
+    """Tests only (``fault_injection``): raise the error a ``[[trident-fault:Name@stage]]`` marker names,
+    before the engine runs; with ``#N`` after the marker's stage, once the stage has sent N responses."""
     match = _FAULT.search(text or "")
-    if match and match.group(1) in ERRORS and match.group(2) in (None, spec.name):
+    after = int(match.group(3)) if match and match.group(3) else None
+    if match and match.group(1) in ERRORS and match.group(2) in (None, spec.name) and after == responses:
         raise ERRORS[match.group(1)](f"injected {match.group(1)} in the {spec.name} stage")
 
 
@@ -276,7 +278,11 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
             opts = output_options(request)
             generation = await engine.generate(text, params, **kwargs)
             responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
+            sent = 0
             async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
+                if fault_injection:
+                    _inject_fault(spec, text, sent)
+                sent += 1
                 if first:
                     timings.mark("infer_first", t0)
                     first = False

@@ -9,13 +9,58 @@ exception wrapped in the stub's traceback.
 """
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 from pytriton.proxy import model as _proxy
 
 from trident import timings
-from trident.errors import client_message, from_wire
+from trident.errors import Unavailable, client_message, from_wire, to_wire
+from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE
+
+WATCH_S = 0.5  # how often a request waiting on the worker checks that the worker still runs
+_worker: dict = {}  # {"pid": ..., "name": ...} of this stub's worker
+
+
+def worker_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by the launcher, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class _WatchedQueue:
+    """The responses queue of one request, as the handlers read it: when the worker dies while the request
+    waits, the next item is an error from the worker (503 naming the stage) instead of a wait without end."""
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        self._q = queue
+        self._synthetic = False
+
+    async def get(self):
+        pid = _worker.get("pid")
+        task = asyncio.ensure_future(self._q.get())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_S if pid else None)
+            if done:
+                return task.result()
+            if not worker_alive(pid):
+                task.cancel()
+                self._synthetic = True
+                error = Unavailable(f"the {_worker['name']} stage's worker (pid {pid}) exited; the request was lost "
+                                    "with it (the server restarts the worker)")
+                return _proxy.PyTritonResponseFlags.EOS | _proxy.PyTritonResponseFlags.ERROR, to_wire(error).encode()
+
+    def task_done(self) -> None:
+        if self._synthetic:
+            self._synthetic = False
+            return
+        self._q.task_done()
 
 
 def triton_error(payload: str):
@@ -43,11 +88,18 @@ class _BatchResponses(_proxy.BatchResponsesHandler):
         from concurrent.futures import Future
 
         inner: Future = Future()
-        result = await super().handle_responses(scope, responses_queue, inner)
+        result = await super().handle_responses(scope, _WatchedQueue(responses_queue), inner)
         if isinstance(result, pb_utils.TritonModelException):
             result = [pb_utils.InferenceResponse(error=triton_error(str(result)))]
         responses_future.set_result(result)
         return result
+
+
+def _from_scheduler(request) -> bool:
+    try:
+        return REQUEST_ID in json.loads(request.parameters() or "{}")
+    except (ValueError, AttributeError):
+        return False
 
 
 class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
@@ -60,6 +112,7 @@ class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
         requests_id = scope["requests_id"]
         triton_requests = self._requests_map[requests_id]
         senders = [request.get_response_sender() for request in triton_requests]
+        responses_queue = _WatchedQueue(responses_queue)
         first, eos = True, False
         while not eos:
             error = False
@@ -81,7 +134,18 @@ class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
                 if eos:  # the end of the stream may come without a response (then only the flag goes)
                     flags_out = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
                     responses = responses or [None] * len(senders)
-                for sender, response in zip(senders, responses):
+                for request, sender, response in zip(triton_requests, senders, responses):
+                    if error and eos:
+                        # Triton 2.51 loses an error response that follows others on its way to a BLS caller
+                        # (its stream then ends as if complete, or never): the scheduler gets the error in the
+                        # final response's finish_reason; other callers as an error response, then the flag.
+                        if _from_scheduler(request):
+                            mark = np.array([STAGE_ERROR_MARK + payload], dtype=np.object_)
+                            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("finish_reason", mark)]), flags_out)
+                        else:
+                            sender.send(response, 0)
+                            sender.send(None, flags_out)
+                        continue
                     sender.send(response, flags_out)
                 if first and not eos:
                     timings.mark("first_response", t_in)
@@ -104,6 +168,11 @@ class TritonPythonModel(_proxy.TritonPythonModel):
 
     def initialize(self, args):
         timings.start(f"proxy-{args['model_name']}")
+        info = Path(args["model_repository"]) / args["model_version"] / WORKER_FILE
+        try:
+            _worker.update(json.loads(info.read_text()))
+        except (OSError, ValueError):  # no worker file: requests wait on the worker without a watch
+            pass
         return super().initialize(args)
 
     def execute(self, requests):

@@ -1,0 +1,84 @@
+"""Supervision: a stage worker killed with SIGKILL fails only its own in-flight request, quickly and by name,
+and comes back; the other modes serve throughout (Triton's L0_lifecycle, Dynamo's worker-restart checks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from support import Server, grpc_generate
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "USER: Tell me a long story about the sea. ASSISTANT:"
+GREEDY = {"max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(demo_models, tmp_path_factory):
+    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("supervision") / "ws", modes=["e_p_d", "epd"],
+                 extra=["--local-prefill-tokens", "0"])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+def _wait_back(server, name: str, pid: int, timeout: float = 180) -> float:
+    """Seconds until the stage model is served by a new worker process."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if server.ready(name) and server.worker_pid(name) != pid:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not come back within {timeout} s")
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill", "encode"])
+def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
+    expected = grpc_generate(server.grpc, "epd", PROMPT, [], GREEDY, stream=True).text
+    assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
+    pid = server.worker_pid(stage)
+    other: list = []
+    stop = threading.Event()
+
+    def keep_serving_epd():  # the other mode, throughout
+        while not stop.is_set():
+            other.append(grpc_generate(server.grpc, "epd", PROMPT, [], GREEDY, stream=True).text)
+
+    background = threading.Thread(target=keep_serving_epd)
+    background.start()
+    try:
+        if stage == "decode":  # mid-stream: the request in flight fails within 5 s, naming the stage
+            result: dict = {}
+
+            def stream():
+                try:
+                    grpc_generate(server.grpc, "e_p_d", PROMPT, [], {"max_tokens": 400, "ignore_eos": True}, stream=True)
+                except Exception as e:
+                    result["error"], result["at"] = str(e), time.monotonic()
+
+            t = threading.Thread(target=stream)
+            t.start()
+            time.sleep(2.0)
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            t.join(30)
+            assert "error" in result, "the in-flight request did not fail"
+            assert result["at"] - killed < 5
+            assert "Unavailable: the decode stage's worker" in result["error"] and "exited" in result["error"]
+        else:
+            os.kill(pid, signal.SIGKILL)
+        back = _wait_back(server, stage, pid)
+    finally:
+        stop.set()
+        background.join(60)
+    assert other and all(text == expected for text in other)
+    assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
+    assert f"[trident] worker {stage} is back" in "".join(server.log)
+    print(f"{stage} back in {back:.1f} s")
