@@ -214,3 +214,34 @@ def test_a_lone_surrogate_is_a_400(server, client):
     assert r.status_code == 400, r.text
     assert "the prompt is not valid UTF-8 text" in r.json()["error"]["message"]
     assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+@pytest.mark.parametrize("mode", ["e_p_d", "epd"])
+def test_a_dropped_sse_connection_stops_the_decode_within_a_second(server, client, image_png, mode):
+    """A client that goes away mid-stream (closes its connection): the frontend's gRPC stream is cancelled,
+    the scheduler stops the stage's stream, and the decode leaves the batch within 1 s; every region and lease
+    of the request is freed."""
+    import time
+
+    from support import wait_drained
+
+    decode = {"e_p_d": "decode", "epd": "generate"}[mode]
+    body = {"model": f"{NAME}:{mode}", "stream": True, "max_tokens": 1000, "ignore_eos": True,
+            "messages": _messages(_data_url(image_png))}
+    with requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", json=body, stream=True,
+                       timeout=60) as r:
+        lines = r.iter_lines()
+        events = [line for line in (next(lines) for _ in range(8)) if line.startswith(b"data: ")]
+        assert len(events) >= 3
+        deadline = time.monotonic() + 5
+        while server.stats().get(decode, {}).get("decode_active") != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats()[decode]["decode_active"] == 1
+        start = time.monotonic()
+    # (leaving the ``with`` closed the connection)
+    while server.stats()[decode].get("decode_active") and time.monotonic() - start < 5:
+        time.sleep(0.05)
+    stopped = time.monotonic() - start
+    assert server.stats()[decode]["decode_active"] == 0 and stopped < 1.0 + 0.2  # (stats are rewritten every 0.2 s)
+    wait_drained(server, {decode})
+    assert client.chat.completions.create(model=f"{NAME}:{mode}", messages=_messages(_data_url(image_png)), max_tokens=2)
