@@ -45,9 +45,9 @@ MAX_QUICK_DEATHS = 5  # quick deaths in a row after which a worker is left down
 class Launcher:
     """Owns every process ``trident serve`` starts."""
 
-    def __init__(self, settings: ServeSettings, out=print) -> None:
+    def __init__(self, settings: ServeSettings, out=None) -> None:
         self.s = settings
-        self.out = out
+        self.out = out or _say
         self.token = settings.access_token or os.environ.get("TRIDENT_ACCESS_TOKEN") or secrets.token_urlsafe(24)
         # the key every record is signed with: Triton (the schedulers) and every worker get it by environment
         self.transfer_secret = settings.transfer_secret or os.environ.get(signing.ENV) or signing.new_secret()
@@ -362,6 +362,15 @@ class Launcher:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.out("[trident] stopped")
+
+
+def _say(line: str) -> None:
+    """Print a log line; output that has gone away (a closed pipe) must not stop a shutdown half-way and leave
+    workers running."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, OSError):
+        pass
 
 
 def serve(settings: ServeSettings) -> int:
