@@ -94,6 +94,7 @@ class TransferTimeout(TransferError):
     http_status = 504
     triton_code = "UNAVAILABLE"
     retryable = True
+    aborted: bool = True  # False when NIXL would not stop the READ: it may still write into the local buffer
 
 
 class LeaseExpired(TransferError):

@@ -73,7 +73,8 @@ class OpenAIServer:
         """The chat template's prompt (one placeholder per image) and the images as base64."""
         images: list[str] = []
         converted = []
-        check_image_count(sum(1 for m in messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"))
+        parts = [p for m in messages if isinstance(m.content, list) for p in m.content]
+        check_image_count(sum(p.type == "image_url" for p in parts))
         for m in messages:
             if not isinstance(m.content, list):
                 converted.append({"role": m.role, "content": m.content or ""})

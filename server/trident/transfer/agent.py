@@ -120,7 +120,6 @@ class NixlAgent:
                     with self._lock:
                         released = self._release(handle)
                     error = TransferTimeout(f"READ of {offset} bytes from {remote!r} took over {timeout_s:.1f} s")
-                    # whether NIXL stopped it: if not, it may still write into the local buffer
                     error.aborted = released
                     raise error
                 time.sleep(0)  # let other threads at the lock between polls

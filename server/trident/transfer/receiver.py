@@ -76,7 +76,7 @@ class TransferReceiver:
                 self.config.read_timeout_s,
             )
         except TransferTimeout as e:
-            if getattr(e, "aborted", True):
+            if e.aborted:
                 self.pool.free(region)
             else:  # the READ may still land: never hand this memory out again
                 self.quarantined += 1
