@@ -25,7 +25,7 @@ from .config import (
     TransferConfig, VLLMConfig, WorkerSettings,
 )
 from . import signing
-from .protocol import MODES, STAGES, instance_name
+from .protocol import MODES, STAGES
 
 
 def _opt(group, flag: str, model: type[BaseModel], field: str, **kwargs) -> None:
@@ -199,24 +199,12 @@ def _worker(args: argparse.Namespace) -> int:
         url = args.join or args.url
         if not (args.stage and args.model and url):
             raise SystemExit("trident worker: give --settings JSON, or STAGE --model PATH --join URL")
-        name = args.name or (_free_instance_name(args.stage, url) if args.join else None)
         settings = WorkerSettings(
-            stage=args.stage, name=name, model=args.model, url=url, backend=args.backend, threads=args.threads,
+            stage=args.stage, name=args.name, free_name=bool(args.join and not args.name), model=args.model, url=url, backend=args.backend, threads=args.threads,
             model_store=args.model_store, stats_dir=args.stats_dir, embedding_cache_bytes=args.embedding_cache_mib * MiB,
         )
     torch.set_num_threads(settings.threads)
     return run_worker(settings, token)
-
-
-def _free_instance_name(stage: str, url: str) -> str:
-    """The first ``<stage>-<n>`` (n >= 2) the server at ``url`` has no ready model for."""
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=10)
-    index = 2
-    while client.is_model_ready(instance_name(stage, index)):
-        index += 1
-    return instance_name(stage, index)
 
 
 def _add_worker(sub) -> None:

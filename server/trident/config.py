@@ -99,6 +99,9 @@ class WorkerSettings(_Settings):
     name: str | None = Field(
         None, description="Triton model name of this instance (default: the stage's; more instances: <stage>-<n>)"
     )
+    free_name: bool = Field(
+        False, description="bind as the first <stage>-<n> (n >= 2) no other worker holds (a joining worker)"
+    )
     model: str = Field(description="checkpoint folder")
     url: str = Field(description="Triton HTTP URL the stage model is bound into, e.g. http://127.0.0.1:8000")
     backend: Backend = Field("hf", description="engine: hf (PyTorch + transformers, the reference) or vllm")

@@ -22,7 +22,7 @@ from pathlib import Path
 from . import signing, timings
 from .config import MiB, FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import free_ports
-from .protocol import MODES, STAGES, instance_name, parse_instance, stages_for
+from .protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from .repository import install_entry_model
 
 log = logging.getLogger("trident.launcher")
@@ -308,8 +308,12 @@ class Launcher:
         if name == "frontend":
             self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
             return
-        self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
         self._coming_back.discard(name)
+        if code == NAME_TAKEN_EXIT:  # its stage model is another worker's now: leave it loaded
+            self.out(f"[trident] worker {name} did not bind: another worker (one that joined) serves {name} now; "
+                     "not restarting it")
+            return
+        self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
         try:
             import tritonclient.http as httpclient
 

@@ -92,6 +92,10 @@ WORKER_FILE = "trident_worker.json"
 """Written by a stage worker next to its stage model's ``model.py``: ``{"pid", "name"}``, so that the
 python-backend stub can tell when the worker is gone."""
 
+NAME_TAKEN_EXIT = 3
+"""A stage worker's exit code when the instance name it was to bind as is held by another live worker (one
+that joined while a worker ``trident serve`` supervises was down): the supervisor does not restart it."""
+
 ENCODE_REPORT = "encode_report"
 """Extra output of the encode stage: JSON counters of its embedding cache for the scheduler's metrics
 (this request's hits, misses and shared encodes, the cache's bytes and evictions). Ensembles ignore it."""

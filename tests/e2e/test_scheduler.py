@@ -303,32 +303,50 @@ def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref):
 
 
 def test_a_worker_that_joins_later_gets_traffic(server, ref):
+    """It joins while the supervisor has the killed prefill-2 coming back: it takes the next free name, and
+    the restarted prefill-2, the joiner and prefill all serve."""
     import tritonclient.http as httpclient
 
     admin = httpclient.InferenceServerClient(server.http)
     stats_dir = server.workspace / "stats"
-    (stats_dir / "prefill-2.json").unlink(missing_ok=True)  # the killed one's
     cmd = [sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", server.model_path,
            "--join", f"http://{server.http}", "--stats-dir", str(stats_dir)]
     joiner = subprocess.Popen(cmd, env=dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1"))
     try:
         deadline = time.monotonic() + 120
-        while not admin.is_model_ready("prefill-2"):
-            assert joiner.poll() is None and time.monotonic() < deadline, "the joining worker did not bind"
+        while not (admin.is_model_ready("prefill-3") and admin.is_model_ready("prefill-2")):
+            assert joiner.poll() is None and time.monotonic() < deadline, "the joiner did not bind or prefill-2 did not come back"
             time.sleep(0.2)
+        assert any(line.endswith("worker prefill-2 is back: stage model prefill-2 is ready") for line in server.log)
         time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
+        before = _published(server)
         cases = [ref[f"unique-{i}"] for i in range(1, 7)]  # prefixes it has not seen on any live instance
         for c in cases:
             assert _generate(server, c) == c["expected"]
-        joined = _settled(server, "prefill-2", "published", lambda v: (v or 0) > 0)
+        joined = _settled(server, "prefill-3", "published", lambda v: (v or 0) > 0)
         assert joined.get("published", 0) > 0 and joined["pid"] == joiner.pid
+        after = _published(server)
+        assert after["prefill-2"] > before["prefill-2"] and server.stats()["prefill-2"]["pid"] != joiner.pid
     finally:
         joiner.send_signal(signal.SIGTERM)
         assert joiner.wait(60) == 0
     deadline = time.monotonic() + 10
-    while admin.is_model_ready("prefill-2") and time.monotonic() < deadline:
+    while admin.is_model_ready("prefill-3") and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert admin.is_model_ready("prefill-2")
     assert _generate(server, ref["unique-1"]) == ref["unique-1"]["expected"]  # it left cleanly
+
+
+def test_a_worker_cannot_bind_over_a_live_instance(server):
+    """``--name`` of a stage model another worker serves: the worker refuses (exit 3) and the live one keeps it."""
+    pid = server.stats()["prefill-2"]["pid"]
+    cmd = [sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", server.model_path,
+           "--url", f"http://{server.http}", "--name", "prefill-2"]
+    done = subprocess.run(cmd, env=dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "another worker already serves stage model prefill-2" in done.stderr
+    assert server.worker_pid("prefill-2") == pid and server.ready("prefill-2")
 
 
 def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref):
@@ -337,9 +355,10 @@ def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref):
 
     admin = httpclient.InferenceServerClient(server.http)
     headers = {"triton-access-token": server.token}
-    admin.unload_model("prefill", headers=headers)
+    for name in ("prefill", "prefill-2"):
+        admin.unload_model(name, headers=headers)
     deadline = time.monotonic() + 10
-    while admin.is_model_ready("prefill") and time.monotonic() < deadline:
+    while (admin.is_model_ready("prefill") or admin.is_model_ready("prefill-2")) and time.monotonic() < deadline:
         time.sleep(0.1)
     fallbacks = _metric(server, "trident_fallbacks_total", to="e_pd")
     for case in ("one-image", "two-images"):

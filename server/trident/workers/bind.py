@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import WorkerSettings
 from ..errors import TridentError, client_message, to_wire
-from ..protocol import STAGES, WORKER_FILE
+from ..protocol import NAME_TAKEN_EXIT, STAGES, WORKER_FILE, instance_name
 
 log = logging.getLogger("trident.worker")
 _PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
@@ -111,6 +111,30 @@ def _block_bytecode(model_store: str, stage: str) -> None:
     blocker.touch()
 
 
+def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | None:
+    """The instance name to bind as, checked against the server just before binding; None when another
+    worker serves it or is loading it.
+
+    A joining worker takes the first ``<stage>-<n>`` (n >= 2) that is neither ready nor in the server's
+    repository: a name with files there belongs to the worker that wrote them (the workers ``trident serve``
+    supervises write theirs there), so a worker that joins while a supervised one is down does not take the
+    name the supervisor is about to start it again under.
+    """
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(settings.url.split("://", 1)[-1], network_timeout=10)
+    headers = {"triton-access-token": access_token} if access_token else None
+    index = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=headers)}
+    if not settings.free_name:
+        name = settings.model_name
+        held = index.get(name) == "LOADING" or client.is_model_ready(name)
+        return None if held else name
+    n = 2
+    while instance_name(settings.stage, n) in index or client.is_model_ready(instance_name(settings.stage, n)):
+        n += 1
+    return instance_name(settings.stage, n)
+
+
 def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     import pytriton.proxy.inference
     from pytriton.model_config import ModelConfig
@@ -122,9 +146,14 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     pytriton.proxy.inference.traceback = _WireErrors()
     _install_proxy_model()
     spec = STAGES[settings.stage]
-    name = settings.model_name
-    timings.start(name)
     engine = build_engine(settings)
+    name = _claim_name(settings, access_token)
+    if name is None:
+        log.error("worker %s: another worker already serves stage model %s; not binding",
+                  settings.model_name, settings.model_name)
+        engine.close()
+        return NAME_TAKEN_EXIT
+    timings.start(name)
     infer = make_infer(spec, engine, settings.fault_injection, settings.max_inflight)
     stop = threading.Event()
     if settings.stats_dir:
