@@ -21,7 +21,7 @@ import tempfile
 from pydantic import BaseModel, ValidationError
 
 from .config import (
-    BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
+    BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, ImageLimits, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
     TransferConfig, VLLMConfig, WorkerSettings,
 )
 from . import signing
@@ -65,7 +65,8 @@ def _instances(values: list[str] | None) -> dict[str, int]:
 def _serve_settings(args: argparse.Namespace) -> ServeSettings:
     media = MediaPolicy(allow_private_urls=args.allow_private_media_urls, allowed_media_dir=args.allowed_media_dir)
     frontend = FrontendSettings(
-        model_path="", model_name=args.served_model_name, default_mode=args.default_mode, media=media
+        model_path="", model_name=args.served_model_name, default_mode=args.default_mode, media=media,
+        max_body_bytes=args.max_body_mib * MiB,
     )
     vllm = VLLMConfig(
         dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
@@ -87,6 +88,8 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         access_token=args.access_token, transfer_secret=args.transfer_secret, threads_per_worker=args.threads,
         workspace=args.workspace,
         worker_python=args.worker_python, backend=args.backend, vllm=vllm, transfer=transfer, frontend=frontend,
+        images=ImageLimits(max_images=args.max_images, max_pixels=args.max_image_pixels,
+                           max_bytes=args.max_image_mib * MiB),
         warm_up=args.warm_up, trace_dir=args.trace_dir, fault_injection=args.fault_injection,
     )
 
@@ -129,6 +132,11 @@ def _add_serve(sub) -> None:
     _opt(sc, "--max-inflight", ServeSettings, "max_inflight", type=int)
     _opt(sc, "--local-prefill-tokens", SchedulerConfig, "local_prefill_tokens", type=int)
     _opt(sc, "--local-encode-images", SchedulerConfig, "local_encode_images", type=int)
+    lim = sv.add_argument_group("image limits (per request; a request over one gets 400 naming it)")
+    _opt(lim, "--max-images", ImageLimits, "max_images", type=int)
+    _opt(lim, "--max-image-pixels", ImageLimits, "max_pixels", type=int)
+    lim.add_argument("--max-image-mib", type=int, default=ImageLimits().max_bytes // MiB,
+                     help=f"encoded size per image, MiB (default: {ImageLimits().max_bytes // MiB})")
     _add_frontend_flags(sv.add_argument_group("OpenAI frontend"))
     t = sv.add_argument_group("transfers")
     t.add_argument("--send-pool-mib", type=int, default=TransferConfig().send_pool_bytes // MiB,
@@ -155,6 +163,9 @@ def _add_frontend_flags(g) -> None:
     _opt(g, "--default-mode", FrontendSettings, "default_mode", choices=list(MODES))
     _opt(g, "--allow-private-media-urls", MediaPolicy, "allow_private_urls", action="store_true")
     _opt(g, "--allowed-media-dir", MediaPolicy, "allowed_media_dir", shown="none allowed")
+    g.add_argument("--max-body-mib", type=int, default=FrontendSettings.model_fields["max_body_bytes"].default // MiB,
+                   help="largest OpenAI request body, MiB; a larger one gets 413 before it is read in full (default: "
+                   f"{FrontendSettings.model_fields['max_body_bytes'].default // MiB})")
 
 
 def _frontend(args: argparse.Namespace) -> int:
@@ -167,7 +178,7 @@ def _frontend(args: argparse.Namespace) -> int:
             raise SystemExit("trident frontend: --model (or --settings) is required")
         settings = FrontendSettings(
             model_path=args.model, model_name=args.served_model_name, grpc_url=args.grpc_url, host=args.host,
-            port=args.port, default_mode=args.default_mode,
+            port=args.port, default_mode=args.default_mode, max_body_bytes=args.max_body_mib * MiB,
             media=MediaPolicy(allow_private_urls=args.allow_private_media_urls, allowed_media_dir=args.allowed_media_dir),
         )
     return run_frontend(settings)

@@ -54,6 +54,29 @@ class VLLMConfig(_Settings):
     log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")
 
 
+class ImageLimits(_Settings):
+    """What one request's images may be, checked wherever images arrive (the OpenAI frontend, the entry
+    models, the encode workers). ``trident serve`` hands them to every process it starts in the environment
+    variable :data:`IMAGE_LIMITS_ENV` (JSON); a worker joining from another host takes it from its own."""
+
+    max_images: int = Field(16, ge=1, description="images per request (each is decoded, encoded and held until it ends)")
+    max_pixels: int = Field(
+        40_000_000, ge=1, description="pixels per image (width x height, read from its header: a decompression bomb "
+        "is refused before it is decoded)"
+    )
+    max_bytes: int = Field(32 * MiB, gt=0, description="encoded bytes per image")
+
+    @classmethod
+    def from_env(cls) -> "ImageLimits":
+        import os
+
+        raw = os.environ.get(IMAGE_LIMITS_ENV)
+        return cls.model_validate_json(raw) if raw else cls()
+
+
+IMAGE_LIMITS_ENV = "TRIDENT_IMAGE_LIMITS"
+
+
 class MediaPolicy(_Settings):
     """Where the OpenAI frontend may take images from, and how much."""
 
@@ -150,6 +173,9 @@ class FrontendSettings(_Settings):
     port: int = 9000
     default_mode: str = Field("e_p_d", description="mode the bare model id maps to; '<id>:<mode>' picks another")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that sets none")
+    max_body_bytes: int = Field(
+        64 * MiB, gt=0, description="largest request body; a larger one is refused with 413 before it is read in full"
+    )
     media: MediaPolicy = MediaPolicy()
 
     @field_validator("default_mode")
@@ -201,6 +227,7 @@ class ServeSettings(_Settings):
         64, ge=1, description="requests each stage worker takes at once; one more is refused at once with 503 "
         "and Retry-After rather than queued"
     )
+    images: ImageLimits = ImageLimits()
     frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
     warm_up: bool = Field(
         True, description="send one small request with an image through each loaded entry model before "

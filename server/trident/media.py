@@ -20,18 +20,19 @@ from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
-from .config import MediaPolicy
+from .config import ImageLimits, MediaPolicy
 from .errors import InvalidRequest
 
-MAX_IMAGE_PIXELS = 40_000_000  # PIL's decompression-bomb guard, raised to an error
-MAX_IMAGE_BYTES = MediaPolicy().max_bytes
-MAX_IMAGES = 16  # per request: each one is decoded, encoded and held in memory until the request ends
+LIMITS = ImageLimits.from_env()
+"""This process's image limits (``trident serve --max-images / --max-image-pixels / --max-image-mib``)."""
 
 
 def check_image_count(count: int) -> None:
-    """A request may carry at most :data:`MAX_IMAGES` images (checked before any is decoded)."""
-    if count > MAX_IMAGES:
-        raise InvalidRequest(f"the request carries {count} images; at most {MAX_IMAGES} are accepted")
+    """A request may carry at most ``LIMITS.max_images`` images (checked before any is decoded)."""
+    if count > LIMITS.max_images:
+        raise InvalidRequest(
+            f"the request carries {count} images; at most {LIMITS.max_images} are accepted (--max-images)"
+        )
 
 
 def decode_base64(data: bytes | str, index: int = 0) -> bytes:
@@ -46,12 +47,15 @@ def decode_base64(data: bytes | str, index: int = 0) -> bytes:
         header, sep, data = data.partition(",")
         if not sep or not header.endswith(";base64"):
             raise InvalidRequest(f"image {index} is a data URL that is not base64-encoded")
-    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise InvalidRequest(f"image {index} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    if len(data) > LIMITS.max_bytes * 4 // 3 + 4:
+        raise InvalidRequest(f"image {index} is larger than {LIMITS.max_bytes} bytes (--max-image-mib)")
     try:
-        return base64.b64decode(data, validate=True)
+        raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
         raise InvalidRequest(f"image {index} is not valid base64: {e}") from None
+    if len(raw) > LIMITS.max_bytes:
+        raise InvalidRequest(f"image {index} is larger than {LIMITS.max_bytes} bytes (--max-image-mib)")
+    return raw
 
 
 def decode_base64_image(data: bytes | str, index: int = 0) -> Image.Image:
@@ -98,8 +102,10 @@ def open_image(raw: bytes, index: int = 0) -> Image.Image:
         raise InvalidRequest(f"image {index} is empty")
     try:
         with Image.open(io.BytesIO(raw)) as img:
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise InvalidRequest(f"image {index} has {img.width}x{img.height} pixels, more than {MAX_IMAGE_PIXELS}")
+            if img.width * img.height > LIMITS.max_pixels:
+                raise InvalidRequest(
+                    f"image {index} has {img.width}x{img.height} pixels, more than {LIMITS.max_pixels} (--max-image-pixels)"
+                )
             return img.convert("RGB")
     except InvalidRequest:
         raise

@@ -446,7 +446,8 @@ def table(r: Report) -> list[str]:
         lines.append(f"| {label} | {before:.0f} | {after[1]:.0f} | {shown} |" if after else
                      f"| {label} | {before:.0f} | gone | {shown} |")
     for o in r.unexpected[:10]:
-        lines.append(f"\nunexpected: {o.mode} {o.case} over {o.path}: {o.error}")
+        when = f" (from {o.start - r.killed_at:+.1f} to {o.end - r.killed_at:+.1f} s of the kill)" if r.killed_at else ""
+        lines.append(f"\nunexpected: {o.mode} {o.case} over {o.path}{when}: {o.error}")
     for line in r.disagreements + r.final_check:
         lines.append(f"\n{line}")
     if r.held_after:

@@ -24,11 +24,13 @@ from ..config import FrontendSettings
 from ..errors import InvalidRequest, NotFound, TridentError
 from ..media import check_image_count, image_url_to_base64
 from ..protocol import MODES
+from .body_limit import BodyLimit
 from .engine import Chunk, Engine
 from .responses import DONE, Completion, error_body, error_headers
 from .schemas import ChatCompletionRequest, CompletionRequest, Message
 
 log = logging.getLogger("trident.frontend")
+KEEP_ALIVE_S = 65
 
 
 class Metrics:
@@ -162,6 +164,7 @@ def _check_text(prompt: str) -> None:
 def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     server = OpenAIServer(settings, engine)
     app = FastAPI(title="Trident OpenAI-compatible API")
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     @app.exception_handler(TridentError)
     async def _trident_error(_request, exc: TridentError):
@@ -217,5 +220,7 @@ def run_frontend(settings: FrontendSettings) -> int:
 
     timings.start("frontend")
     app = create_app(settings, TritonEngine(settings.grpc_url))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    # an idle keep-alive connection stays open longer than clients keep theirs (aiohttp 15 s, load balancers
+    # 60 s): with uvicorn's 5 s a client could send a request on a connection the server was just closing
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     return 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import TridentError
 from .engine import Chunk
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 504: "timeout"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:

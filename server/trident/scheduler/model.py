@@ -287,12 +287,15 @@ class TritonPythonModel:
         instance = self._route(stage, keys)
         request_id = uuid.uuid4().hex
         self.router.begin(instance)
+        # the stage always says why it stopped: a stream that ends without a finish_reason was cut off
+        wants_reason = _flag(inputs.get("return_finish_reason"))
+        inputs = {**inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
         try:
             call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
             t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
             outcome = await asyncio.get_running_loop().run_in_executor(
-                self._streams, self._forward, stream, instance, request, sender, f"call:{stage}", t0
+                self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0
             )
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, stream, request_id)
@@ -300,18 +303,25 @@ class TritonPythonModel:
         finally:
             self.router.end(instance)
 
-    def _forward(self, stream, instance: str, request, sender, step: str = "stream", t0: int = 0) -> str:
+    def _forward(self, stream, instance: str, request, sender, wants_reason: bool, step: str = "stream",
+                 t0: int = 0) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
         looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled". The call (from
-        ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``."""
+        ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``.
+
+        The stage's last response carries a ``finish_reason`` (asked for whether or not the client did; it is
+        passed on only if the client did). A stream that ends without one was cut off (its stage model was
+        unloaded while the request was in it): with nothing sent yet the instance counts as gone (the request
+        is planned again), after some tokens the client's stream ends with a 503.
+        """
         pb = self.pb
-        sent, check_at = 0, time.monotonic() + _CANCEL_CHECK_S
+        sent, finished, check_at = 0, False, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:
             if time.monotonic() >= check_at:
                 if request.is_cancelled():
                     return "cancelled"
                 check_at = time.monotonic() + _CANCEL_CHECK_S
-            response = self._carried_error(response)
+            response, reason = self._carried_error(response)
             if response.has_error():
                 if sent:  # the client has a partial answer: end it with the stage's error
                     # (as a response of its own: an error on the final response after others is dropped)
@@ -320,6 +330,10 @@ class TritonPythonModel:
                     return "done"
                 self._check(response, instance)
             tensors = response.output_tensors()
+            if reason is not None:
+                finished = True
+                if not wants_reason:
+                    tensors = [t for t in tensors if t.name() != "finish_reason"]
             if tensors:
                 t1 = 0 if sent else time.monotonic_ns()
                 sender.send(pb.InferenceResponse(output_tensors=tensors))
@@ -327,22 +341,30 @@ class TritonPythonModel:
                     timings.mark(step, t0, t1)
                     timings.mark("first_send", t1)
                 sent += 1
+        if not finished:
+            if not sent:
+                raise StageGone(instance)
+            error = Unavailable(f"stage instance {instance} stopped before the end of the answer (its worker exited "
+                                "or its model was unloaded)")
+            sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return "done"
 
     def _carried_error(self, response):
-        """A stage's failure after other responses comes in its last ``finish_reason`` (see
-        :data:`~trident.protocol.STAGE_ERROR_MARK`): made an error response again."""
+        """``(response, its finish_reason or None)``. A stage's failure after other responses comes in its last
+        ``finish_reason`` (see :data:`~trident.protocol.STAGE_ERROR_MARK`): made an error response again."""
         pb = self.pb
         tensor = pb.get_output_tensor_by_name(response, "finish_reason")
         if tensor is None:
-            return response
+            return response, None
         value = tensor.as_numpy().reshape(-1)
-        if not value.size or not isinstance(value[0], bytes) or not value[0].startswith(STAGE_ERROR_MARK):
-            return response
+        if not value.size or not isinstance(value[0], bytes) or not value[0]:
+            return response, None
+        if not value[0].startswith(STAGE_ERROR_MARK):
+            return response, value[0]
         error = from_wire(value[0][len(STAGE_ERROR_MARK):].decode("utf-8", "replace"))
         code = getattr(pb.TritonError, error.triton_code, pb.TritonError.INTERNAL)
-        return pb.InferenceResponse(error=pb.TritonError(client_message(error), code))
+        return pb.InferenceResponse(error=pb.TritonError(client_message(error), code)), None
 
     async def _cancel_stream(self, stage: str, instance: str, stream, request_id: str) -> None:
         """Stop a stage's stream whose client went away."""
@@ -370,6 +392,14 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._streams.shutdown(wait=False, cancel_futures=True)
+
+
+def _flag(tensor) -> bool:
+    """A BOOL control input (absent: false)."""
+    if tensor is None:
+        return False
+    values = tensor.as_numpy().reshape(-1)
+    return bool(values[0]) if values.size else False
 
 
 def _text(tensor) -> str:
