@@ -25,6 +25,9 @@ from .errors import InvalidRequest
 
 LIMITS = ImageLimits.from_env()
 """This process's image limits (``trident serve --max-images / --max-image-pixels / --max-image-mib``)."""
+# open_image checks LIMITS.max_pixels from the header, before decoding; PIL's own guard (a fixed 179 M pixels)
+# would refuse first, without naming the server's limit, or refuse an image the operator allowed
+Image.MAX_IMAGE_PIXELS = None
 
 
 def check_image_count(count: int) -> None:

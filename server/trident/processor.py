@@ -12,13 +12,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .engines.families import Family, family_of
 from .errors import InvalidRequest
 
 
 GREEDY_BELOW = 1e-5
+
+
+VLLM_SAMPLING_NAMES = frozenset({
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+    "logprobs", "prompt_logprobs", "stop_token_ids", "bad_words", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "detokenize",
+    "logit_bias", "allowed_token_ids", "output_kind", "guided_decoding", "structured_outputs", "extra_args",
+})
+"""vLLM ``SamplingParams`` names that Trident's engines do not use: accepted (clients of Triton's vLLM backend
+send them), ignored."""
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +43,17 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     stop: list[str] = []
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_names(cls, data: Any) -> Any:
+        """A name neither here nor in vLLM's ``SamplingParams`` is a mistake (a typo would otherwise change
+        nothing, silently); vLLM's other names are accepted and, for now, ignored."""
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields) - VLLM_SAMPLING_NAMES)
+            if unknown:
+                raise ValueError(f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}")
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -58,7 +79,10 @@ class SamplingParams(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            problems = "; ".join(
+                ": ".join(filter(None, (".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, "))))
+                for err in e.errors()
+            )
             raise InvalidRequest(f"invalid sampling_parameters: {problems}") from None
 
 
@@ -125,7 +149,9 @@ class Processor:
         return expanded
 
     def check_length(self, num_prompt_tokens: int) -> None:
-        """The prompt must leave room for at least one generated token."""
+        """The prompt must have a token and leave room for at least one generated token."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty (it has no tokens)")
         if num_prompt_tokens >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt is {num_prompt_tokens} tokens long (images expanded) but the model's context "

@@ -13,6 +13,7 @@ Triton sends a stream's error as a message only) the status of the Trident error
 
 from __future__ import annotations
 
+import functools
 import http.client
 import io
 import json
@@ -202,6 +203,7 @@ def _png(w: int, h: int, seed: int = 3) -> str:
     return b64(png_bytes(make_image(w, h, seed)))
 
 
+@functools.cache
 def _bomb() -> str:
     """A 20000x20000 PNG of one colour: ~0.4 MB on the wire, 1.2 GB once decoded."""
     from PIL import Image
@@ -211,6 +213,7 @@ def _bomb() -> str:
     return b64(buf.getvalue())
 
 
+@functools.cache
 def _big_png() -> str:
     """More than --max-image-mib 2 once base64-decoded (noise does not compress)."""
     from PIL import Image
@@ -322,17 +325,20 @@ CORPUS = [
     Bad("grpc: negative max_tokens", lambda s, r: entry_grpc(s, r, params={"max_tokens": -4}), 400, "max_tokens"),
     Bad("grpc: top_p above 1", lambda s, r: entry_grpc(s, r, params={"top_p": 2}), 400, "top_p"),
     Bad("grpc: unknown sampling field", lambda s, r: entry_grpc(s, r, params={"max_tokenz": 3}), 400, "max_tokenz"),
-    Bad("grpc: unknown model", lambda s, r: entry_grpc(s, r, model="no_such_mode"), 400, "unknown model"),
+    Bad("grpc: unknown model", lambda s, r: infer_grpc(s, "no_such_mode", {"text_input": strings("hi")}), 404,
+        "unknown model"),
     # the entry models over HTTP (Triton's generate endpoint answers 400 for every error)
-    Bad("http: unknown model", lambda s, r: entry_http(s, r, model="no_such_mode"), 400, "unknown model"),
+    Bad("http: unknown model", lambda s, r: entry_http(s, r, model="no_such_mode"), 404, "unknown model"),
     Bad("http: invalid base64", lambda s, r: entry_http(s, r, images=["%%%"]), 400, "not valid base64"),
     Bad("http: sampling not JSON", lambda s, r: entry_http(s, r, params="{"), 400, "sampling_parameters is not valid JSON"),
-    Bad("http: text is a number", lambda s, r: _http_raw(s, "e_p_d", {"text_input": 5}), 400, "text_input"),
+    Bad("http: text not UTF-8", lambda s, r: _http_raw(s, "e_p_d", b'{"text_input": "USER: \xff hi"}'), 400, "UTF-8"),
     # the stage models called directly
     Bad("stage: wrong dtype", lambda s, r: infer_grpc(s, "prefill", {"text_input": (np.array([1], np.int32), "INT32")}),
-        400, "datatype"),
+        400, "data-type is 'INT32', but model 'prefill' expects 'BYTES'"),
     Bad("stage: wrong shape", lambda s, r: infer_http(s, "encode", {"inputs": [
         {"name": "image", "shape": [1, 2], "datatype": "BYTES", "data": ["a", "b"]}]}), 400, "shape"),
+    Bad("stage: prefill, empty prompt", lambda s, r: infer_grpc(s, "prefill", {"text_input": strings("")}), 400,
+        "the prompt is empty"),
     Bad("stage: missing input", lambda s, r: infer_http(s, "prefill", {"inputs": []}), 400, "text_input"),
     Bad("stage: encode, not an image", lambda s, r: infer_grpc(s, "encode", {"image": strings(b64(b"no image"))}), 400,
         "could not be decoded as an image"),
@@ -391,8 +397,8 @@ CORPUS = [
 ]
 
 
-def _http_raw(server, model: str, body: dict) -> Got:
-    r = requests.post(f"http://{server.http}/v2/models/{model}/generate", json=body, timeout=60)
+def _http_raw(server, model: str, body: bytes) -> Got:
+    r = requests.post(f"http://{server.http}/v2/models/{model}/generate", data=body, timeout=60)
     return Got(r.status_code, r.json().get("error", "served"))
 
 

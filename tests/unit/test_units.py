@@ -15,8 +15,10 @@ from trident.repository import REPOSITORY, write_repository
 
 
 def test_sampling_params_parse_and_errors():
-    p = SamplingParams.from_json('{"max_tokens": 5, "temperature": 0, "stop": "x", "unknown_field": 1}')
-    assert (p.max_tokens, p.greedy, p.stop) == (5, True, ["x"])
+    p = SamplingParams.from_json('{"max_tokens": 5, "temperature": 0, "stop": "x", "presence_penalty": 0}')
+    assert (p.max_tokens, p.greedy, p.stop) == (5, True, ["x"])  # vLLM's other names are accepted
+    with pytest.raises(InvalidRequest, match="unknown sampling parameter\\(s\\) 'max_tokenz', 'unknown_field'$"):
+        SamplingParams.from_json('{"max_tokenz": 5, "unknown_field": 1}')  # a typo is not ignored
     assert SamplingParams.from_json(None) == SamplingParams() == SamplingParams.from_json(b"")
     with pytest.raises(InvalidRequest, match="not valid JSON"):
         SamplingParams.from_json("{nope")

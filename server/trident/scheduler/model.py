@@ -410,9 +410,12 @@ def _text(tensor) -> str:
         raise InvalidRequest("text_input is empty")
     value = values[0]
     try:
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:
         raise InvalidRequest("text_input is not valid UTF-8") from None
+    if not text:
+        raise InvalidRequest("text_input is empty")
+    return text
 
 
 def _image_ids(tensor) -> list[str]:
