@@ -182,6 +182,7 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
 
     (tmp_path / "cat.png").write_bytes(image_png)
     (tmp_path / "big.bin").write_bytes(b"\0" * (2 << 20))
+    (tmp_path / "elsewhere").mkdir()  # asked for without its slash, the server redirects (301)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -202,6 +203,9 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
             assert too_big.status_code == 400 and "larger than 1 MiB" in too_big.json()["error"]["message"]
             missing = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/none.png")})
             assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
+            # a redirect is not followed (it could lead anywhere, a private address included)
+            moved = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/elsewhere")})
+            assert moved.status_code == 400 and "HTTP 301" in moved.json()["error"]["message"]
     finally:
         httpd.shutdown()
 

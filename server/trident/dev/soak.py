@@ -4,14 +4,14 @@ SIGKILL during the run; then what the server left behind.
 One asyncio client drives a running server (:class:`trident.dev.served.Server`):
 
 1. **calm pass**: every case once per mode, one at a time. The four modes must agree; their text is each
-   case's reference. Then a burst at full concurrency at each mode warms the batched paths, and each
-   process's RSS is read ("before").
+   case's reference. Then a burst at full concurrency at each mode warms the batched paths.
 2. **soak**: ``requests`` streamed requests at ``concurrency``, each a random mode and case (images,
    text-only, or a fresh image no cache has seen), over gRPC or (a share of them) the OpenAI API. About
-   ``cancel`` of them are cancelled by the client after half their tokens. When ``kill_at`` of them have
-   finished, the worker of stage ``kill`` is killed with SIGKILL; the supervisor starts it again.
+   ``cancel`` of them are cancelled by the client after half their tokens. When ``warm`` of them have
+   finished, each process's RSS is read ("before", warmed up by the same mix, under load); when ``kill_at``
+   have, the worker of stage ``kill`` is killed with SIGKILL and the supervisor starts it again.
 3. **after**: the server must drain (no lease, region, KV block or decode left), the killed worker must be
-   back, every mode must still give each reference; RSS is read again ("after").
+   back, every mode must still give each reference; RSS is read again ("after", idle).
 
 An error is *expected* only when it is a 503 naming the problem (the worker exited, no live stage instance,
 over capacity) for a request in flight between the kill and a moment after the worker was back; every other
@@ -252,6 +252,7 @@ class Report:
     requests: int
     concurrency: int
     kill: str
+    warm: float = 0.2
     outcomes: list[Outcome] = field(default_factory=list)
     killed_at: float | None = None
     back_at: float | None = None
@@ -334,14 +335,14 @@ async def _wait_back(server: Server, stage: str, old_pid: int, report: Report) -
 
 async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, cancel: float = 0.1,
                kill: str | None = "decode", kill_at: float = 0.3, openai_share: float = 0.25,
-               fresh_share: float = 0.15, drain_s: float = 120.0, seed: int = 0,
+               fresh_share: float = 0.15, warm: float = 0.2, drain_s: float = 120.0, seed: int = 0,
                say=lambda line: None) -> Report:
     """Run the soak against ``server`` (serving every mode) and return what it measured."""
     rng = random.Random(seed)
     modes = [m for m in MODES if server.ready(m)]
     cases = make_cases(server.model_path)
     by_name = {c.name: c for c in cases}
-    report = Report(requests, concurrency, kill or "none")
+    report = Report(requests, concurrency, kill or "none", warm)
     client = Client(server.grpc, server.openai_url if server.openai_port else None,
                     Path(server.model_path).name)
     t0 = time.monotonic()
@@ -354,9 +355,6 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
         for mode in modes:
             await asyncio.gather(*(client.run(Outcome(mode, c.name, "grpc", time.monotonic()), c, None, 300)
                                    for c in (rng.choice(cases) for _ in range(concurrency))))
-        await asyncio.sleep(1.0)
-        report.rss_before = memory(server.proc.pid)
-
         plan = []
         for i in range(requests):
             fresh = rng.random() < fresh_share
@@ -375,6 +373,8 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
                 o = await client.run(Outcome(mode, case.name, path, time.monotonic()), case, cancel_after, 300)
                 report.outcomes.append(o)
                 finished += 1
+                if not report.rss_before and finished >= warm * requests:
+                    report.rss_before = memory(server.proc.pid)
                 if finished % max(1, requests // 10) == 0:
                     say(f"[soak] {finished}/{requests} done, {sum(x.error is not None for x in report.outcomes)} errors")
                 if kill and report.killed_at is None and finished >= kill_at * requests:
@@ -434,6 +434,9 @@ def table(r: Report) -> list[str]:
         + (f"{r.back_at - r.killed_at:.1f} s" if r.back_at and r.killed_at else "n/a") + " | |",
         f"| latency p50 / p99 (completed) | {lat['p50']:.0f} / {lat['p99']:.0f} ms | |",
         f"| TTFT p50 / p99 (completed) | {lat['ttft_p50']:.0f} / {lat['ttft_p99']:.0f} ms | |",
+        "",
+        f"RSS before: once the first {r.warm:.0%} of the requests had finished (warmed up by the same mix, under load); "
+        "after: drained and idle. A restarted process is a new one, not compared.",
         "",
         "| process | RSS before (MiB) | RSS after (MiB) | growth |",
         "|---|---|---|---|",
