@@ -173,7 +173,8 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 3
+RECORD_VERSION = 4
+STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 MAX_TENSOR_RANK = 8
 
 DTYPE_SIZES: dict[str, int] = {
@@ -207,6 +208,9 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
     tensors: tuple[TensorSpec, ...]  # laid out back to back across the regions
     lease_id: str
     expires_at: float  # unix time after which the producer frees the regions
+    # address of the lease's stamp in the producer's registered memory: the lease id while the lease is open,
+    # cleared before the regions are freed; a consumer READs it after the data (see TransferReceiver.fetch)
+    stamp: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +219,8 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
     def validate(self) -> None:
         if not self.regions or any(addr <= 0 or length <= 0 for addr, length in self.regions):
             raise MalformedRecord(f"transfer record has invalid regions {self.regions}")
+        if self.stamp <= 0 or len(self.lease_id.encode()) != STAMP_BYTES:
+            raise MalformedRecord("transfer record has no lease stamp")
         start, size = self.pool
         if any(addr < start or addr + length > start + size for addr, length in self.regions):
             raise ForgedRecord(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import urllib.request
 
@@ -220,20 +221,28 @@ def test_a_lone_surrogate_is_a_400(server, client):
     assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
+@pytest.mark.parametrize("way", ["openai", "generate_stream"])
 @pytest.mark.parametrize("mode", ["e_p_d", "epd"])
-def test_a_dropped_sse_connection_stops_the_decode_within_a_second(server, client, image_png, mode):
-    """A client that goes away mid-stream (closes its connection): the frontend's gRPC stream is cancelled,
-    the scheduler stops the stage's stream, and the decode leaves the batch within 1 s; every region and lease
-    of the request is freed."""
+def test_a_dropped_stream_stops_the_decode_within_a_second(server, client, image_png, mode, way):
+    """A client that goes away mid-stream (closes its connection to the OpenAI API's SSE, or to Triton's HTTP
+    ``generate_stream``): the request is cancelled, the scheduler stops the stage's stream, and the decode
+    leaves the batch within 1 s; every region and lease of the request is freed."""
     import time
 
     from support import wait_drained
 
     decode = {"e_p_d": "decode", "epd": "generate"}[mode]
-    body = {"model": f"{NAME}:{mode}", "stream": True, "max_tokens": 1000, "ignore_eos": True,
-            "messages": _messages(_data_url(image_png))}
-    with requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", json=body, stream=True,
-                       timeout=60) as r:
+    if way == "openai":
+        url = f"http://127.0.0.1:{server.openai_port}/v1/chat/completions"
+        body = {"model": f"{NAME}:{mode}", "stream": True, "max_tokens": 1000, "ignore_eos": True,
+                "messages": _messages(_data_url(image_png))}
+    else:
+        url = f"http://{server.http}/v2/models/{mode}/generate_stream"
+        body = {"text_input": "USER: <image>\nDescribe the picture. ASSISTANT:", "stream": True,
+                "image": [base64.b64encode(image_png).decode()],
+                "sampling_parameters": json.dumps({"max_tokens": 1000, "ignore_eos": True})}
+    with requests.post(url, json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200, r.text
         lines = r.iter_lines()
         events = [line for line in (next(lines) for _ in range(8)) if line.startswith(b"data: ")]
         assert len(events) >= 3

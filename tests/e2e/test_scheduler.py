@@ -92,6 +92,32 @@ def test_instances_are_named_models_with_their_own_stats(server):
     assert server.stats()["prefill"]["pid"] != server.stats()["prefill-2"]["pid"]
 
 
+def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
+    """A record read by ``prefill`` is replayed to ``prefill-2``, which has never seen it: the lease ended with
+    the first read, so the second is refused (its regions could hold another request's data by then)."""
+    import tritonclient.grpc as grpcclient
+
+    from support import drain_kv, stage_output, strings
+
+    c = ref["one-image"]
+    record = stage_output(server.grpc, "encode", {"image": strings(*c["images"])})
+    inputs = {"text_input": strings(c["text"]), "embedding_meta": strings(record)}
+    drain_kv(server.grpc, stage_output(server.grpc, "prefill", inputs))  # the first use, then its KV decoded
+    before = server.stats()["prefill-2"]["fetched"]
+    client = grpcclient.InferenceServerClient(server.grpc)
+    tensors = []
+    for name, (arr, dtype) in inputs.items():
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    with pytest.raises(Exception) as info:
+        client.infer("prefill-2", tensors)
+    assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
+    assert "ReplayedRecord: record of lease" in info.value.message() and "was read after its lease ended" in info.value.message()
+    assert server.stats()["prefill-2"]["fetched"] == before  # (a refused read is not counted as fetched)
+    assert _generate(server, c) == c["expected"]
+
+
 def test_trace_dir_times_every_hop_of_one_request(server, ref):
     """``--trace-dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
     nested as the calls are (what ``make bench-hops`` reads)."""

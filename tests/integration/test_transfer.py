@@ -28,12 +28,11 @@ def _tensors(seed: int) -> dict[str, list[torch.Tensor]]:
 def _producer(conn, config: TransferConfig) -> None:
     """Child process: publishes on request and answers with the record, stats on request."""
     ep = TransferEndpoint(config)
-    tensors = _tensors(0)
     while True:
         cmd, arg = conn.recv()
         if cmd == "publish":
-            layout, lease_s = arg
-            conn.send(msgspec.msgpack.encode(ep.publish(tensors[layout], lease_s=lease_s)))
+            layout, lease_s, *seed = arg
+            conn.send(msgspec.msgpack.encode(ep.publish(_tensors(seed[0] if seed else 0)[layout], lease_s=lease_s)))
         elif cmd == "stats":
             conn.send(ep.stats())
         elif cmd == "exit":
@@ -133,6 +132,25 @@ def test_a_record_is_read_once(consumer, producer):
     with pytest.raises(ReplayedRecord):
         consumer.discard(record)
     assert consumer.stats()["recv_regions_in_use"] == 0
+
+
+def test_a_record_replayed_to_a_second_consumer_after_its_release_is_refused(consumer, producer):
+    """Consumer A reads the record (the producer frees its regions); the regions then hold another request's
+    tensors; consumer B, which never saw the record, gets it replayed: refused, with nothing handed out."""
+    first = _read(producer.call("publish", ("kv", None)))
+    consumer.fetch(first).release()
+    producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
+    second = _read(producer.call("publish", ("kv", None, 1)))  # another request's tensors
+    assert second.regions == first.regions  # in the very same memory
+    other = TransferEndpoint(CONFIG, agent=consumer.agent)  # another instance of the stage, as far as records go
+    try:
+        with pytest.raises(ReplayedRecord, match="was read after its lease ended"):
+            other.fetch(first)
+        assert other.stats()["recv_regions_in_use"] == 0 and other.stats()["fetched"] == 0
+    finally:
+        other.close()
+    with consumer.fetch(second) as got:  # the new owner's read is not disturbed
+        assert all(a.numpy().tobytes() == b.numpy().tobytes() for a, b in zip(got.tensors, _tensors(1)["kv"]))
 
 
 def test_dead_peer_is_a_clear_error(consumer):

@@ -22,7 +22,7 @@ POOL = (1 << 40, 256 << 20)  # the producer's registered send pool: (address, by
 
 
 def _transfer(nbytes: int, specs: tuple[TensorSpec, ...], expires_at: float = 2e9, at: int = 1 << 40) -> Transfer:
-    return Transfer("trident-123-abcdef12", META, POOL, ((at, nbytes),), specs, "0123456789abcdef", expires_at)
+    return Transfer("trident-123-abcdef12", META, POOL, ((at, nbytes),), specs, "0123456789abcdef", expires_at, 1 << 41)
 
 
 def _embeddings(**kw) -> EmbeddingsRecord:

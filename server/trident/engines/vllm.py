@@ -40,7 +40,8 @@ from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from . import handoff
 
-KV_RECORD_LIFE_S = 600.0  # how long a kv_meta is remembered as used: beyond vLLM's NIXL abort timeout (480 s)
+KV_RECORD_LIFE_S = 600.0  # how long a kv_meta is remembered as used: well beyond the life of the KV blocks it names
+# (vLLM 0.32 frees unread blocks after its kv_lease_duration, 30 s, which heartbeats extend only while a reader reads)
 
 log = logging.getLogger("trident.vllm")
 

@@ -8,9 +8,9 @@ import time
 import torch
 
 from ..config import TransferConfig
-from ..errors import LeaseExpired, TransferTimeout
+from ..errors import LeaseExpired, ReplayedRecord, TransferTimeout
 from ..signing import SingleUse
-from ..protocol import Transfer
+from ..protocol import STAMP_BYTES, Transfer
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
 from .tensors import unpack_tensors
@@ -28,7 +28,7 @@ class Received:
         self._pool = pool
         self._region: Region | None = region
         self.record = record
-        self.tensors: list[torch.Tensor] = unpack_tensors(pool.view(region), record.tensors)
+        self.tensors: list[torch.Tensor] = unpack_tensors(pool.view(region)[: record.nbytes], record.tensors)
 
     def release(self) -> None:
         if self._region is not None:
@@ -59,22 +59,34 @@ class TransferReceiver:
                          f"record of lease {record.lease_id} from {record.agent}")
 
     def fetch(self, record: Transfer) -> Received:
-        """READ the record's regions into a fresh region of the receive pool; the producer is notified."""
+        """READ the record's regions into a fresh region of the receive pool, then the lease's stamp; the
+        producer is notified with the second READ.
+
+        A record is used once per consumer (:class:`~trident.signing.SingleUse`), but another consumer may hold
+        it too (a replay to a second instance of the stage). Its READ could then come after the first one's
+        release, when the producer has put another request's data in the regions. The producer clears a
+        lease's stamp before it frees the regions, so a stamp that no longer holds the lease id, read after
+        the data, means the data may not be this record's: refused (:class:`ReplayedRecord`).
+        """
         left = record.expires_at - time.time()
         if left < self.config.lease_margin_s:
             state = f"expired {-left:.2f} s ago" if left <= 0 else f"expires in {left:.2f} s, too soon to read safely"
             raise LeaseExpired(f"lease {record.lease_id} from {record.agent} {state}")
         self._claim(record)
-        region = self.pool.alloc(record.nbytes)
+        region = self.pool.alloc(record.nbytes + STAMP_BYTES)
+        local = self.pool.address_of(region)
+        lease = record.lease_id.encode()
+        deadline = time.monotonic() + self.config.read_timeout_s  # both READs together
         try:
-            self.agent.read(
-                record.agent,
-                record.agent_meta,
-                list(record.regions),
-                self.pool.address_of(region),
-                record.lease_id.encode(),
-                self.config.read_timeout_s,
-            )
+            self.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"", self.config.read_timeout_s)
+            self.agent.read(record.agent, record.agent_meta, [(record.stamp, STAMP_BYTES)], local + record.nbytes,
+                            lease, max(deadline - time.monotonic(), 0.001))
+            stamp = bytes(self.pool.view(region)[record.nbytes :].numpy())
+            if stamp != lease:
+                raise ReplayedRecord(
+                    f"record of lease {record.lease_id} from {record.agent} was read after its lease ended (it was "
+                    "used by another consumer first)"
+                )
         except TransferTimeout as e:
             if e.aborted:
                 self.pool.free(region)

@@ -12,12 +12,14 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import TransferConfig
-from ..protocol import Transfer
+from ..errors import PoolExhausted
+from ..protocol import STAMP_BYTES, Transfer
 from .tensors import specs_for
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
 
 log = logging.getLogger(__name__)
+STAMP_SLOTS = 1 << 16  # open leases a producer can keep at once
 
 
 @dataclass
@@ -25,6 +27,40 @@ class _Lease:
     on_release: Callable[[], None]  # frees (or unpins) what the lease covers
     nbytes: int
     expires_at: float
+    stamp: int  # slot in the stamp table
+
+
+class StampTable:
+    """Registered slots, one per open lease, each holding its lease id until the lease ends.
+
+    A consumer READs its lease's slot after the data (:meth:`TransferReceiver.fetch`): a slot cleared or
+    holding another id means the lease had ended, so the regions may have held another request's data when
+    they were read (a record used by a second consumer, after the first one's release).
+    """
+
+    def __init__(self, agent: NixlAgent, slots: int = STAMP_SLOTS) -> None:
+        self.buffer = torch.zeros(slots * STAMP_BYTES, dtype=torch.uint8)
+        agent.register(self.buffer)
+        self.address = self.buffer.data_ptr()
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def take(self, lease_id: str) -> int:
+        """A slot stamped with ``lease_id``."""
+        with self._lock:
+            if not self._free:
+                raise PoolExhausted(f"{len(self.buffer) // STAMP_BYTES} leases are open, the most a producer keeps")
+            slot = self._free.pop()
+        self.buffer[slot * STAMP_BYTES : (slot + 1) * STAMP_BYTES].copy_(torch.frombuffer(bytearray(lease_id.encode()), dtype=torch.uint8))
+        return slot
+
+    def clear(self, slot: int) -> None:
+        self.buffer[slot * STAMP_BYTES : (slot + 1) * STAMP_BYTES].zero_()
+        with self._lock:
+            self._free.append(slot)
+
+    def address_of(self, slot: int) -> int:
+        return self.address + slot * STAMP_BYTES
 
 
 class TransferSender:
@@ -42,6 +78,7 @@ class TransferSender:
         self.agent = agent
         self.config = config
         self.pool = MemoryPool("send", config.send_pool_bytes + extra_pool_bytes, register=agent.register)
+        self.stamps = StampTable(agent)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         self.published = self.released = self.expired = 0
@@ -67,11 +104,12 @@ class TransferSender:
     ) -> Transfer:
         """A :class:`Transfer` for send-pool ``regions`` (read back to back as ``specs``); ``on_release``
         runs once, when the consumer's notification arrives or the lease expires."""
-        lease_id = uuid.uuid4().hex[:16]
+        lease_id = uuid.uuid4().hex[:STAMP_BYTES]
         expires_at = time.time() + (lease_s if lease_s is not None else self.config.lease_s)
         nbytes = sum(r.nbytes for r in regions)
+        slot = self.stamps.take(lease_id)
         with self._lock:
-            self._leases[lease_id] = _Lease(on_release, nbytes, expires_at)
+            self._leases[lease_id] = _Lease(on_release, nbytes, expires_at, slot)
             self.published += 1
         self._leased.set()
         return Transfer(
@@ -82,6 +120,7 @@ class TransferSender:
             tensors=tuple(specs),
             lease_id=lease_id,
             expires_at=expires_at,
+            stamp=self.stamps.address_of(slot),
         )
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
@@ -102,8 +141,14 @@ class TransferSender:
             if lease is None:
                 return False
             self.released += 1
-        lease.on_release()
+        self._end(lease)
         return True
+
+    def _end(self, lease: _Lease) -> None:
+        """Clear the lease's stamp, then free what it covers: a READ that overlaps the reuse finds the stamp
+        gone when it reads it afterwards."""
+        self.stamps.clear(lease.stamp)
+        lease.on_release()
 
     def poll(self) -> None:
         """Handle pending release notifications and expired leases (the reaper thread calls this)."""
@@ -119,7 +164,7 @@ class TransferSender:
             gone = [(k, self._leases.pop(k)) for k, lease in list(self._leases.items()) if lease.expires_at <= cutoff]
             self.expired += len(gone)
         for lease_id, lease in gone:
-            lease.on_release()
+            self._end(lease)
             log.warning("lease %s expired unread; freed %d bytes", lease_id, lease.nbytes)
 
     def _reap_loop(self) -> None:
