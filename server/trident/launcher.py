@@ -190,27 +190,38 @@ class Launcher:
         self._started_at[name] = time.monotonic()
         self.out(f"[trident] started worker {name} (pid {self.workers[name].pid})")
 
-    def _start_frontend(self) -> None:
-        import urllib.request
-
+    def _spawn_frontend(self) -> subprocess.Popen:
         settings = (self.s.frontend or FrontendSettings(model_path=str(self.model_path))).model_copy(
             update={"model_path": str(self.model_path), "grpc_url": self.grpc_url, "host": self.s.host,
                     "port": self.s.openai_port}
         )
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
         self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        self._started_at["frontend"] = time.monotonic()
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
+        return proc
+
+    def _frontend_up(self) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://{self.s.host}:{self.s.openai_port}/health", timeout=2):
+                return True
+        except urllib.error.HTTPError:  # it answers (503: no mode ready yet)
+            return True
+        except OSError:
+            return False
+
+    def _start_frontend(self) -> None:
+        proc = self._spawn_frontend()
         deadline = time.monotonic() + 60
-        while True:
+        while not self._frontend_up():
             if proc.poll() is not None:
                 raise RuntimeError(f"the OpenAI frontend exited with code {proc.returncode} during start-up")
-            try:
-                with urllib.request.urlopen(f"http://{self.s.host}:{self.s.openai_port}/health", timeout=2):
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the OpenAI frontend did not answer /health within 60 s") from None
-                time.sleep(0.2)
+            if time.monotonic() > deadline:
+                raise TimeoutError("the OpenAI frontend did not answer /health within 60 s") from None
+            time.sleep(0.2)
 
     def _client(self):
         import tritonclient.http as httpclient
@@ -306,40 +317,49 @@ class Launcher:
         self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
 
     def _worker_exited(self, name: str, code: int) -> None:
-        if name == "frontend":
-            self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
-            return
         self._coming_back.discard(name)
-        if code == NAME_TAKEN_EXIT:  # its stage model is another worker's now: leave it loaded
+        if name == "frontend":  # Triton's own endpoints serve on meanwhile
+            self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
+        elif code == NAME_TAKEN_EXIT:  # its stage model is another worker's now: leave it loaded
             self.out(f"[trident] worker {name} did not bind: another worker (one that joined) serves {name} now; "
                      "not restarting it")
             return
-        self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
-        try:
-            import tritonclient.http as httpclient
+        else:
+            self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
+            try:
+                import tritonclient.http as httpclient
 
-            client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}", network_timeout=10)
-            client.unload_model(name, headers=self.headers)
-        except Exception as e:  # Triton may be going away too
-            self.out(f"[trident] could not unload {name}: {e}")
+                client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}", network_timeout=10)
+                client.unload_model(name, headers=self.headers)
+            except Exception as e:  # Triton may be going away too
+                self.out(f"[trident] could not unload {name}: {e}")
+        what = "the OpenAI frontend" if name == "frontend" else f"worker {name}"
         quick = time.monotonic() - self._started_at.get(name, 0.0) < QUICK_DEATH_S
         self._quick_deaths[name] = self._quick_deaths.get(name, 0) + 1 if quick else 0
         if self._quick_deaths[name] >= MAX_QUICK_DEATHS:
-            self.out(f"[trident] worker {name} failed: it exited {MAX_QUICK_DEATHS} times in a row within "
+            self.out(f"[trident] {what} failed: it exited {MAX_QUICK_DEATHS} times in a row within "
                      f"{QUICK_DEATH_S:.0f} s of starting; not restarting it (its modes answer 503 or fall back)")
             return
         delay = 2.0 ** self._quick_deaths[name]
         self._restart_at[name] = time.monotonic() + delay
-        self.out(f"[trident] restarting worker {name} in {delay:.0f} s")
+        self.out(f"[trident] restarting {what} in {delay:.0f} s")
 
     def _restart_due(self) -> None:
         """Start the workers whose backoff is over; say when a restarted one serves again."""
         for name, at in list(self._restart_at.items()):
             if time.monotonic() >= at:
                 del self._restart_at[name]
-                self._start_worker(name)
+                if name == "frontend":
+                    self._spawn_frontend()
+                else:
+                    self._start_worker(name)
                 self._coming_back.add(name)
         for name in list(self._coming_back):
+            if name == "frontend":
+                if self._frontend_up():
+                    self._coming_back.discard(name)
+                    self.out(f"[trident] the OpenAI frontend is back on port {self.s.openai_port}")
+                continue
             try:
                 ready = self._client().is_model_ready(name)
             except Exception:

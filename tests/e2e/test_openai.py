@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import urllib.request
 
@@ -258,3 +259,25 @@ def test_a_dropped_stream_stops_the_decode_within_a_second(server, client, image
     assert server.stats()[decode]["decode_active"] == 0 and stopped < 1.0 + 0.2  # (stats are rewritten every 0.2 s)
     wait_drained(server, {decode})
     assert client.chat.completions.create(model=f"{NAME}:{mode}", messages=_messages(_data_url(image_png)), max_tokens=2)
+
+
+def test_a_killed_frontend_comes_back(server, client):
+    """The OpenAI frontend is supervised like the stage workers: killed, it is started again, and the API
+    answers as before (Triton's own endpoints serve throughout)."""
+    import signal
+    import time
+
+    from support import grpc_generate
+
+    started = [line for line in server.log if line.startswith("[trident] started the OpenAI frontend (pid ")]
+    pid = int(started[-1].split("(pid ")[1].split(")")[0])
+    os.kill(pid, signal.SIGKILL)
+    ok = grpc_generate(server.grpc, "e_p_d", "USER: hi ASSISTANT:", [], {"max_tokens": 2}, stream=True)
+    assert ok.num_output_tokens == 2
+    deadline = time.monotonic() + 90
+    while not any(line.startswith("[trident] the OpenAI frontend is back") for line in server.log):
+        assert time.monotonic() < deadline, "the frontend did not come back"
+        time.sleep(0.2)
+    assert any("the OpenAI frontend exited with code -9" in line for line in server.log)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.usage.completion_tokens == 2
