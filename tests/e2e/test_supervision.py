@@ -21,7 +21,7 @@ GREEDY = {"max_tokens": 12, "temperature": 0}
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("supervision") / "ws", modes=["e_p_d", "epd"],
-                 extra=["--local-prefill-tokens", "0"])
+                 extra=["--local-prefill-tokens", "0", "--fault-injection"])
     try:
         srv.wait_ready()
         yield srv
@@ -54,12 +54,14 @@ def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
     background = threading.Thread(target=keep_serving_epd)
     background.start()
     try:
-        if stage == "decode":  # mid-stream: the request in flight fails within 5 s, naming the stage
+        if stage in ("decode", "prefill"):  # with a request inside: it fails within 5 s, naming the stage
             result: dict = {}
+            # decode: mid-stream; prefill: held there by a test-only marker (the server injects faults)
+            prompt = PROMPT if stage == "decode" else PROMPT.replace(" ASSISTANT:", " [[trident-stall@prefill]] ASSISTANT:")
 
             def stream():
                 try:
-                    grpc_generate(server.grpc, "e_p_d", PROMPT, [], {"max_tokens": 400, "ignore_eos": True}, stream=True)
+                    grpc_generate(server.grpc, "e_p_d", prompt, [], {"max_tokens": 400, "ignore_eos": True}, stream=True)
                 except Exception as e:
                     result["error"], result["at"] = str(e), time.monotonic()
 
@@ -71,7 +73,8 @@ def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
             t.join(30)
             assert "error" in result, "the in-flight request did not fail"
             assert result["at"] - killed < 5
-            assert "Unavailable: the decode stage's worker" in result["error"] and "exited" in result["error"]
+            print(f"{stage}: the request inside failed {result['at'] - killed:.2f} s after the kill")
+            assert f"Unavailable: the {stage} stage's worker" in result["error"] and "exited" in result["error"]
         else:
             os.kill(pid, signal.SIGKILL)
         back = _wait_back(server, stage, pid)

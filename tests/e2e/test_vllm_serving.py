@@ -157,6 +157,41 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     wait_drained(server, KV_STAGES, timeout=30)
 
 
+@pytest.mark.parametrize("mode", ["e_p_d", "ep_d"])
+def test_a_cancelled_stream_frees_its_kv_blocks_within_a_second(server, reference, mode):
+    """A client that cancels its gRPC stream mid-answer: the decode engine stops the request within 1 s, and
+    then no stage holds a KV block, a lease or a pool region for it."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from support.clients import _grpc_inputs, entry_inputs
+
+    c = reference["one-image"]
+    params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(c["text"], c["images"], params, True)})
+    client.async_stream_infer(mode, inputs)
+    for _ in range(3):
+        result, error = q.get(timeout=120)
+        assert error is None, error
+    deadline = time.monotonic() + 10
+    while server.stats()["decode"].get("vllm_running") != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats()["decode"]["vllm_running"] == 1
+    start = time.monotonic()
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    while server.stats()["decode"].get("vllm_running") and time.monotonic() - start < 5:
+        time.sleep(0.05)
+    stopped = time.monotonic() - start
+    assert server.stats()["decode"]["vllm_running"] == 0 and stopped < 1.0 + 0.2  # (stats are rewritten every 0.2 s)
+    wait_drained(server, KV_STAGES, timeout=30)
+    assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
+
+
 VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images"]
 
 

@@ -25,6 +25,7 @@ from ..processor import SamplingParams
 from ..protocol import CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, StageSpec
 
 _FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?(?:#(\d+))?\]\]")
+_STALL = re.compile(r"\[\[trident-stall@(\w+)\]\]")
 
 
 def _parameter(request, name: str) -> str | None:
@@ -148,6 +149,14 @@ def _single(requests: list) -> Any:
     return requests[0]
 
 
+async def _stall(spec: StageSpec, text: str | None) -> None:
+    """Tests only (``fault_injection``): hold a request that carries ``[[trident-stall@stage]]`` in that
+    stage for a minute (so that a test can kill the worker with the request inside)."""
+    match = _STALL.search(text or "")
+    if match and match.group(1) == spec.name:
+        await asyncio.sleep(60)
+
+
 def _inject_fault(spec: StageSpec, text: str | None, responses: int | None = None) -> None:
     """Tests only (``fault_injection``): raise the error a ``[[trident-fault:Name@stage]]`` marker names,
     before the engine runs; with ``#N`` after the marker's stage, once the stage has sent N responses."""
@@ -225,6 +234,7 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
             params = SamplingParams.from_json(_first(request, "sampling_parameters"))
             if fault_injection:
                 _inject_fault(spec, text)
+                await _stall(spec, text)
             if "image" in names:
                 items = image_items(request)
                 # the encode stage decodes only what its cache lacks
