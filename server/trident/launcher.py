@@ -383,10 +383,51 @@ class Launcher:
                 proc.kill()
                 proc.wait()
         if self.triton is not None:
+            stubs = [pid for pid in descendants(os.getpid()) if _is_stub(pid)]
             self.triton.stop()
+            self._reap(stubs)
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.out("[trident] stopped")
+
+
+    def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
+        """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed
+        worker: they hang on their way out) are killed, so that a stopped server leaves no process behind."""
+        deadline = time.monotonic() + grace_s
+        while (alive := [pid for pid in stubs if _is_stub(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if alive:
+            self.out(f"[trident] {len(alive)} python-backend stub(s) outlived Triton; killed them")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Triton's python-backend stubs, vLLM's engine-core processes, ...)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in task.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _is_stub(pid: int) -> bool:
+    """Whether ``pid`` runs a python-backend stub (not a zombie, not a reused pid of something else)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X") and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
 
 
 def _say(line: str) -> None:

@@ -12,7 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+from ..launcher import descendants
 from ..netutil import free_ports
+
+__all__ = ["Server", "descendants", "held"]  # descendants: for the tests and the soak
 
 
 class Server:
@@ -119,18 +122,6 @@ class Server:
                 self.proc.wait()
         self._reader.join(10)  # the log's last lines
         return self.proc.returncode
-
-
-def descendants(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (e.g. vLLM's engine-core processes under a worker)."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            kids = [int(k) for k in task.read_text().split()]
-            out += kids
-            todo += kids
-    return out
 
 
 def held(stats: dict[str, dict]) -> dict[str, dict]:
