@@ -71,12 +71,9 @@ class Got:
 def _grpc_tensors(inputs: dict) -> list:
     import tritonclient.grpc as grpcclient
 
-    out = []
-    for name, (arr, dtype) in inputs.items():
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+    from support.clients import _grpc_inputs
+
+    return _grpc_inputs(grpcclient, inputs)
 
 
 def stream(server, model: str, inputs: dict) -> Got:

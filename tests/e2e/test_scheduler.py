@@ -104,14 +104,11 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
     inputs = {"text_input": strings(c["text"]), "embedding_meta": strings(record)}
     drain_kv(server.grpc, stage_output(server.grpc, "prefill", inputs))  # the first use, then its KV decoded
     before = server.stats()["prefill-2"]["fetched"]
+    from support.clients import _grpc_inputs
+
     client = grpcclient.InferenceServerClient(server.grpc)
-    tensors = []
-    for name, (arr, dtype) in inputs.items():
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
     with pytest.raises(Exception) as info:
-        client.infer("prefill-2", tensors)
+        client.infer("prefill-2", _grpc_inputs(grpcclient, inputs))
     assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
     assert "ReplayedRecord: record of lease" in info.value.message() and "was read after its lease ended" in info.value.message()
     assert server.stats()["prefill-2"]["fetched"] == before  # (a refused read is not counted as fetched)
