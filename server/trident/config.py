@@ -50,7 +50,11 @@ class VLLMConfig(_Settings):
         "core lists such as '0-3' pin the engine's threads"
     )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
-    nixl_threads: int = Field(1, ge=1, description="NIXL progress threads of the NixlConnector")
+    nixl_threads: int = Field(1, ge=1, description="UCX worker threads of the NixlConnector's NIXL agent")
+    nixl_progress_thread: bool = Field(
+        False, description="NIXL's progress thread in the KV workers (it polls without pausing: a core each); "
+        "off, the engine's steps progress the KV transfers"
+    )
     log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")
 
 

@@ -157,6 +157,31 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     wait_drained(server, KV_STAGES, timeout=30)
 
 
+def test_an_idle_server_leaves_the_cores_free(server, reference):
+    """With nothing to serve, the workers and their vLLM processes use almost no CPU. (NIXL's progress thread,
+    which vLLM's NixlConnector starts by default, polls without pausing: a whole core in each KV worker.)"""
+    wait_drained(server, KV_STAGES, timeout=30)
+    time.sleep(2)  # vLLM's engine loops spin for a second after their last message
+    tree = [p for pid in server.worker_pids() for p in (pid, *descendants(pid))]
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s() -> dict[int, float]:
+        out = {}
+        for pid in tree:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    before, start = cpu_s(), time.monotonic()
+    time.sleep(3)
+    after, span = cpu_s(), time.monotonic() - start
+    busy = {pid: round((after[pid] - before[pid]) / span, 2) for pid in before if pid in after}
+    assert max(busy.values()) < 0.25, f"cores used per process while idle: {busy}"
+
+
 @pytest.mark.parametrize("mode", ["e_p_d", "ep_d"])
 def test_a_cancelled_stream_frees_its_kv_blocks_within_a_second(server, reference, mode):
     """A client that cancels its gRPC stream mid-answer: the decode engine stops the request within 1 s, and

@@ -70,6 +70,9 @@ def _environment(config: VLLMConfig, threads: int) -> None:
         "OMP_NUM_THREADS": str(threads),
         "VLLM_LOGGING_LEVEL": config.log_level,
     }
+    from .vllm_connector import PROGRESS_THREAD_ENV
+
+    defaults[PROGRESS_THREAD_ENV] = "1" if config.nixl_progress_thread else "0"
     if config.nixl_port:
         defaults["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_port)
     for key, value in defaults.items():
@@ -153,7 +156,8 @@ class VLLMStageEngine:
         kv_transfer = None
         if self.kv_role is not None:
             kv_transfer = KVTransferConfig(
-                kv_connector="NixlConnector", kv_role=self.kv_role, kv_buffer_device="cpu" if cpu else "cuda",
+                kv_connector="TridentNixlConnector", kv_connector_module_path="trident.engines.vllm_connector",
+                kv_role=self.kv_role, kv_buffer_device="cpu" if cpu else "cuda",
                 # always READ the prefill's KV: recomputing it here would run on placeholder embeddings
                 kv_connector_extra_config={"num_threads": config.nixl_threads, "kv_recompute_threshold": 0},
             )
