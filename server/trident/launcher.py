@@ -441,9 +441,16 @@ def _say(line: str) -> None:
 
 def serve(settings: ServeSettings) -> int:
     launcher = Launcher(settings)
+
+    def _during_start_up(signum, _frame):
+        raise KeyboardInterrupt  # stop what has started (below), not exit with workers left running
+
+    signal.signal(signal.SIGTERM, _during_start_up)
     try:
         launcher.start()
         launcher.supervise()
+    except KeyboardInterrupt:
+        launcher.out("[trident] interrupted during start-up; shutting down")
     finally:
         launcher.stop()
     return 0

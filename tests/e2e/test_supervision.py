@@ -85,3 +85,27 @@ def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
     assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
     assert f"[trident] worker {stage} is back" in "".join(server.log)
     print(f"{stage} back in {back:.1f} s")
+
+
+def test_sigterm_during_start_up_stops_what_has_started(demo_models, tmp_path):
+    """SIGTERM (a service manager's stop) while the server is still starting: the workers started so far are
+    stopped too, and nothing is left running."""
+    from support import descendants
+
+    srv = Server(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"])
+    try:
+        deadline = time.monotonic() + 120
+        while len(srv.worker_pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(srv.worker_pids()) == 3, "\n".join(srv.log[-20:])
+        assert not any(line.startswith("[trident] ready") for line in srv.log)
+        tree = [srv.proc.pid, *descendants(srv.proc.pid)]
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 20
+    while (alive := [pid for pid in tree if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"left running: {alive}"
+    assert any("interrupted during start-up" in line for line in srv.log)

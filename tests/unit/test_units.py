@@ -100,3 +100,39 @@ def test_llava_demo_weights_use_the_hub_layout_and_load(demo_models):
         if key.startswith("vision_tower.vision_model."):
             loaded = params["model.vision_tower." + key[len("vision_tower.vision_model."):]]
             assert torch.equal(loaded, value), key
+
+
+def test_stage_instances_run_their_calls_on_one_loop_at_once():
+    """A stage bound as several instances: PyTriton calls each from an event loop of its own, and every call
+    runs on one loop of the worker's (the engine's), the calls overlapping there rather than queued."""
+    import asyncio
+    import threading
+
+    from trident.workers.bind import _instances
+
+    loops: set = set()
+    inside, peak = 0, 0
+    all_in = threading.Event()
+
+    async def infer(requests):
+        nonlocal inside, peak
+        loops.add(asyncio.get_running_loop())
+        inside += 1
+        peak = max(peak, inside)
+        if inside == 3:
+            all_in.set()
+        await asyncio.get_running_loop().run_in_executor(None, all_in.wait, 5)
+        inside -= 1
+        return [{"n": requests[0]}]
+
+    assert _instances(infer, 1) is infer
+    funcs = _instances(infer, 3)
+    assert len(funcs) == 3
+    results: list = []
+    threads = [threading.Thread(target=lambda f=f, i=i: results.append(asyncio.run(f([i])))) for i, f in enumerate(funcs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(r[0]["n"] for r in results) == [0, 1, 2]
+    assert len(loops) == 1 and peak == 3

@@ -91,7 +91,13 @@ class StageEngine(Protocol):
 
     Records come and go as bytes (``None`` when there is nothing to pass on, e.g. no images). Bad input
     raises :class:`~trident.errors.InvalidRequest`.
+
+    ``calls_at_once``: how many requests of a one-answer stage (encode, prefill, encode_prefill) the engine
+    wants at once. Triton hands such a stage model's instance one request at a time, so the worker binds
+    that many instances (streaming stages take any number through one).
     """
+
+    calls_at_once: int
 
     async def encode(self, images: list) -> Encoded:
         """A request's images (:class:`~trident.media.ImageItem`) -> ``embedding_meta`` (the embeddings stay

@@ -139,6 +139,7 @@ class VLLMStageEngine:
         self.kv_role = kv_role(spec)
         self.embeddings_in = "encode" not in spec.roles  # images arrive as embeddings, or as placeholders
         self.stage = stage = spec.name
+        self.calls_at_once = 1 if spec.decoupled else config.prefill_calls
         self.processor = Processor(model_path)
         self.family = self.processor.family
         text_config = getattr(self.processor.config, "text_config", self.processor.config)

@@ -7,6 +7,7 @@ into a Triton error with the class's code, so Triton's endpoints answer with the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -96,6 +97,22 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
     return triton
 
 
+def _instances(infer, count: int):
+    """What PyTriton binds for ``count`` instances of a stage model: ``infer`` itself for one, else ``count``
+    callables. PyTriton runs each instance's calls on an event loop of its own, and the engine's asynchronous
+    objects (vLLM's ``AsyncLLM``) belong to the loop they first ran on, so every instance runs ``infer`` on one
+    loop thread of this worker's."""
+    if count == 1:
+        return infer
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="trident-engine-loop", daemon=True).start()
+
+    async def on_engine_loop(requests):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(infer(requests), loop))
+
+    return [on_engine_loop] * count
+
+
 def _block_bytecode(model_store: str, stage: str) -> None:
     """Keep the python-backend stub from writing ``__pycache__`` next to the proxy files.
 
@@ -173,7 +190,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
                 model_name=name,
-                infer_func=infer,
+                infer_func=_instances(infer, 1 if spec.decoupled else engine.calls_at_once),
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),

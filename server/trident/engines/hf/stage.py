@@ -36,6 +36,8 @@ class HFStageEngine:
     process's transfer endpoint (when the stage hands on or takes a record), and one compute thread for
     blocking work (encode, prefill, READs)."""
 
+    calls_at_once = 1  # one compute thread: requests would only queue there instead of in Triton
+
     def __init__(
         self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None, embedding_cache_bytes: int = 0
     ) -> None:
