@@ -3,9 +3,12 @@
 
 For each engine (hf, vllm) and mode, starts `trident serve --mode <mode>` and times its start-up; starts
 `python -m vllm.entrypoints.openai.api_server` on the same checkpoint and times its start-up too. Then the
-same OpenAI chat client (streaming, one unique image per request, greedy, ignore_eos) sends N requests at
-concurrency C to each, and the table reports TTFT p50/p99, output tokens/s and start-up time, with each
-figure as a ratio to vLLM's own server.
+same OpenAI chat client (streaming, a new image per request, greedy, ignore_eos) sends R rounds of N requests
+at concurrency C to each, and the table reports TTFT p50/p99 over every round, output tokens/s over the rounds
+and start-up time, with each figure as a ratio to vLLM's own server. Images are never repeated, so neither
+Trident's embedding cache nor vLLM's prefix cache is hit. Start-up CPU is the CPU time the server's processes
+used until it answered (sampled every 0.2 s): on a machine whose cores are busy throughout start-up, wall
+time follows it.
 
     make bench-vllm                       (LLaVA demo; 32 requests at concurrency 8, 32 new tokens)
 """
@@ -30,9 +33,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from trident.launcher import descendants
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
+NOTES = "<!-- notes -->"  # the report keeps everything from this line on
 VLLM_ENV = {  # what vLLM's own server needs on this CPU machine (Trident's vllm workers set the same)
     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
@@ -55,16 +60,36 @@ class Process:
                                      env=dict(os.environ, **(env or {})))
         self.lines: list[str] = []
         threading.Thread(target=lambda: [self.lines.append(line) for line in self.proc.stdout], daemon=True).start()
+        self._cpu: dict[int, float] = {}
+        self._sampling = True
+        threading.Thread(target=self._sample_cpu, daemon=True).start()
 
-    def wait_http(self, url: str, timeout: float = 600) -> float:
-        """Seconds from launch until ``url`` answers 200."""
+    def _sample_cpu(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while self._sampling and self.proc.poll() is None:
+            for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                self._cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+            time.sleep(0.2)
+
+    def started(self) -> tuple[float, float]:
+        """(seconds since launch, CPU seconds its processes have used): call once it is ready."""
+        wall = time.monotonic() - self.t0
+        self._sampling = False
+        return wall, sum(self._cpu.values())
+
+    def wait_http(self, url: str, timeout: float = 600) -> tuple[float, float]:
+        """(seconds, CPU seconds) from launch until ``url`` answers 200."""
         while time.monotonic() - self.t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError("server exited during start-up:\n" + "".join(self.lines[-30:]))
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
-                        return time.monotonic() - self.t0
+                        return self.started()
             except OSError:
                 pass
             time.sleep(0.5)
@@ -80,13 +105,13 @@ class Process:
                 self.proc.wait()
 
 
-async def load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int) -> dict:
+async def load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int, rounds: int = 1) -> dict:
+    """``rounds`` rounds of ``requests`` requests at ``concurrency``, each with an image not sent before."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600)
     ttfts: list[float] = []
     tokens = 0
-    queue = list(range(requests))
 
     async def one(i: int) -> None:
         nonlocal tokens
@@ -111,12 +136,15 @@ async def load(base_url: str, model: str, requests: int, concurrency: int, max_t
         while queue:
             await one(queue.pop(0))
 
-    await one(10_000)  # warm-up, not counted
+    await one(10_000_000)  # warm-up, not counted
     tokens = 0
     ttfts.clear()
-    t0 = time.monotonic()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    span = time.monotonic() - t0
+    span = 0.0
+    for r in range(rounds):
+        queue = list(range(r * requests, (r + 1) * requests))
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        span += time.monotonic() - t0
     await client.close()
     ttfts.sort()
     return {
@@ -133,11 +161,12 @@ def bench_vllm_server(args, model: str) -> dict:
            "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--served-model-name", "demo"]
     server = Process(cmd, VLLM_ENV)
     try:
-        startup = server.wait_http(f"http://127.0.0.1:{port}/v1/models")
-        result = asyncio.run(load(f"http://127.0.0.1:{port}/v1", "demo", args.requests, args.concurrency, args.max_tokens))
+        startup, startup_cpu = server.wait_http(f"http://127.0.0.1:{port}/v1/models")
+        result = asyncio.run(load(f"http://127.0.0.1:{port}/v1", "demo", args.requests, args.concurrency,
+                                  args.max_tokens, args.rounds))
     finally:
         server.stop()
-    return dict(result, startup=startup)
+    return dict(result, startup=startup, startup_cpu=startup_cpu)
 
 
 def bench_trident(args, model: str, backend: str, mode: str) -> dict:
@@ -155,13 +184,12 @@ def bench_trident(args, model: str, backend: str, mode: str) -> dict:
                 if server.proc.poll() is not None:
                     raise RuntimeError("trident serve exited:\n" + "".join(server.lines[-30:]))
                 time.sleep(0.2)
-            startup = time.monotonic() - server.t0
-            result = asyncio.run(
-                load(f"http://127.0.0.1:{openai_port}/v1", "demo", args.requests, args.concurrency, args.max_tokens)
-            )
+            startup, startup_cpu = server.started()
+            result = asyncio.run(load(f"http://127.0.0.1:{openai_port}/v1", "demo", args.requests, args.concurrency,
+                                      args.max_tokens, args.rounds))
         finally:
             server.stop()
-    return dict(result, startup=startup)
+    return dict(result, startup=startup, startup_cpu=startup_cpu)
 
 
 def main() -> int:
@@ -171,6 +199,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of --requests per server (new images each round)")
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--backends", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
     p.add_argument("--report", help="also write the table to this Markdown file")
@@ -189,25 +218,29 @@ def main() -> int:
             print(f"[bench] trident --backend {backend} --mode {mode}", flush=True)
             rows.append((f"trident {backend}", mode, bench_trident(args, args.model, backend, mode)))
 
-    header = ["server", "mode", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "startup s",
-              "TTFT p50 vs vLLM", "tok/s vs vLLM", "startup vs vLLM"]
+    header = ["server", "mode", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "startup s", "startup CPU s",
+              "TTFT p50 vs vLLM", "TTFT p99 vs vLLM", "tok/s vs vLLM", "startup vs vLLM", "startup CPU vs vLLM"]
     lines = [[
         name, mode, f"{r['ttft_p50']:.0f}", f"{r['ttft_p99']:.0f}", f"{r['tok_s']:.1f}", f"{r['startup']:.1f}",
-        f"{r['ttft_p50'] / reference['ttft_p50']:.2f}x", f"{r['tok_s'] / reference['tok_s']:.2f}x",
-        f"{r['startup'] / reference['startup']:.2f}x",
+        f"{r['startup_cpu']:.0f}", f"{r['ttft_p50'] / reference['ttft_p50']:.2f}x",
+        f"{r['ttft_p99'] / reference['ttft_p99']:.2f}x", f"{r['tok_s'] / reference['tok_s']:.2f}x",
+        f"{r['startup'] / reference['startup']:.2f}x", f"{r['startup_cpu'] / reference['startup_cpu']:.2f}x",
     ] for name, mode, r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     table = [" | ".join(h.rjust(w) for h, w in zip(header, widths))]
     table += [" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
-    caption = (f"{args.requests} streaming chat requests at concurrency {args.concurrency}, one unique 224 px image "
-               f"each, {args.max_tokens} new tokens (greedy, ignore_eos), model {Path(args.model).name}; "
+    caption = (f"{args.rounds} rounds of {args.requests} streaming chat requests at concurrency {args.concurrency}, "
+               f"one new 224 px image each, {args.max_tokens} new tokens (greedy, ignore_eos), model {Path(args.model).name}; "
                f"{os.cpu_count()} CPU cores")
     print(caption)
     print("\n".join(table))
     if args.report:
         md = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         md += ["| " + " | ".join(line) + " |" for line in lines]
-        Path(args.report).write_text(f"# Engines vs vLLM's own server\n\n{caption}\n\n" + "\n".join(md) + "\n")
+        report = Path(args.report)
+        old = report.read_text() if report.exists() else ""
+        notes = old[old.index(NOTES):] if NOTES in old else ""  # what people wrote below the table is kept
+        report.write_text(f"# Engines vs vLLM's own server\n\n{caption}\n\n" + "\n".join(md) + "\n\n" + notes)
     return 0
 
 

@@ -50,7 +50,7 @@ class VLLMConfig(_Settings):
         "core lists such as '0-3' pin the engine's threads"
     )
     prefill_calls: int = Field(
-        4, ge=1, le=64, description="prefill requests a vLLM prefill engine (E/P/D's prefill, EP/D's encode_prefill) "
+        2, ge=1, le=16, description="prefill requests a vLLM prefill engine (E/P/D's prefill, EP/D's encode_prefill) "
         "takes at once, to batch them; each is a python-backend stub in Triton (~75 MiB)"
     )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")

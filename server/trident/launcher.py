@@ -379,8 +379,12 @@ class Launcher:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                self.out(f"[trident] worker {stage} did not stop; killing it")
-                proc.kill()
+                self.out(f"[trident] worker {stage} did not stop; killing it and its processes")
+                for pid in [*descendants(proc.pid), proc.pid]:  # vLLM's engine processes would outlive it
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
                 proc.wait()
         if self.triton is not None:
             stubs = [pid for pid in descendants(os.getpid()) if _is_stub(pid)]

@@ -159,7 +159,7 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     import tritonclient.grpc as grpcclient
 
     config = grpcclient.InferenceServerClient(server.grpc).get_model_config("prefill", as_json=True)["config"]
-    assert [group["count"] for group in config["instance_group"]] == [4]
+    assert [group["count"] for group in config["instance_group"]] == [2]
 
 
 def test_an_idle_server_leaves_the_cores_free(server, reference):
