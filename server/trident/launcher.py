@@ -456,5 +456,7 @@ def serve(settings: ServeSettings) -> int:
     except KeyboardInterrupt:
         launcher.out("[trident] interrupted during start-up; shutting down")
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the shutdown short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         launcher.stop()
     return 0
