@@ -84,51 +84,66 @@ class Launcher:
         missing = {m: s for m in (self.s.load or ()) for s in MODES[m] if s not in stages_for(self.s.modes)}
         if missing:
             raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
+        probe = self._probe_backend()  # (seconds: the vLLM environment's Python imports torch as it starts)
         if self.model_path is None:
             from .dev.demo import default_demo_model
 
             self.model_path = str(default_demo_model("llava", log=self.out))
-        self._check_backend()
         self.out(
             f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}; {self.s.backend} engine; "
             f"{self.s.scheduler} scheduler" + (f" ({self.s.scheduling.routing} routing)" if self.s.scheduler == "bls" else "")
         )
         self.out(f"[trident] repository-API access token: {self.token}")
         self._start_triton()
+        if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
+            frontend = self._spawn_frontend()
+        self._check_backend(probe)
         names = [
             instance_name(stage, i) for stage in stages_for(self.s.modes) for i in range(1, self.s.instances.get(stage, 1) + 1)
         ]
         for name in names:
             self._start_worker(name)
-        self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
-        self._wait_ready(names)
         # Every entry model goes into the repository, so any mode whose stages run can be loaded later
-        # through the repository API; the chosen ones are loaded now.
+        # through the repository API; the chosen ones are loaded now. A BLS scheduler finds its stage
+        # instances as they come (it answers 503 until then), so it loads while the workers start; an
+        # ensemble needs its steps loaded first.
         for mode in MODES:
             install_entry_model(
                 mode, self.model_store, Path(self.s.repository) if self.s.repository else None,
                 scheduler=self.s.scheduler, scheduling=self.s.scheduling, model_path=str(self.model_path),
             )
         load = self.s.load if self.s.load is not None else self.s.modes
-        for mode in load:
+        early = self.s.scheduler == "bls"
+        for mode in load if early else ():
+            self.load_entry_model(mode)
+        self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
+        self._wait_ready(names)
+        for mode in () if early else load:
             self.load_entry_model(mode)
         if self.s.warm_up and load:
             self._warm_up(load)
         openai = ""
         if self.s.openai_port:
-            self._start_frontend()
+            self._wait_frontend(frontend)
             openai = f"  OpenAI http://{self.s.host}:{self.s.openai_port}/v1"
         self.out(
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
         )
 
-    def _check_backend(self) -> None:
+    def _probe_backend(self) -> subprocess.Popen | None:
+        """With ``--backend vllm``: whether the workers' Python can import vllm, asked now, answered to
+        :meth:`_check_backend`."""
         if self.s.backend != "vllm":
+            return None
+        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+        return subprocess.Popen([self.s.worker_python or sys.executable, "-c", probe])
+
+    def _check_backend(self, probe: subprocess.Popen | None) -> None:
+        if probe is None:
             return
         python = self.s.worker_python or sys.executable
-        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-        if subprocess.run([python, "-c", probe]).returncode != 0:
+        if probe.wait() != 0:
             raise RuntimeError(
                 f"--backend vllm: the workers' Python ({python}) cannot import vllm. Install it with "
                 "`make install-vllm` and pass --worker-python .venv-vllm/bin/python (or set TRIDENT_WORKER_PYTHON)"
@@ -213,8 +228,7 @@ class Launcher:
         except OSError:
             return False
 
-    def _start_frontend(self) -> None:
-        proc = self._spawn_frontend()
+    def _wait_frontend(self, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + 60
         while not self._frontend_up():
             if proc.poll() is not None:
@@ -260,13 +274,15 @@ class Launcher:
         import json
         import urllib.request
 
+        from types import SimpleNamespace
+
         from PIL import Image
-        from transformers import AutoConfig
 
         from .engines.families import family_of
 
         t0 = time.monotonic()
-        placeholder = family_of(AutoConfig.from_pretrained(self.model_path)).placeholder
+        config = json.loads((Path(self.model_path) / "config.json").read_text())  # (transformers takes seconds to import)
+        placeholder = family_of(SimpleNamespace(model_type=config.get("model_type"))).placeholder
         params = json.dumps({"max_tokens": 2, "temperature": 0})
         for mode in modes:
             for i in range(max(self.s.instances.get(stage, 1) for stage in MODES[mode])):

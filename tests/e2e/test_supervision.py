@@ -109,3 +109,27 @@ def test_sigterm_during_start_up_stops_what_has_started(demo_models, tmp_path):
         time.sleep(0.2)
     assert not alive, f"left running: {alive}"
     assert any("interrupted during start-up" in line for line in srv.log)
+
+
+def test_a_worker_python_without_vllm_is_a_clear_error_and_leaves_nothing(demo_models, tmp_path):
+    """--backend vllm with a --worker-python that cannot import vllm: the server says so and exits, and what
+    it started meanwhile (Triton, the OpenAI frontend) is stopped."""
+    import sys
+
+    from support import descendants
+
+    srv = Server(demo_models["llava"], tmp_path / "ws", modes=["epd"],
+                 extra=["--backend", "vllm", "--worker-python", sys.executable])
+    tree: set[int] = set()
+    try:
+        while srv.proc.poll() is None:
+            tree.update(descendants(srv.proc.pid))
+            time.sleep(0.05)
+        assert srv.proc.wait(60) != 0
+    finally:
+        srv.stop()
+    assert any("cannot import vllm" in line for line in srv.log), "\n".join(srv.log[-20:])
+    deadline = time.monotonic() + 20
+    while (alive := [pid for pid in tree if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"left running: {alive}"
