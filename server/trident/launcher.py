@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import signing, timings
 from .config import IMAGE_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
-from .netutil import free_ports
+from .netutil import listen_ports
 from .protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from .repository import install_entry_model
 
@@ -185,7 +185,8 @@ class Launcher:
         vllm = self.s.vllm
         spec = STAGES[stage]
         if self.s.backend == "vllm" and "kv" in (spec.takes, spec.hands_on) and vllm.nixl_port is None:
-            vllm = vllm.model_copy(update={"nixl_port": free_ports(1)[0]})  # each KV worker its own side channel
+            # each KV worker its own side channel, out of the range vLLM's own free ports come from
+            vllm = vllm.model_copy(update={"nixl_port": listen_ports(1)[0]})
         return WorkerSettings(
             stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
             threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
@@ -388,6 +389,9 @@ class Launcher:
         if self._stopping:
             return
         self._stopping = True
+        # a worker's own processes (vLLM's engine core and its worker) stop with it, unless it could not
+        # stop them (an engine still starting): whatever of them outlives it is killed
+        trees = {stage: descendants(proc.pid) for stage, proc in self.workers.items()}
         for stage, proc in self.workers.items():
             if proc.poll() is None:
                 proc.terminate()
@@ -395,13 +399,12 @@ class Launcher:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                self.out(f"[trident] worker {stage} did not stop; killing it and its processes")
-                for pid in [*descendants(proc.pid), proc.pid]:  # vLLM's engine processes would outlive it
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+                self.out(f"[trident] worker {stage} did not stop; killing it")
+                proc.kill()
                 proc.wait()
+            left = _kill_left([*trees[stage], *descendants(proc.pid)])
+            if left:
+                self.out(f"[trident] worker {stage} left {left} process(es) running; killed them")
         if self.triton is not None:
             stubs = [pid for pid in descendants(os.getpid()) if _is_stub(pid)]
             self.triton.stop()
@@ -441,12 +444,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _kill_left(pids: list[int], grace_s: float = 3.0) -> int:
+    """SIGKILL those of ``pids`` still running after ``grace_s``; how many were."""
+    deadline = time.monotonic() + grace_s
+    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(alive)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _is_stub(pid: int) -> bool:
     """Whether ``pid`` runs a python-backend stub (not a zombie, not a reused pid of something else)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X") and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, IndexError):
+        return _running(pid) and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
         return False
 
 

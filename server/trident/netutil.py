@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -15,3 +17,27 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now and below the kernel's ephemeral range, for a listener
+    that binds later: a port from :func:`free_ports` is an ephemeral one, which any process's outgoing
+    connection or port-0 bind may take first (vLLM picks its own ports that way)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    if low < 12000:
+        return free_ports(n, host)
+    found: list[int] = []
+    start = random.randrange(10000, low - 1000)
+    for port in range(start, low):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise OSError(f"no {n} free ports between {start} and {low}")
