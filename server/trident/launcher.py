@@ -417,16 +417,8 @@ class Launcher:
     def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
         """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed
         worker: they hang on their way out) are killed, so that a stopped server leaves no process behind."""
-        deadline = time.monotonic() + grace_s
-        while (alive := [pid for pid in stubs if _is_stub(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in alive:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if alive:
-            self.out(f"[trident] {len(alive)} python-backend stub(s) outlived Triton; killed them")
+        if killed := _kill_left(stubs, grace_s, running=_is_stub):
+            self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
 
 
 def descendants(pid: int) -> list[int]:
@@ -444,10 +436,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _kill_left(pids: list[int], grace_s: float = 3.0) -> int:
-    """SIGKILL those of ``pids`` still running after ``grace_s``; how many were."""
+def _kill_left(pids: list[int], grace_s: float = 3.0, running=None) -> int:
+    """SIGKILL those of ``pids`` still running (``running(pid)``, by default any live process) after
+    ``grace_s``; how many were."""
+    running = running or _running
     deadline = time.monotonic() + grace_s
-    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in alive:
         try:
