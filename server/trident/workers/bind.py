@@ -190,7 +190,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
                 model_name=name,
-                infer_func=_instances(infer, 1 if spec.decoupled else engine.calls_at_once),
+                infer_func=_instances(infer, engine.calls_at_once),
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),
