@@ -138,7 +138,7 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
 
     from trident import timings
     from trident.engines.hf.stage import HFStageEngine
-    from trident.media import ImageItem
+    from trident.media import MediaItem as ImageItem
     from trident.processor import SamplingParams
     from trident.protocol import STAGES
 

@@ -21,7 +21,7 @@ import tempfile
 from pydantic import BaseModel, ValidationError
 
 from .config import (
-    BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, ImageLimits, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
+    BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, MediaLimits, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
     TransferConfig, VLLMConfig, WorkerSettings,
 )
 from . import signing
@@ -89,8 +89,13 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         access_token=args.access_token, transfer_secret=args.transfer_secret, threads_per_worker=args.threads,
         workspace=args.workspace,
         worker_python=args.worker_python, backend=args.backend, vllm=vllm, transfer=transfer, frontend=frontend,
-        images=ImageLimits(max_images=args.max_images, max_pixels=args.max_image_pixels,
-                           max_bytes=args.max_image_mib * MiB),
+        media_limits=MediaLimits(
+            max_images=args.max_images, max_pixels=args.max_image_pixels, max_bytes=args.max_image_mib * MiB,
+            max_videos=args.max_videos, video_max_bytes=args.max_video_mib * MiB, video_fps=args.video_fps,
+            video_max_frames=args.video_max_frames, video_max_seconds=args.video_max_seconds,
+            max_audios=args.max_audios, audio_max_bytes=args.max_audio_mib * MiB,
+            audio_max_seconds=args.audio_max_seconds, audio_sample_rate=args.audio_sample_rate,
+        ),
         warm_up=args.warm_up, trace_dir=args.trace_dir, fault_injection=args.fault_injection,
     )
 
@@ -133,11 +138,21 @@ def _add_serve(sub) -> None:
     _opt(sc, "--max-inflight", ServeSettings, "max_inflight", type=int)
     _opt(sc, "--local-prefill-tokens", SchedulerConfig, "local_prefill_tokens", type=int)
     _opt(sc, "--local-encode-images", SchedulerConfig, "local_encode_images", type=int)
-    lim = sv.add_argument_group("image limits (per request; a request over one gets 400 naming it)")
-    _opt(lim, "--max-images", ImageLimits, "max_images", type=int)
-    _opt(lim, "--max-image-pixels", ImageLimits, "max_pixels", type=int)
-    lim.add_argument("--max-image-mib", type=int, default=ImageLimits().max_bytes // MiB,
-                     help=f"encoded size per image, MiB (default: {ImageLimits().max_bytes // MiB})")
+    lim = sv.add_argument_group("media limits and sampling (per request; a request over a limit gets 400 naming it)")
+    _opt(lim, "--max-images", MediaLimits, "max_images", type=int)
+    _opt(lim, "--max-image-pixels", MediaLimits, "max_pixels", type=int)
+    for flag, field in (("--max-image-mib", "max_bytes"), ("--max-video-mib", "video_max_bytes"),
+                        ("--max-audio-mib", "audio_max_bytes")):
+        default = getattr(MediaLimits(), field) // MiB
+        lim.add_argument(flag, type=int, default=default,
+                         help=f"{MediaLimits.model_fields[field].description}, MiB (default: {default})")
+    _opt(lim, "--max-videos", MediaLimits, "max_videos", type=int)
+    _opt(lim, "--video-fps", MediaLimits, "video_fps", type=float)
+    _opt(lim, "--video-max-frames", MediaLimits, "video_max_frames", type=int)
+    _opt(lim, "--video-max-seconds", MediaLimits, "video_max_seconds", type=float)
+    _opt(lim, "--max-audios", MediaLimits, "max_audios", type=int)
+    _opt(lim, "--audio-max-seconds", MediaLimits, "audio_max_seconds", type=float)
+    _opt(lim, "--audio-sample-rate", MediaLimits, "audio_sample_rate", type=int, shown=None)
     _add_frontend_flags(sv.add_argument_group("OpenAI frontend"))
     t = sv.add_argument_group("transfers")
     t.add_argument("--send-pool-mib", type=int, default=TransferConfig().send_pool_bytes // MiB,

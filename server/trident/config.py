@@ -63,36 +63,53 @@ class VLLMConfig(_Settings):
     log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")
 
 
-class ImageLimits(_Settings):
-    """What one request's images may be, checked wherever images arrive (the OpenAI frontend, the entry
-    models, the encode workers). ``trident serve`` hands them to every process it starts in the environment
-    variable :data:`IMAGE_LIMITS_ENV` (JSON); a worker joining from another host takes it from its own."""
+class MediaLimits(_Settings):
+    """What one request's media (images, video clips, audio clips) may be, checked wherever they arrive (the
+    OpenAI frontend, the entry models, the encode workers). ``trident serve`` hands them to every process it
+    starts in the environment variable :data:`MEDIA_LIMITS_ENV` (JSON); a worker joining from another host
+    takes it from its own. Video sampling (``video_fps``, ``video_max_frames``) and the audio rate are part of
+    them: every process must agree on them (the scheduler counts a request's tokens the same way)."""
 
     max_images: int = Field(16, ge=1, description="images per request (each is decoded, encoded and held until it ends)")
     max_pixels: int = Field(
-        40_000_000, ge=1, description="pixels per image (width x height, read from its header: a decompression bomb "
-        "is refused before it is decoded)"
+        40_000_000, ge=1, description="pixels per image or video frame (width x height, read from its header: a "
+        "decompression bomb is refused before it is decoded)"
     )
     max_bytes: int = Field(32 * MiB, gt=0, description="encoded bytes per image")
+    max_videos: int = Field(4, ge=1, description="video clips per request")
+    video_max_bytes: int = Field(64 * MiB, gt=0, description="encoded bytes per video clip")
+    video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of video")
+    video_max_frames: int = Field(
+        32, ge=1, le=1024, description="frames sampled per clip at most (a longer clip is sampled evenly)"
+    )
+    video_max_seconds: float = Field(
+        600.0, gt=0, description="longest video clip, from its header (a longer one is refused before decoding)"
+    )
+    max_audios: int = Field(8, ge=1, description="audio clips per request")
+    audio_max_bytes: int = Field(32 * MiB, gt=0, description="encoded bytes per audio clip")
+    audio_max_seconds: float = Field(30.0, gt=0, description="longest audio clip")
+    audio_sample_rate: int | None = Field(
+        None, gt=0, description="rate audio is resampled to (default: the model's processor's, else 16000)"
+    )
 
     @classmethod
-    def from_env(cls) -> "ImageLimits":
+    def from_env(cls) -> "MediaLimits":
         import os
 
-        raw = os.environ.get(IMAGE_LIMITS_ENV)
+        raw = os.environ.get(MEDIA_LIMITS_ENV)
         return cls.model_validate_json(raw) if raw else cls()
 
 
-IMAGE_LIMITS_ENV = "TRIDENT_IMAGE_LIMITS"
+MEDIA_LIMITS_ENV = "TRIDENT_MEDIA_LIMITS"
 
 
 class MediaPolicy(_Settings):
-    """Where the OpenAI frontend may take images from, and how much."""
+    """Where the OpenAI frontend may take images, video and audio from, and how much."""
 
-    allow_private_urls: bool = Field(False, description="let image URLs resolve to private/loopback addresses")
-    allowed_media_dir: Path | None = Field(None, description="folder local image paths may come from (default: none)")
-    max_bytes: int = Field(32 * MiB, gt=0, description="largest image a URL or file may hold")
-    timeout_s: float = Field(10.0, gt=0, description="longest an image URL may take to fetch")
+    allow_private_urls: bool = Field(False, description="let media URLs resolve to private/loopback addresses")
+    allowed_media_dir: Path | None = Field(None, description="folder local media paths may come from (default: none)")
+    max_bytes: int = Field(64 * MiB, gt=0, description="largest media item a URL or file may hold")
+    timeout_s: float = Field(10.0, gt=0, description="longest a media URL may take to fetch")
 
 
 Scheduler = Literal["bls", "ensemble"]
@@ -236,7 +253,7 @@ class ServeSettings(_Settings):
         64, ge=1, description="requests each stage worker takes at once; one more is refused at once with 503 "
         "and Retry-After rather than queued"
     )
-    images: ImageLimits = ImageLimits()
+    media_limits: MediaLimits = MediaLimits()
     frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
     warm_up: bool = Field(
         True, description="send one small request with an image through each loaded entry model before "

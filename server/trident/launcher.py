@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import signing, timings
-from .config import IMAGE_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
+from .config import MEDIA_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import listen_ports
 from .protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from .repository import install_entry_model
@@ -155,7 +155,7 @@ class Launcher:
 
         _server_environment()
         os.environ[signing.ENV] = self.transfer_secret
-        os.environ[IMAGE_LIMITS_ENV] = self.s.images.model_dump_json()  # Triton's stubs, the workers, the frontend
+        os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
         if self.s.trace_dir:  # Triton's stubs (the schedulers, the stage proxies) and the workers inherit it
             os.environ[timings.ENV] = str(Path(self.s.trace_dir).resolve())
             self.out(f"[trident] writing step timings of every request to {os.environ[timings.ENV]}")

@@ -1,8 +1,7 @@
-"""Input side of a request, shared by every stage: sampling parameters, tokenization, image placeholders.
+"""Input side of a request, shared by every stage: sampling parameters, tokenization, media placeholders.
 
-The encode stage preprocesses images (:meth:`Processor.pixel_inputs`); the prefill stage turns the prompt
-into token ids with each image placeholder expanded to that image's embedding count
-(:meth:`Processor.prompt_ids`). The output side (detokenizing, stop strings, responses) is
+The encode stage preprocesses media (:meth:`Processor.media_inputs`); the prefill stage turns the prompt
+into token ids with each placeholder expanded to that item's embedding count (:meth:`Processor.prompt_ids`). The output side (detokenizing, stop strings, responses) is
 :mod:`trident.output`.
 """
 
@@ -87,10 +86,10 @@ class SamplingParams(BaseModel):
 
 
 class Processor:
-    """Tokenizer + image processor of a checkpoint folder."""
+    """Tokenizer + media processors (image processor, audio feature extractor) of a checkpoint folder."""
 
     def __init__(self, model_path: str | Path) -> None:
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.path = Path(model_path)
         self.config = AutoConfig.from_pretrained(self.path)
@@ -98,52 +97,101 @@ class Processor:
         # Loaded apart rather than through AutoProcessor: Qwen2-VL's processor needs a video processor,
         # which needs torchvision, which has no CPU build on PyPI.
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.image_processor = AutoImageProcessor.from_pretrained(self.path)
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.family.image_token)
+        self.modalities = self.family.modalities
+        self.image_processor = None
+        self.feature_extractor = None
+        if "image" in self.modalities or "video" in self.modalities:
+            from transformers import AutoImageProcessor
+
+            self.image_processor = AutoImageProcessor.from_pretrained(self.path)
+        if "audio" in self.modalities:
+            from transformers import AutoFeatureExtractor
+
+            self.feature_extractor = AutoFeatureExtractor.from_pretrained(self.path)
+        self.token_ids = {
+            kind: self.tokenizer.convert_tokens_to_ids(p.token) for kind, p in self.family.placeholders.items()
+        }
+        self.image_token_id = self.token_ids.get("image")
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         text_config = getattr(self.config, "text_config", self.config)
         self.max_model_len: int = text_config.max_position_embeddings
 
-    # -- images (encode stage) --------------------------------------------------------------------
+    @property
+    def audio_rate(self) -> int:
+        """The rate audio clips are resampled to: ``--audio-sample-rate``, else the feature extractor's."""
+        from .media import LIMITS
+
+        return LIMITS.audio_sample_rate or getattr(self.feature_extractor, "sampling_rate", None) or 16000
+
+    # -- media (encode stage) ---------------------------------------------------------------------
+    def open(self, item):
+        """A :class:`~trident.media.MediaItem` decoded (the family must take its kind)."""
+        self.check_kinds({item.kind: 1})
+        return item.open(self.audio_rate)
+
+    def media_inputs(self, kind: str, items: list) -> dict:
+        """Model inputs of decoded items of one kind (``pixel_values``, ``pixel_values_videos``,
+        ``input_features``, with their grids or masks)."""
+        return self.family.media_inputs(self, kind, items)
+
     def pixel_inputs(self, images: list) -> dict:
-        """Model inputs for PIL images: ``pixel_values`` (and ``image_grid_thw`` for Qwen2-VL)."""
-        out = self.image_processor(images=images, return_tensors="pt")
-        return {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
+        return self.media_inputs("image", images)
+
+    def layout(self, kind: str, items: list) -> tuple[list[int], list[list[int]] | None]:
+        """Embedding count of each decoded item of one kind, and Qwen2-VL's (t, h, w) patch grids (None for
+        the others), without running the encoder."""
+        return self.family.layout(self, kind, items)
 
     def image_layout(self, images: list) -> tuple[list[int], list[list[int]] | None]:
-        """Embedding count of each image, and Qwen2-VL's (t, h, w) patch grids (None for LLaVA), without
-        running the vision tower."""
-        return self.family.image_layout(self.config, self.image_processor, images)
+        return self.layout("image", images)
 
     # -- prompt (prefill stage) -------------------------------------------------------------------
-    def count_placeholders(self, text: str) -> int:
-        return text.count(self.family.placeholder)
+    def count_placeholders(self, text: str, kind: str = "image") -> int:
+        return text.count(self.family.placeholders[kind].text)
 
-    def check_placeholders(self, text: str, num_images: int) -> None:
-        """The prompt must carry the image placeholder exactly once per image."""
-        found = self.count_placeholders(text)
-        if found != num_images:
-            raise InvalidRequest(
-                f"the prompt has {found} image placeholder(s) {self.family.placeholder!r} "
-                f"but the request carries {num_images} image(s)"
-            )
+    def check_kinds(self, counts: dict[str, int]) -> None:
+        """Every kind of media the request carries must be one the model takes."""
+        for kind, n in counts.items():
+            if n and kind not in self.family.placeholders:
+                takes = ", ".join(self.modalities)
+                raise InvalidRequest(
+                    f"the request carries {kind} but this model ({self.family.name}) takes {takes} only"
+                )
 
-    def prompt_ids(self, text: str, image_token_counts: list[int]) -> list[int]:
-        """Token ids of ``text`` with image ``i``'s placeholder expanded to ``image_token_counts[i]`` tokens.
+    def check_placeholders(self, text: str, counts: dict[str, int] | int) -> None:
+        """The prompt must carry each kind's placeholder exactly once per item of that kind (an int: images)."""
+        counts = {"image": counts} if isinstance(counts, int) else counts
+        self.check_kinds(counts)
+        for kind, placeholder in self.family.placeholders.items():
+            found, items = text.count(placeholder.text), counts.get(kind, 0)
+            if found != items:
+                noun = {"image": "image", "video": "video", "audio": "audio clip"}[kind]
+                raise InvalidRequest(
+                    f"the prompt has {found} {kind} placeholder(s) {placeholder.text!r} "
+                    f"but the request carries {items} {noun}(s)"
+                )
 
-        The prompt must carry the placeholder exactly once per image, and fit the context window.
+    def prompt_ids(self, text: str, token_counts: list[int], kinds: list[str] | None = None) -> list[int]:
+        """Token ids of ``text`` with the placeholder of item ``i`` (of kind ``kinds[i]``, images when None)
+        expanded to ``token_counts[i]`` tokens.
+
+        The prompt must carry each kind's placeholder exactly once per item, and fit the context window.
         """
-        self.check_placeholders(text, len(image_token_counts))
-        stray = text.replace(self.family.placeholder, "").count(self.family.image_token)
-        if stray:
-            raise InvalidRequest(f"the prompt has {self.family.image_token!r} outside an image placeholder")
+        kinds = list(kinds) if kinds is not None else ["image"] * len(token_counts)
+        per_kind: dict[str, list[int]] = {}
+        for kind, count in zip(kinds, token_counts, strict=True):
+            per_kind.setdefault(kind, []).append(count)
+        self.check_placeholders(text, {k: len(v) for k, v in per_kind.items()})
+        for kind, placeholder in self.family.placeholders.items():
+            if text.replace(placeholder.text, "").count(placeholder.token):
+                raise InvalidRequest(f"the prompt has {placeholder.token!r} outside a {kind} placeholder")
         ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        self.check_length(len(ids) - len(image_token_counts) + sum(image_token_counts))  # before expanding
+        self.check_length(len(ids) - len(token_counts) + sum(token_counts))  # before expanding
+        expanding = {self.token_ids[kind]: iter(counts) for kind, counts in per_kind.items()}
         expanded: list[int] = []
-        images = iter(image_token_counts)
         for tok in ids:
-            if tok == self.image_token_id:
-                expanded.extend([tok] * next(images))
+            if tok in expanding:
+                expanded.extend([tok] * next(expanding[tok]))
             else:
                 expanded.append(tok)
         return expanded
@@ -154,7 +202,7 @@ class Processor:
             raise InvalidRequest("the prompt is empty (it has no tokens)")
         if num_prompt_tokens >= self.max_model_len:
             raise InvalidRequest(
-                f"the prompt is {num_prompt_tokens} tokens long (images expanded) but the model's context "
+                f"the prompt is {num_prompt_tokens} tokens long (media expanded) but the model's context "
                 f"window is {self.max_model_len} tokens"
             )
 

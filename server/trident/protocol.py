@@ -29,12 +29,15 @@ from .errors import ForgedRecord, MalformedRecord
 _SAMPLING = Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)
 _TEXT = Tensor(name="text_input", dtype=bytes, shape=(1,))
 _IMAGE = Tensor(name="image", dtype=bytes, shape=(-1,), optional=True)
+_VIDEO = Tensor(name="video", dtype=bytes, shape=(-1,), optional=True)
+_AUDIO = Tensor(name="audio", dtype=bytes, shape=(-1,), optional=True)
+_MEDIA = (_IMAGE, _VIDEO, _AUDIO)  # trident.media.MODALITIES
 _OUTPUT_CONTROLS = tuple(
     Tensor(name=n, dtype=np.bool_, shape=(1,), optional=True)
     for n in ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
               "return_num_output_tokens")
 )
-ENTRY_INPUTS: tuple[Tensor, ...] = (_TEXT, _IMAGE, _SAMPLING, *_OUTPUT_CONTROLS)
+ENTRY_INPUTS: tuple[Tensor, ...] = (_TEXT, *_MEDIA, _SAMPLING, *_OUTPUT_CONTROLS)
 ENTRY_OUTPUTS: tuple[Tensor, ...] = (
     Tensor(name="text_output", dtype=bytes, shape=(-1,)),
     Tensor(name="finish_reason", dtype=bytes, shape=(-1,)),
@@ -59,7 +62,7 @@ class StageSpec:
     name: str
     doc: str
     roles: tuple[Role, ...]  # what the stage computes, in order
-    takes: Literal["embeddings", "kv"] | None  # the record it reads (None: raw images or nothing)
+    takes: Literal["embeddings", "kv"] | None  # the record it reads (None: raw media or nothing)
     hands_on: Handoff  # a record for the next stage, or the generated tokens (the entry outputs)
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
@@ -112,7 +115,7 @@ def _stage(name: str, doc: str, roles: tuple[Role, ...], takes, hands_on: Handof
     if also_takes is not None:
         inputs.append(_record_tensor(also_takes, optional=True))
     if "encode" in roles:
-        inputs.append(_IMAGE)
+        inputs += _MEDIA
     if roles != ("encode",):
         inputs.append(_SAMPLING)
     if hands_on == "tokens":
@@ -127,11 +130,11 @@ STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in (
         _stage("generate", "EPD: the entry interface in one worker", ("encode", "prefill", "decode"), None, "tokens"),
-        _stage("encode", "images -> embeddings", ("encode",), None, "embeddings"),
+        _stage("encode", "images, video, audio -> embeddings", ("encode",), None, "embeddings"),
         _stage("prefill", "prompt + embeddings -> KV cache", ("prefill",), "embeddings", "kv"),
         _stage("decode", "KV cache (or a short prompt it prefills itself) -> tokens", ("decode",), "kv", "tokens",
                also_takes="embeddings"),
-        _stage("encode_prefill", "prompt + images -> KV cache", ("encode", "prefill"), None, "kv"),
+        _stage("encode_prefill", "prompt + media -> KV cache", ("encode", "prefill"), None, "kv"),
         _stage("prefill_decode", "prompt + embeddings -> tokens", ("prefill", "decode"), "embeddings", "tokens"),
     )
 }
@@ -173,7 +176,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 4
+RECORD_VERSION = 5
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 MAX_TENSOR_RANK = 8
 
@@ -253,9 +256,10 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
     """``embedding_meta``: a request's media embeddings, all items back to back ``(sum(token_counts), hidden)``."""
 
     transfer: Transfer
-    token_counts: list[int]  # embedding rows of each image
-    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per image, for its 3-D positions
-    image_ids: list[str] = []  # content ids, for caches keyed by image
+    token_counts: list[int]  # embedding rows of each item
+    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
+    image_ids: list[str] = []  # content ids of the items, for caches keyed by content
+    kinds: list[str] | None = None  # each item's modality; None: all images
 
     def validate(self) -> None:
         self.transfer.validate()
@@ -265,6 +269,7 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
             raise MalformedRecord("embeddings record has different numbers of token counts and image ids")
         if self.grid_thw is not None and len(self.grid_thw) != len(self.token_counts):
             raise MalformedRecord("embeddings record has different numbers of token counts and grids")
+        _check_kinds(self.kinds, len(self.token_counts))
         if len(self.transfer.tensors) != 1 or self.transfer.tensors[0].count != 1:
             raise MalformedRecord("embeddings record must describe one tensor")
         shape = self.transfer.tensors[0].shape
@@ -296,13 +301,27 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     kv_transfer_params: dict[str, Any]  # vLLM's own, from the prefill engine's output
     prompt_len: int
     prompt_digest: str  # of the prompt token ids
-    token_counts: list[int]  # embedding count of each image
+    token_counts: list[int]  # embedding count of each media item
     grid_thw: list[list[int]] | None
     image_ids: list[str]
+    kinds: list[str] | None = None  # each item's modality; None: all images
 
     def validate(self) -> None:
         if len(self.token_counts) != len(self.image_ids):
-            raise MalformedRecord("kv_meta has different numbers of image token counts and image ids")
+            raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")
+        _check_kinds(self.kinds, len(self.token_counts))
+
+
+def _check_kinds(kinds: list[str] | None, items: int) -> None:
+    if kinds is None:
+        return
+    if len(kinds) != items:
+        raise MalformedRecord("record has different numbers of token counts and media kinds")
+    if not set(kinds) <= {"image", "video", "audio"}:
+        raise MalformedRecord(f"record names unknown media kinds {sorted(set(kinds) - {'image', 'video', 'audio'})}")
+    order = {"image": 0, "video": 1, "audio": 2}
+    if [order[k] for k in kinds] != sorted(order[k] for k in kinds):
+        raise MalformedRecord("record lists its media out of order (images, then video, then audio)")
 
 
 Record = Union[EmbeddingsRecord, HFKVRecord, VLLMKVRecord]

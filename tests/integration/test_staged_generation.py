@@ -23,7 +23,7 @@ def _stage(conn, stage: str, model_path: str) -> None:
     torch.set_num_threads(1)
     from trident.config import MiB, TransferConfig
     from trident.engines.hf.stage import HFStageEngine
-    from trident.media import ImageItem
+    from trident.media import MediaItem as ImageItem
     from trident.processor import SamplingParams
     from trident.protocol import STAGES
 

@@ -32,3 +32,51 @@ def chat_prompt(tokenizer, n_images: int, text: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
+
+
+def make_frames(count: int, width: int, height: int, seed: int) -> list[np.ndarray]:
+    """Deterministic RGB frames that change over time (so a sampled frame is told from its neighbours)."""
+    return [np.asarray(make_image(width, height, seed + 7 * i)) for i in range(count)]
+
+
+def video_bytes(frames: list[np.ndarray], fps: int = 4, fmt: str = "mp4", codec: str | None = None) -> bytes:
+    """A clip of ``frames`` encoded with PyAV (mp4: mpeg4, webm: vp8, mkv: ffv1)."""
+    import io as _io
+    from fractions import Fraction
+
+    import av
+
+    codec = codec or {"mp4": "mpeg4", "webm": "libvpx", "mkv": "ffv1"}[fmt]
+    buf = _io.BytesIO()
+    with av.open(buf, mode="w", format={"mkv": "matroska"}.get(fmt, fmt)) as out:
+        stream = out.add_stream(codec, rate=Fraction(fps))
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv444p" if codec == "ffv1" else "yuv420p"
+        if codec == "mpeg4":
+            stream.options = {"qscale": "2"}
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def make_wave(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:
+    """A deterministic mono clip: two tones and a little noise, float32."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    wave = 0.4 * np.sin(2 * np.pi * (220 + 40 * seed) * t) + 0.2 * np.sin(2 * np.pi * 1250 * t)
+    return (wave + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def audio_bytes(wave: np.ndarray, rate: int = 16000, fmt: str = "wav") -> bytes:
+    """``wave`` written as wav (float samples: decodes back exactly), flac, ogg or mp3 with soundfile."""
+    import io as _io
+
+    import soundfile
+
+    buf = _io.BytesIO()
+    subtype = {"wav": "FLOAT", "flac": "PCM_16", "ogg": "VORBIS", "mp3": "MPEG_LAYER_III"}[fmt]
+    soundfile.write(buf, wave, rate, format=fmt.upper() if fmt != "ogg" else "OGG", subtype=subtype)
+    return buf.getvalue()

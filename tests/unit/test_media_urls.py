@@ -13,7 +13,7 @@ import pytest
 
 from trident.config import MediaPolicy
 from trident.errors import InvalidRequest
-from trident.media import image_url_to_base64, is_public_address
+from trident.media.urls import is_public_address, media_url_to_base64
 
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000" "1f15c4890000000d49444154789c6360000002000154a24f0d0000000049454e44ae426082")
 
@@ -36,7 +36,7 @@ def test_public_addresses(address, public):
 ])
 def test_private_hosts_are_refused_before_any_connection(url):
     with pytest.raises(InvalidRequest, match="non-public address"):
-        asyncio.run(image_url_to_base64(url, MediaPolicy()))
+        asyncio.run(media_url_to_base64(url, MediaPolicy()))
 
 
 class _Images(BaseHTTPRequestHandler):
@@ -79,7 +79,7 @@ def test_the_fetch_connects_to_the_address_checked(image_server, monkeypatch):
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
     policy = MediaPolicy(allow_private_urls=True)
-    got = asyncio.run(image_url_to_base64(f"http://images.example:{image_server}/cat.png", policy))
+    got = asyncio.run(media_url_to_base64(f"http://images.example:{image_server}/cat.png", policy))
     assert got and lookups == ["images.example"]
 
 
@@ -87,5 +87,5 @@ def test_a_slow_url_is_cut_off_at_the_total_time_limit(image_server):
     policy = MediaPolicy(allow_private_urls=True, timeout_s=1.0)
     t0 = time.monotonic()
     with pytest.raises(InvalidRequest, match="took longer than 1 s"):
-        asyncio.run(image_url_to_base64(f"http://127.0.0.1:{image_server}/slow.png", policy))
+        asyncio.run(media_url_to_base64(f"http://127.0.0.1:{image_server}/slow.png", policy))
     assert time.monotonic() - t0 < 3

@@ -35,7 +35,7 @@ def test_kv_record_round_trip_and_size():
     (sign(b"\x00garbage"), "not valid msgpack"),
     (sign(msgspec.msgpack.encode([1, "x"])), "kind and format version"),
     (sign(msgspec.msgpack.encode(["vllm_kv/1", {}])), "'vllm_kv/1' is not supported"),
-    (_record(image_ids=[]).encode(), "image token counts and image ids"),
+    (_record(image_ids=[]).encode(), "item token counts and item ids"),
 ])
 def test_malformed_kv_records_are_refused(data, message):
     with pytest.raises(MalformedRecord, match=message):

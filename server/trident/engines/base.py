@@ -1,6 +1,6 @@
 """What an engine offers the stage workers, and what passes between its parts.
 
-A stage worker talks to one :class:`StageEngine`: the stage-level operations (encode images, prefill a
+A stage worker talks to one :class:`StageEngine`: the stage-level operations (encode media, prefill a
 prompt, generate a stream of tokens) with the records that cross Triton (``embedding_meta``, ``kv_meta``)
 as bytes. The ``hf`` engine builds them from three roles (:class:`Encoder`, :class:`Prefiller`,
 :class:`Decoder`) joined by :mod:`trident.engines.handoff`; the ``vllm`` engine from vLLM engines.
@@ -17,18 +17,38 @@ from ..output import DecodeEvent, Generation
 from ..processor import SamplingParams
 
 __all__ = [
-    "DecodeEvent", "DecodeRequest", "Decoder", "Encoded", "Encoder", "Generation", "ImageEmbeddings", "PrefillResult",
+    "DecodeEvent", "DecodeRequest", "Decoder", "Encoded", "Encoder", "Generation", "MediaEmbeddings", "PrefillResult",
     "Prefiller", "StageEngine",
 ]
 
 
 @dataclass
-class ImageEmbeddings:
-    """Projected image features of one request, all images back to back: ``(sum(token_counts), hidden)``."""
+class MediaEmbeddings:
+    """Projected features of a request's media, all items back to back: ``(sum(token_counts), hidden)``.
+
+    Items are held by kind in :data:`~trident.media.MODALITIES` order (images, then video clips, then audio
+    clips), each kind in the order of its placeholders in the prompt."""
 
     embeddings: torch.Tensor
     token_counts: list[int]
-    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per image, for its 3-D positions
+    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
+    kinds: list[str] | None = None  # each item's modality (None: all images)
+
+    @property
+    def item_kinds(self) -> list[str]:
+        return list(self.kinds) if self.kinds is not None else ["image"] * len(self.token_counts)
+
+    def by_kind(self) -> dict[str, tuple[list[torch.Tensor], list[list[int]] | None]]:
+        """Each kind's per-item rows and grids, in the order of the items."""
+        rows = torch.split(self.embeddings, self.token_counts)
+        out: dict[str, tuple[list, list | None]] = {}
+        for i, kind in enumerate(self.item_kinds):
+            items, grids = out.setdefault(kind, ([], [] if self.grid_thw is not None else None))
+            items.append(rows[i])
+            if grids is not None:
+                grids.append(self.grid_thw[i])
+        return out
+
 
 
 @dataclass
@@ -66,16 +86,16 @@ class DecodeRequest:
 
 
 class Encoder(Protocol):
-    def encode(self, images: list) -> ImageEmbeddings:
-        """PIL images -> their embeddings."""
+    def encode(self, items: list[tuple[str, object]]) -> MediaEmbeddings:
+        """Decoded items ``(kind, item)`` -> their embeddings, in the same order."""
         ...
 
 
 class Prefiller(Protocol):
     def prefill(
-        self, prompt_ids: list[int], images: ImageEmbeddings | None, params: SamplingParams, seed: int
+        self, prompt_ids: list[int], media: MediaEmbeddings | None, params: SamplingParams, seed: int
     ) -> PrefillResult:
-        """Prompt token ids (placeholders expanded) + image embeddings -> KV cache + first token."""
+        """Prompt token ids (placeholders expanded) + media embeddings -> KV cache + first token."""
         ...
 
 
@@ -99,22 +119,23 @@ class StageEngine(Protocol):
 
     calls_at_once: int
 
-    async def encode(self, images: list) -> Encoded:
-        """A request's images (:class:`~trident.media.ImageItem`) -> ``embedding_meta`` (the embeddings stay
+    async def encode(self, media: list) -> Encoded:
+        """A request's media (:class:`~trident.media.MediaItem`) -> ``embedding_meta`` (the embeddings stay
         with this worker until read)."""
         ...
 
     async def prefill(
-        self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
+        self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
-        """A prompt with raw ``images`` or the embeddings of ``embedding_meta`` -> ``kv_meta``."""
+        """A prompt with raw ``media`` (undecoded :class:`~trident.media.MediaItem`) or the embeddings of
+        ``embedding_meta`` -> ``kv_meta``."""
         ...
 
     async def generate(
-        self, text: str | None, params: SamplingParams, *, images: list = (),
+        self, text: str | None, params: SamplingParams, *, media: list = (),
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
-        """Start generating from raw ``images``, from ``embedding_meta`` or from a prefill's ``kv_meta``."""
+        """Start generating from raw ``media``, from ``embedding_meta`` or from a prefill's ``kv_meta``."""
         ...
 
     def discard(self, record: bytes) -> None:

@@ -17,23 +17,26 @@ from ..errors import TridentError
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
 from ..transfer import TransferEndpoint, TransferSender
-from .base import DecodeRequest, ImageEmbeddings, PrefillResult
+from .base import DecodeRequest, MediaEmbeddings, PrefillResult
 from .embedding_cache import CachedEmbedding, EmbeddingCache
 
 log = logging.getLogger(__name__)
 
 
-def prepare_prompt(processor: Processor, text: str, image_token_counts: list[int]) -> list[int]:
-    """Prompt ids with each image placeholder expanded; checks placeholders and the context window."""
+def prepare_prompt(
+    processor: Processor, text: str, token_counts: list[int], kinds: list[str] | None = None
+) -> list[int]:
+    """Prompt ids with each media placeholder expanded; checks placeholders and the context window."""
     with timings.step("tokenize"):
-        prompt = processor.prompt_ids(text, image_token_counts)
+        prompt = processor.prompt_ids(text, token_counts, kinds)
     processor.check_length(len(prompt))
     return prompt
 
 
 # -- embeddings -------------------------------------------------------------------------------------
 def publish_cached_embeddings(
-    sender: TransferSender, cache: EmbeddingCache, entries: list[CachedEmbedding], image_ids: list[str]
+    sender: TransferSender, cache: EmbeddingCache, entries: list[CachedEmbedding], item_ids: list[str],
+    kinds: list[str] | None = None,
 ) -> EmbeddingsRecord:
     """A record over cached entries (one reference held per entry, given up when the lease ends): the
     consumer READs the regions back to back as one ``(sum(rows), hidden)`` tensor."""
@@ -50,13 +53,14 @@ def publish_cached_embeddings(
         transfer=sender.lease([e.region for e in entries], [spec], release),
         token_counts=[e.shape[0] for e in entries],
         grid_thw=[list(e.grid) for e in entries] if first.grid is not None else None,
-        image_ids=list(image_ids),
+        image_ids=list(item_ids),
+        kinds=kinds if kinds and set(kinds) != {"image"} else None,
     )
 
 
 def receive_embeddings(
     endpoint: TransferEndpoint, processor: Processor, text: str, data: bytes | EmbeddingsRecord
-) -> tuple[list[int], ImageEmbeddings, EmbeddingsRecord, Callable[[], None]]:
+) -> tuple[list[int], MediaEmbeddings, EmbeddingsRecord, Callable[[], None]]:
     """Check the prompt against an ``embedding_meta``, then READ the embeddings.
 
     Returns the prompt ids, the embeddings (views into the receive pool), the record and the function that
@@ -66,13 +70,13 @@ def receive_embeddings(
     with timings.step("record_decode"):
         record = data if isinstance(data, EmbeddingsRecord) else decode_record(data, EmbeddingsRecord)
     try:
-        prompt = prepare_prompt(processor, text, record.token_counts)
+        prompt = prepare_prompt(processor, text, record.token_counts, record.kinds)
     except Exception:
         endpoint.discard(record.transfer)
         raise
     with timings.step("nixl_read"):
         received = endpoint.fetch(record.transfer)
-    emb = ImageEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw)
+    emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds)
     return prompt, emb, record, received.release
 
 

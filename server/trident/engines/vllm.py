@@ -31,10 +31,10 @@ from typing import Any
 import msgspec
 import torch
 
-from .. import signing
+from .. import signing, timings
 from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
-from ..media import image_digest
+from ..media.image import image_digest
 from ..output import DecodeEvent, Generation
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
@@ -200,16 +200,19 @@ class VLLMStageEngine:
         finally:
             release()
 
-    async def _inputs(self, text: str, images: list, embedding_meta: bytes | None):
+    async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
         """vLLM's prompt and what the decode side needs: (prompt, expanded length, counts, grids, image ids)."""
-        if images:
-            self.processor.check_placeholders(text, len(images))
+        if media:
+            _images_only({item.kind for item in media})
+            self.processor.check_placeholders(text, len(media))
+            images = await asyncio.to_thread(_open_all, media)
             counts, grids = await asyncio.to_thread(self.processor.image_layout, images)
             image_ids = [image_digest(im) for im in images]
             prompt, length = self._prompt(text, counts, {"image": list(images)}, image_ids)
             return prompt, length, counts, grids, image_ids
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
+            _images_only(set(record.kinds or ()))
             loop = asyncio.get_running_loop()
             emb, counts, grids = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
             image_ids = list(record.image_ids) or [uuid.uuid4().hex for _ in counts]
@@ -236,13 +239,13 @@ class VLLMStageEngine:
         return prompt, length
 
     # -- stage operations --------------------------------------------------------------------------------
-    async def encode(self, images: list) -> bytes:
+    async def encode(self, media: list) -> bytes:
         raise InvalidRequest(f"the {self.stage} stage does not encode")
 
     async def prefill(
-        self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
+        self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
-        prompt, length, counts, grids, image_ids = await self._inputs(text, list(images), embedding_meta)
+        prompt, length, counts, grids, image_ids = await self._inputs(text, list(media), embedding_meta)
         sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True,
                              extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         final = None
@@ -257,18 +260,19 @@ class VLLMStageEngine:
         ).encode()
 
     async def generate(
-        self, text: str | None, params: SamplingParams, *, images: list = (),
+        self, text: str | None, params: SamplingParams, *, media: list = (),
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
         if kv_meta is not None:
             record = decode_record(kv_meta, VLLMKVRecord)
+            _images_only(set(record.kinds or ()))
             prompt, length = self._decode_inputs(text, record)
             # vLLM frees the prefill's blocks once read: a second read would find other requests' KV there
             self._used_kv.claim(bytes(kv_meta[-signing.MAC_BYTES:]), time.time() + KV_RECORD_LIFE_S,
                                 "this kv_meta")
             sampling = _sampling(params, extra_args={"kv_transfer_params": record.kv_transfer_params})
         else:
-            prompt, length, *_ = await self._inputs(text, list(images), embedding_meta)
+            prompt, length, *_ = await self._inputs(text, list(media), embedding_meta)
             sampling = _sampling(params)
         return Generation(length, self._events(prompt, sampling))
 
@@ -311,3 +315,15 @@ class VLLMStageEngine:
         if self.endpoint is not None:
             self.endpoint.close()
         self._io.shutdown(wait=False, cancel_futures=True)
+
+
+def _images_only(kinds: set[str]) -> None:
+    """The vllm engine takes images; video and audio are served by the hf engine for now."""
+    other = sorted(kinds - {"image"})
+    if other:
+        raise InvalidRequest(f"the vllm engine does not take {' or '.join(other)} yet; serve with --backend hf")
+
+
+def _open_all(media: list) -> list:
+    with timings.step("image_decode"):
+        return [item.open() for item in media]

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP server: chat completions with images, completions, models, health, metrics.
+"""The OpenAI-compatible HTTP server: chat completions with images, video and audio, completions, models, health, metrics.
 
-Routes are thin: :class:`OpenAIServer` turns a request into an entry-model call (mode, prompt, images,
+Routes are thin: :class:`OpenAIServer` turns a request into an entry-model call (mode, prompt, media,
 sampling) on an :class:`~trident.frontend.engine.Engine`, and :mod:`.responses` shapes what goes back.
 Errors are :mod:`trident.errors` classes; each answers with its own HTTP status (400 bad input, 404
 unknown model or mode, 503 unavailable or overloaded with ``Retry-After``, 504 transfer timeout or expired
@@ -22,7 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from .. import timings
 from ..config import FrontendSettings
 from ..errors import InvalidRequest, NotFound, TridentError
-from ..media import check_image_count, image_url_to_base64
+from ..media import MODALITIES, check_count
+from ..media.audio import input_audio_to_base64
+from ..media.urls import media_url_to_base64
 from ..protocol import MODES
 from .body_limit import BodyLimit
 from .engine import Chunk, Engine
@@ -31,6 +33,10 @@ from .schemas import ChatCompletionRequest, CompletionRequest, Message
 
 log = logging.getLogger("trident.frontend")
 KEEP_ALIVE_S = 65
+
+
+_PART_KIND = {"image_url": "image", "video_url": "video", "input_audio": "audio", "audio_url": "audio"}
+"""The media kind of each content-part type."""
 
 
 class Metrics:
@@ -71,12 +77,13 @@ class OpenAIServer:
             raise NotFound(f"model {model!r} does not exist; served: {self.name} (add :{'|:'.join(MODES)} to pick a mode)")
         return mode or self.settings.default_mode
 
-    async def chat_prompt(self, messages: list[Message]) -> tuple[str, list[str]]:
-        """The chat template's prompt (one placeholder per image) and the images as base64."""
-        images: list[str] = []
+    async def chat_prompt(self, messages: list[Message]) -> tuple[str, dict[str, list[str]]]:
+        """The chat template's prompt (one placeholder per media item) and the media as base64, by kind."""
+        media: dict[str, list[str]] = {kind: [] for kind in MODALITIES}
         converted = []
         parts = [p for m in messages if isinstance(m.content, list) for p in m.content]
-        check_image_count(sum(p.type == "image_url" for p in parts))
+        for kind in MODALITIES:
+            check_count(kind, sum(_PART_KIND.get(p.type) == kind for p in parts))
         for m in messages:
             if not isinstance(m.content, list):
                 converted.append({"role": m.role, "content": m.content or ""})
@@ -86,21 +93,32 @@ class OpenAIServer:
                 if part.type == "text":
                     parts.append({"type": "text", "text": part.text or ""})
                     continue
-                if part.image_url is None:
-                    raise InvalidRequest("an image_url part needs image_url.url")
-                images.append(await image_url_to_base64(part.image_url.url, self.settings.media, len(images)))
-                parts.append({"type": "image"})
+                kind = _PART_KIND[part.type]
+                media[kind].append(await self._media_part(part, kind, len(media[kind])))
+                parts.append({"type": kind})
             converted.append({"role": m.role, "content": parts})
-        return self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True), images
+        prompt = self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
+        return prompt, {kind: items for kind, items in media.items() if items}
 
-    async def _chunks(self, mode: str, endpoint: str, prompt: str, images: list[str], sampling: dict) -> AsyncIterator[Chunk]:
+    async def _media_part(self, part, kind: str, index: int) -> str:
+        """One media part's bytes as base64 (fetched or read where it is a URL or a path)."""
+        if part.type == "input_audio":
+            if part.input_audio is None:
+                raise InvalidRequest("an input_audio part needs input_audio.data and input_audio.format")
+            return input_audio_to_base64(part.input_audio.data, part.input_audio.format, index)
+        url = getattr(part, part.type)
+        if url is None:
+            raise InvalidRequest(f"a {part.type} part needs {part.type}.url")
+        return await media_url_to_base64(url.url, self.settings.media, index, kind)
+
+    async def _chunks(self, mode: str, endpoint: str, prompt: str, media: dict[str, list[str]], sampling: dict) -> AsyncIterator[Chunk]:
         """Generation chunks, timed and counted."""
         m = self.metrics
         m.requests.labels(mode, endpoint).inc()
         start = last = time.perf_counter()
         first, t0 = True, time.monotonic_ns()
         try:
-            async for chunk in self.engine.generate(mode, prompt, images, sampling, uuid.uuid4().hex):
+            async for chunk in self.engine.generate(mode, prompt, media, sampling, uuid.uuid4().hex):
                 now = time.perf_counter()
                 if first:
                     timings.mark("engine_first_chunk", t0)
@@ -114,9 +132,9 @@ class OpenAIServer:
             m.errors.labels(mode, endpoint, str(e.http_status)).inc()
             raise
 
-    async def respond(self, req, endpoint: str, prompt: str, images: list[str], mode: str):
+    async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str):
         _check_text(prompt)
-        chunks = self._chunks(mode, endpoint, prompt, images, req.sampling(self.settings.default_max_tokens))
+        chunks = self._chunks(mode, endpoint, prompt, media, req.sampling(self.settings.default_max_tokens))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage)
         if not req.stream:
@@ -186,12 +204,12 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
         timings.mark("handler", time.monotonic_ns())
         mode = server.resolve(req)
         with timings.step("chat_prompt"):
-            prompt, images = await server.chat_prompt(req.messages)
-        return await server.respond(req, "chat", prompt, images, mode)
+            prompt, media = await server.chat_prompt(req.messages)
+        return await server.respond(req, "chat", prompt, media, mode)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        return await server.respond(req, "completions", req.prompt, [], server.resolve(req))
+        return await server.respond(req, "completions", req.prompt, {}, server.resolve(req))
 
     @app.get("/v1/models")
     async def models():

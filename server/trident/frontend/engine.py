@@ -24,9 +24,10 @@ class Chunk:
 
 class Engine(Protocol):
     async def generate(
-        self, mode: str, prompt: str, images: list[str], sampling: dict, request_id: str
+        self, mode: str, prompt: str, media: dict[str, list[str]], sampling: dict, request_id: str
     ) -> AsyncIterator[Chunk]:
-        """Stream a generation from entry model ``mode``; images are base64 strings. Raises a
+        """Stream a generation from entry model ``mode``; ``media`` holds base64 strings by kind (``image``,
+        ``video``, ``audio``). Raises a
         :class:`~trident.errors.TridentError` (its class says the status)."""
         ...
 
@@ -60,7 +61,7 @@ class TritonEngine:
             self._client = self._grpc.InferenceServerClient(self.url)
         return self._client
 
-    def _inputs(self, prompt: str, images: list[str], sampling: dict) -> list:
+    def _inputs(self, prompt: str, media: dict[str, list[str]], sampling: dict) -> list:
         g = self._grpc
         spec = [
             ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
@@ -71,8 +72,9 @@ class TritonEngine:
             ("return_num_input_tokens", np.array([True]), "BOOL"),
             ("return_num_output_tokens", np.array([True]), "BOOL"),
         ]
-        if images:
-            spec.append(("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+        for kind, items in media.items():
+            if items:
+                spec.append((kind, np.array([i.encode() for i in items], dtype=np.object_), "BYTES"))
         out = []
         for name, arr, dtype in spec:
             t = g.InferInput(name, list(arr.shape), dtype)
@@ -80,8 +82,8 @@ class TritonEngine:
             out.append(t)
         return out
 
-    async def generate(self, mode, prompt, images, sampling, request_id):
-        request = {"model_name": mode, "inputs": self._inputs(prompt, images, sampling), "request_id": request_id}
+    async def generate(self, mode, prompt, media, sampling, request_id):
+        request = {"model_name": mode, "inputs": self._inputs(prompt, media, sampling), "request_id": request_id}
 
         async def requests():
             yield request

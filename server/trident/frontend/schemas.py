@@ -12,12 +12,29 @@ class ImageURL(BaseModel):
     detail: str | None = None
 
 
+class MediaURL(BaseModel):
+    url: str
+
+
+class InputAudio(BaseModel):
+    """OpenAI's own audio part: base64 bytes and their format."""
+
+    data: str
+    format: str
+
+
 class ContentPart(BaseModel):
+    """A message part: text, ``image_url``, ``video_url`` (vLLM's extension), ``input_audio`` (OpenAI's) or
+    ``audio_url`` (vLLM's)."""
+
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url", "input_audio", "audio_url"]
     text: str | None = None
     image_url: ImageURL | None = None
+    video_url: MediaURL | None = None
+    audio_url: MediaURL | None = None
+    input_audio: InputAudio | None = None
 
 
 class Message(BaseModel):

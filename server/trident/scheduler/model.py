@@ -31,7 +31,7 @@ import numpy as np
 from .. import timings
 from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
-from ..media import check_image_count, content_id, decode_base64
+from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
     CANCEL, ENCODE_REPORT, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
     instance_name, parse_instance,
@@ -174,12 +174,12 @@ class TritonPythonModel:
         with timings.step("inputs"):
             inputs = self._inputs(request)
             text = _text(inputs.get("text_input"))
-            image_ids = _image_ids(inputs.get("image"))
+            image_ids, kinds = _media_ids(inputs)
         retries = 3
         while True:
             p = self._plan(len(image_ids))
             try:
-                await self._follow(p, request, sender, inputs, text, image_ids)
+                await self._follow(p, request, sender, inputs, text, image_ids, kinds)
                 return
             except StageGone as gone:
                 retries -= 1
@@ -188,7 +188,9 @@ class TritonPythonModel:
                     raise Unavailable(f"stage instance {gone} went away while serving the request") from None
                 self._refresh(force=True)
 
-    async def _follow(self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str]) -> None:
+    async def _follow(
+        self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str], kinds: list[str]
+    ) -> None:
         records: dict[str, bytes] = {}
         stages = list(p.stages)
         embeddings = RECORD_TENSOR["embeddings"]
@@ -198,7 +200,7 @@ class TritonPythonModel:
             stages.pop(0)
         if needs_prompt_length(p, self.cfg.local_prefill_tokens):
             token_counts = decode_record(records[embeddings], EmbeddingsRecord).token_counts if embeddings in records else []
-            length = self._prompt_length(text, token_counts, len(image_ids))
+            length = self._prompt_length(text, token_counts, kinds)
             if length is not None:
                 p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(image_ids))
                 stages = [s for s in p.stages if s != "encode"]
@@ -215,13 +217,13 @@ class TritonPythonModel:
             return self._cancelled(sender)
         await self._stream(stages[-1], keys, request, sender, inputs, records, p)
 
-    def _prompt_length(self, text: str, token_counts: list[int], num_images: int) -> int | None:
-        """The prompt's token count with images expanded; None when it cannot be told here (the stage that
+    def _prompt_length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
+        """The prompt's token count with media expanded; None when it cannot be told here (the stage that
         prefills will name the problem)."""
-        if self._processor is None or (num_images and not token_counts):
+        if self._processor is None or (kinds and not token_counts):
             return None
         try:
-            return len(self._processor.prompt_ids(text, token_counts))
+            return len(self._processor.prompt_ids(text, token_counts, kinds))
         except Exception:
             return None
 
@@ -418,10 +420,17 @@ def _text(tensor) -> str:
     return text
 
 
-def _image_ids(tensor) -> list[str]:
-    """Content ids of the request's images (base64 checked here; the images are decoded where encoded)."""
-    if tensor is None:
-        return []
-    values = tensor.as_numpy().reshape(-1)
-    check_image_count(len(values))
-    return [content_id(decode_base64(v, i)) for i, v in enumerate(values)]
+def _media_ids(inputs: dict) -> tuple[list[str], list[str]]:
+    """Content ids and kinds of the request's media, images then video then audio (base64 checked here; the
+    items are decoded where they are encoded)."""
+    ids: list[str] = []
+    kinds: list[str] = []
+    for kind in MODALITIES:
+        tensor = inputs.get(kind)
+        if tensor is None:
+            continue
+        values = tensor.as_numpy().reshape(-1)
+        check_count(kind, len(values))
+        ids += [content_id(decode_base64(v, i, kind), kind) for i, v in enumerate(values)]
+        kinds += [kind] * len(values)
+    return ids, kinds

@@ -2,7 +2,8 @@
 
 What a stage does follows from what it hands on (:attr:`~trident.protocol.StageSpec.hands_on`):
 ``embeddings`` -> :meth:`encode`, ``kv`` -> :meth:`prefill`, ``tokens`` -> :meth:`generate` (streamed);
-its inputs say which of ``text_input``, ``image``, ``embedding_meta`` and ``kv_meta`` it reads. The decode
+its inputs say which of ``text_input``, the media (``image``, ``video``, ``audio``), ``embedding_meta`` and
+``kv_meta`` it reads. The decode
 stage takes ``kv_meta``, or a short prompt with its ``embedding_meta`` that it prefills itself.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from .. import timings
 from ..errors import ERRORS, InvalidRequest, Unavailable
-from ..media import ImageItem, check_image_count
+from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, StageSpec
@@ -110,23 +111,18 @@ def record_input(request, name: str) -> bytes | None:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-def image_items(request) -> list[ImageItem]:
-    """The request's images as bytes with their content ids (not yet decoded as images)."""
-    value = _value(request, "image")
-    if value is None:
-        return []
-    values = np.asarray(value).reshape(-1)
-    check_image_count(len(values))
-    return [ImageItem.from_base64(v, i) for i, v in enumerate(values)]
-
-
-async def open_images(items: list[ImageItem]) -> list:
-    """Decoded images, off the event loop (a large PNG takes a while)."""
-    def decode() -> list:
-        with timings.step("image_decode"):
-            return [item.open() for item in items]
-
-    return await asyncio.to_thread(decode)
+def media_items(request) -> list[MediaItem]:
+    """The request's images, video clips and audio clips (in that order) as bytes with their content ids;
+    not yet decoded (the engine decodes what it needs, off the event loop)."""
+    items: list[MediaItem] = []
+    for kind in MODALITIES:
+        value = _value(request, kind)
+        if value is None:
+            continue
+        values = np.asarray(value).reshape(-1)
+        check_count(kind, len(values))
+        items += [MediaItem.from_base64(v, i, kind) for i, v in enumerate(values)]
+    return items
 
 
 def output_options(request) -> OutputOptions:
@@ -236,9 +232,7 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
                 _inject_fault(spec, text)
                 await _stall(spec, text)
             if "image" in names:
-                items = image_items(request)
-                # the encode stage decodes only what its cache lacks
-                kwargs["images"] = items if spec.hands_on == "embeddings" else await open_images(items)
+                kwargs["media"] = media_items(request)
         except Exception:
             for record in records.values():  # refused before the engine saw it: the producer may free it now
                 engine.discard(record)
@@ -251,7 +245,7 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
         async def encode(request):
             t0 = time.monotonic_ns()
             _, _, kwargs = await read(request)
-            items = kwargs["images"]
+            items = kwargs["media"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
             encoded = await engine.encode(items) if items else None
             outputs = record_output(spec, encoded.record if encoded else None)

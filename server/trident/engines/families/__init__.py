@@ -1,42 +1,92 @@
-"""Model families: what differs between LLaVA, Qwen2-VL and whatever comes next, one adapter file each.
+"""Model families: what differs between LLaVA, Qwen2-VL, Qwen2-Audio and whatever comes next, one adapter
+file each.
 
-An adapter (a :class:`Family`) holds the prompt placeholder, the vision-tower call, the multimodal inputs
-of a transformers prefill and of a vLLM engine. Adding a family is one new module here that defines
-``FAMILY`` (plus its demo builder in :mod:`trident.dev.demo`); nothing else chooses by family.
+An adapter (a :class:`Family`) holds, per modality it takes (image, video, audio), the prompt placeholder
+and its token, the preprocessing, the encoder call and the layout (embedding count per item), plus the
+multimodal inputs of a transformers prefill and of a vLLM engine. Adding a family is one new module here
+that defines ``FAMILY`` (plus its demo builder in :mod:`trident.dev.demo`); nothing else chooses by family.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Placeholder:
+    """How a prompt marks one item of a modality: ``text`` once per item (the chat template's), holding
+    ``token``, which the prompt expands to the item's embedding count."""
+
+    text: str
+    token: str
+
+
 class Family:
-    """The adapter interface; see :mod:`.llava` for a complete one."""
+    """The adapter interface; see :mod:`.llava` for a complete image-only one, :mod:`.qwen2vl` for video and
+    :mod:`.qwen2audio` for audio."""
 
     name: str  # short id ("llava")
     model_type: str  # transformers config ``model_type`` it serves
-    placeholder: str  # what a prompt carries once per image
-    image_token: str  # the token the placeholder's image part expands into
     model_class: str  # transformers class name of the checkpoint
+    placeholders: dict[str, Placeholder]  # by modality: the modalities the family takes
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(self.placeholders)
+
+    @property
+    def placeholder(self) -> str:
+        """The image placeholder (image families)."""
+        return self.placeholders["image"].text
+
+    @property
+    def image_token(self) -> str:
+        return self.placeholders["image"].token
 
     def load_model(self, path, dtype):
         import transformers
 
         return getattr(transformers, self.model_class).from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
 
+    # -- media -> model inputs -> embeddings ------------------------------------------------------------
+    def media_inputs(self, processor, kind: str, items: list) -> dict:
+        """Model inputs of decoded items of one kind (PIL images by default)."""
+        out = processor.image_processor(images=items, return_tensors="pt")
+        return {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
+
+    def encode(self, model, kind: str, inputs: dict) -> tuple[list, list[list[int]] | None]:
+        """Run the encoder + projector over one kind's inputs: per-item embeddings and grids (if any)."""
+        if kind != "image":
+            raise NotImplementedError(kind)
+        return self.encode_images(model, inputs)
+
     def encode_images(self, model, pixel_inputs: dict) -> tuple[list, list[list[int]] | None]:
-        """Run the vision tower + projector: per-image embeddings and the image grids (if the family has them)."""
         raise NotImplementedError
+
+    def layout(self, processor, kind: str, items: list) -> tuple[list[int], list[list[int]] | None]:
+        """Embedding count of each decoded item and the grids, without running the encoder."""
+        if kind != "image":
+            raise NotImplementedError(kind)
+        return self.image_layout(processor.config, processor.image_processor, items)
 
     def image_layout(self, config, image_processor, images: list) -> tuple[list[int], list[list[int]] | None]:
-        """Embedding count of each image and the grids, without running the vision tower."""
         raise NotImplementedError
 
-    def prefill_inputs(self, input_ids, image_token_id: int, grid_thw) -> dict[str, Any]:
-        """Extra inputs of a transformers forward pass over a prompt with images (beyond the embeddings)."""
-        return {}
+    # -- prefill ---------------------------------------------------------------------------------------
+    def prefill_inputs(self, model, input_ids, media, token_ids: dict[str, int]) -> dict[str, Any]:
+        """Inputs of a transformers forward pass over a prompt with ``media`` (a
+        :class:`~trident.engines.base.MediaEmbeddings`), beyond ``input_ids`` and ``attention_mask``:
+        by default the embeddings as ``mm_encoder_outputs`` (the encoders are not run again)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return {
+            "mm_encoder_outputs": {
+                kind: BaseModelOutputWithPooling(pooler_output=rows) for kind, (rows, _) in media.by_kind().items()
+            }
+        }
 
     def reset(self, model) -> None:
         """Clear per-request state a transformers model keeps between forward passes."""

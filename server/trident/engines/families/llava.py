@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from . import Family
+from . import Family, Placeholder
 
 
 class LLaVA(Family):
     name = "llava"
     model_type = "llava"
-    placeholder = "<image>"
-    image_token = "<image>"
     model_class = "LlavaForConditionalGeneration"
+    placeholders = {"image": Placeholder("<image>", "<image>")}
 
     def encode_images(self, model, pixel_inputs):
         cfg = model.config

@@ -1,34 +1,63 @@
-"""Qwen2-VL: a dynamic-resolution vision tower (tokens per image depend on its size) and 3-D M-RoPE
-positions, which the decode side continues through the rope delta."""
+"""Qwen2-VL: a dynamic-resolution vision tower for images and video (tokens per item depend on its size and,
+for video, its frame count) and 3-D M-RoPE positions, which the decode side continues through the rope
+delta."""
 
 from __future__ import annotations
 
-from . import Family
+import json
+from pathlib import Path
+
+import numpy as np
+
+from . import Family, Placeholder
+
+_TOKEN_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids: text 0, image 1, video 2
 
 
 class Qwen2VL(Family):
     name = "qwen2vl"
     model_type = "qwen2_vl"
-    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    image_token = "<|image_pad|>"
     model_class = "Qwen2VLForConditionalGeneration"
+    placeholders = {
+        "image": Placeholder("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
+        "video": Placeholder("<|vision_start|><|video_pad|><|vision_end|>", "<|video_pad|>"),
+    }
 
-    def encode_images(self, model, pixel_inputs):
-        out = model.model.get_image_features(pixel_inputs["pixel_values"], pixel_inputs["image_grid_thw"], return_dict=True)
-        return list(out.pooler_output), pixel_inputs["image_grid_thw"].tolist()
-
-    def image_layout(self, config, image_processor, images):
-        grids = image_processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()
-        merge = image_processor.merge_size
-        return [t * h * w // (merge * merge) for t, h, w in grids], grids
-
-    def prefill_inputs(self, input_ids, image_token_id, grid_thw):
+    # -- media ------------------------------------------------------------------------------------------
+    def media_inputs(self, processor, kind, items):
+        if kind == "image":
+            return super().media_inputs(processor, kind, items)
+        pixels, grids = zip(*(video_patches(processor, video.frames) for video in items))
         import torch
 
-        return {
-            "image_grid_thw": torch.tensor(grid_thw, dtype=torch.long),
-            "mm_token_type_ids": (input_ids == image_token_id).int(),
-        }
+        return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)), "video_grid_thw": torch.tensor(grids)}
+
+    def encode(self, model, kind, inputs):
+        if kind == "image":
+            out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+            return list(out.pooler_output), inputs["image_grid_thw"].tolist()
+        out = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
+        return list(out.pooler_output), inputs["video_grid_thw"].tolist()
+
+    def layout(self, processor, kind, items):
+        if kind == "image":
+            grids = processor.image_processor(images=items, return_tensors="pt")["image_grid_thw"].tolist()
+        else:
+            grids = [video_grid(processor, video.frames) for video in items]
+        merge = processor.image_processor.merge_size
+        return [t * h * w // (merge * merge) for t, h, w in grids], grids
+
+    # -- prefill -----------------------------------------------------------------------------------------
+    def prefill_inputs(self, model, input_ids, media, token_ids):
+        import torch
+
+        kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
+        types = torch.zeros_like(input_ids, dtype=torch.int)
+        for kind, (_, grids) in media.by_kind().items():
+            kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+            types[input_ids == token_ids[kind]] = _TOKEN_TYPE[kind]
+        kwargs["mm_token_type_ids"] = types
+        return kwargs
 
     def reset(self, model):
         model.model.rope_deltas = None  # stateful in transformers: start each prompt fresh
@@ -41,6 +70,63 @@ class Qwen2VL(Family):
         import torch
 
         return {"image": {"image_embeds": embeddings, "image_grid_thw": torch.tensor(grid_thw)}}
+
+
+# -- video preprocessing without torchvision ---------------------------------------------------------------
+# transformers' Qwen2-VL video processor needs torchvision, which has no CPU build on PyPI. A clip is
+# preprocessed here with the (PIL) image processor instead: every frame resized to the clip's size,
+# rescaled and normalized as an image, then consecutive frames paired into temporal patches, in the video
+# processor's layout ((t, h/m, w/m, m, m) patches of (channel, time, patch, patch)).
+def video_size(processor) -> tuple[int, int]:
+    """(min, max) pixels per frame: the checkpoint's video processor settings, else its image processor's."""
+    cached = getattr(processor, "_video_size", None)
+    if cached is None:
+        ip = processor.image_processor
+        lo, hi = ip.size["shortest_edge"], ip.size["longest_edge"]
+        path = Path(processor.path) / "video_preprocessor_config.json"
+        if path.is_file():
+            cfg = json.loads(path.read_text())
+            size = cfg.get("size") or {}
+            lo = cfg.get("min_pixels") or size.get("shortest_edge") or lo
+            hi = cfg.get("max_pixels") or size.get("longest_edge") or hi
+        cached = processor._video_size = (int(lo), int(hi))
+    return cached
+
+
+def _frame_size(processor, height: int, width: int) -> tuple[int, int]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    ip = processor.image_processor
+    lo, hi = video_size(processor)
+    return smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=lo, max_pixels=hi)
+
+
+def video_grid(processor, frames: list) -> list[int]:
+    ip = processor.image_processor
+    height, width = _frame_size(processor, *frames[0].shape[:2])
+    t = -(-len(frames) // ip.temporal_patch_size)
+    return [t, height // ip.patch_size, width // ip.patch_size]
+
+
+def video_patches(processor, frames: list) -> tuple[np.ndarray, list[int]]:
+    """A clip's ``pixel_values_videos`` rows and its (t, h, w) grid."""
+    ip = processor.image_processor
+    height, width = _frame_size(processor, *frames[0].shape[:2])
+    from PIL import Image
+
+    resized = [np.asarray(Image.fromarray(f).resize((width, height), resample=ip.resample)) for f in frames]
+    out = ip(images=resized, do_resize=False, temporal_patch_size=1, return_tensors="np")
+    rows, grid = out["pixel_values"], out["image_grid_thw"]
+    tp, (_, gh, gw) = ip.temporal_patch_size, grid[0]
+    count = len(frames)
+    per_frame = rows.reshape(count, gh * gw, -1)
+    if pad := -count % tp:  # the last frame repeated up to a whole temporal patch (as the video processor does)
+        per_frame = np.concatenate([per_frame, np.repeat(per_frame[-1:], pad, axis=0)])
+    t = per_frame.shape[0] // tp
+    patch = ip.patch_size
+    # (t*tp, n, C*p*p) -> (t, tp, n, C, p, p) -> (t, n, C, tp, p, p) -> (t*n, C*tp*p*p)
+    x = per_frame.reshape(t, tp, gh * gw, -1, patch, patch).transpose(0, 2, 3, 1, 4, 5)
+    return np.ascontiguousarray(x.reshape(t * gh * gw, -1)), [t, int(gh), int(gw)]
 
 
 FAMILY = Qwen2VL()

@@ -16,7 +16,7 @@ from ... import timings
 from ...errors import InvalidRequest, MalformedRecord
 from ...processor import Processor, SamplingParams
 from ...protocol import HFKVRecord, TensorSpec
-from ..base import ImageEmbeddings, PrefillResult
+from ..base import MediaEmbeddings, PrefillResult
 from .sampling import sample
 
 
@@ -60,49 +60,59 @@ class HFModel:
 
 
 class HFEncoder:
-    """Images -> projected embeddings, all images of a request in one vision-tower batch."""
+    """Decoded media -> projected embeddings: each kind's items of a request in one encoder batch."""
 
     def __init__(self, model: HFModel) -> None:
         self.m = model
 
     @torch.inference_mode()
-    def encode(self, images: list) -> ImageEmbeddings:
-        if not images:
-            raise InvalidRequest("encode needs at least one image")
-        with timings.step("image_preprocess"):
-            pixels = self.m.processor.pixel_inputs(images)
-        with timings.step("vision_tower"):
-            features, grid = self.m.family.encode_images(self.m.model, pixels)
-        return ImageEmbeddings(torch.cat(features), [f.shape[0] for f in features], grid)
+    def encode(self, items: list) -> MediaEmbeddings:
+        """``(kind, decoded item)`` pairs (a bare PIL image is an image) -> their embeddings, in order."""
+        items = [item if isinstance(item, tuple) else ("image", item) for item in items]
+        if not items:
+            raise InvalidRequest("encode needs at least one image, video or audio clip")
+        rows: list = [None] * len(items)
+        grids: list = [None] * len(items)
+        for kind in dict.fromkeys(kind for kind, _ in items):
+            where = [i for i, (k, _) in enumerate(items) if k == kind]
+            with timings.step(f"{kind}_preprocess"):
+                inputs = self.m.processor.media_inputs(kind, [items[i][1] for i in where])
+            with timings.step("vision_tower" if kind == "image" else f"{kind}_encoder"):
+                features, grid = self.m.family.encode(self.m.model, kind, inputs)
+            for j, i in enumerate(where):
+                rows[i], grids[i] = features[j], (grid[j] if grid is not None else None)
+        has_grids = any(g is not None for g in grids)
+        return MediaEmbeddings(
+            torch.cat(rows), [r.shape[0] for r in rows], [list(g) for g in grids] if has_grids else None,
+            [kind for kind, _ in items],
+        )
 
 
 class HFPrefiller:
-    """Prompt ids + image embeddings -> the prompt's KV cache and the first sampled token."""
+    """Prompt ids + media embeddings -> the prompt's KV cache and the first sampled token."""
 
     def __init__(self, model: HFModel) -> None:
         self.m = model
 
     @torch.inference_mode()
     def prefill(
-        self, prompt_ids: list[int], images: ImageEmbeddings | None, params: SamplingParams, seed: int
+        self, prompt_ids: list[int], media: MediaEmbeddings | None, params: SamplingParams, seed: int
     ) -> PrefillResult:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
         self.m.processor.check_length(len(prompt_ids))
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         kwargs: dict = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
-        family = self.m.family
-        if images is not None and images.token_counts:
-            expected = int((ids == self.m.processor.image_token_id).sum())
-            if expected != sum(images.token_counts):
-                raise InvalidRequest(
-                    f"the prompt has {expected} image tokens but the embeddings cover {sum(images.token_counts)}"
-                )
-            features = torch.split(images.embeddings, images.token_counts)
-            kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
-            kwargs.update(family.prefill_inputs(ids, self.m.processor.image_token_id, images.grid_thw))
+        family, token_ids = self.m.family, self.m.processor.token_ids
+        if media is not None and media.token_counts:
+            for kind, (rows, _) in media.by_kind().items():
+                expected = int((ids == token_ids[kind]).sum()) if kind in token_ids else 0
+                if expected != sum(r.shape[0] for r in rows):
+                    raise InvalidRequest(
+                        f"the prompt has {expected} {kind} tokens but the embeddings cover {sum(r.shape[0] for r in rows)}"
+                    )
         with self.m.lock, timings.step("prefill"):
             family.reset(self.m.model)
+            if media is not None and media.token_counts:
+                kwargs.update(family.prefill_inputs(self.m.model, ids, media, token_ids))
             out = self.m.model(**kwargs, logits_to_keep=1)
         rope_delta = family.rope_delta(out)
         cache = out.past_key_values

@@ -3,8 +3,8 @@
 :class:`HFStageEngine` is what a stage worker serves with ``--backend hf`` (and the encode stage with any
 backend). Each stage operation is one function here:
 
-- :meth:`HFStageEngine.encode`: images -> embeddings (through the embedding cache) -> ``embedding_meta``
-- :meth:`HFStageEngine.prefill`: prompt + images or ``embedding_meta`` -> KV cache + first token -> ``kv_meta``
+- :meth:`HFStageEngine.encode`: media -> embeddings (through the embedding cache) -> ``embedding_meta``
+- :meth:`HFStageEngine.prefill`: prompt + media or ``embedding_meta`` -> KV cache + first token -> ``kv_meta``
 - :meth:`HFStageEngine.generate`: ``kv_meta``, or a local prefill (also on the decode stage, for a short
   prompt a scheduler sends it), -> the decoder's token stream
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ... import timings
 from ...config import TransferConfig
-from ...media import ImageItem
+from ...media import MediaItem, counts
 from ...output import Generation
 from ...processor import SamplingParams
 from ...protocol import StageSpec
@@ -65,16 +65,17 @@ class HFStageEngine:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     # -- stage operations ----------------------------------------------------------------------------------
-    async def encode(self, images: list[ImageItem]) -> Encoded:
-        """Each distinct image of the request from the cache, from another request's encode in flight, or
-        from one vision-tower pass over the rest; the record points at the cached regions."""
+    async def encode(self, media: list[MediaItem]) -> Encoded:
+        """Each distinct item of the request from the cache, from another request's encode in flight, or
+        from one encoder pass over the rest; the record points at the cached regions."""
+        self.processor.check_kinds(counts(media))
         cache, loop = self.cache, asyncio.get_running_loop()
-        keys = [cache.key(item.content_id) for item in images]
+        keys = [cache.key(item.content_id) for item in media]
         held: dict[str, CachedEmbedding] = {}
         waits: dict[str, asyncio.Future] = {}
-        mine: dict[str, ImageItem] = {}
+        mine: dict[str, MediaItem] = {}
         report = {"hits": 0, "misses": 0, "shared": 0}
-        for key, item in zip(keys, images):
+        for key, item in zip(keys, media):
             if key in held or key in waits or key in mine:  # the same image again in this request
                 report["shared"] += 1
                 cache.counters.shared += 1
@@ -107,13 +108,15 @@ class HFStageEngine:
             if key in seen:
                 cache.retain(held[key])
             seen.add(key)
-        record = handoff.publish_cached_embeddings(self.endpoint.sender, cache, entries, [i.content_id for i in images])
+        record = handoff.publish_cached_embeddings(
+            self.endpoint.sender, cache, entries, [i.content_id for i in media], [i.kind for i in media]
+        )
         report.update(vision_runs=int(bool(mine)), cache_bytes=cache.bytes, evictions=cache.counters.evictions)
         with timings.step("record_encode"):
             return Encoded(record.encode(), report)
 
-    async def _encode_claimed(self, claimed: dict[str, ImageItem]) -> dict[str, CachedEmbedding]:
-        """Encode the images this request claimed, in one vision-tower pass on the compute thread, and wake
+    async def _encode_claimed(self, claimed: dict[str, MediaItem]) -> dict[str, CachedEmbedding]:
+        """Encode the items this request claimed, in one encoder pass on the compute thread, and wake
         the requests waiting on them whatever happens to this one."""
         cache, keys = self.cache, list(claimed)
         run = asyncio.get_running_loop().run_in_executor(self._compute, self._encode_into_cache, list(claimed.items()))
@@ -135,33 +138,35 @@ class HFStageEngine:
             raise
         return dict(zip(keys, entries))
 
-    def _encode_into_cache(self, claimed: list[tuple[str, ImageItem]]) -> list[CachedEmbedding]:
-        with timings.step("image_decode"):
-            images = [item.open() for _, item in claimed]
-        emb = self.encoder.encode(images)
+    def _encode_into_cache(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
+        with timings.step("media_decode"):
+            decoded = [(item.kind, self.processor.open(item)) for _, item in claimed]
+        emb = self.encoder.encode(decoded)
         self.cache.counters.vision_runs += 1
-        self.cache.counters.images_encoded += len(images)
+        self.cache.counters.images_encoded += len(decoded)
         rows = emb.embeddings.split(emb.token_counts)
         grids = emb.grid_thw or [None] * len(rows)
         with timings.step("publish"):  # the copy into the send pool
             return [self.cache.store(key, r, g) for (key, _), r, g in zip(claimed, rows, grids)]
 
     async def prefill(
-        self, text: str, params: SamplingParams, *, images: list = (), embedding_meta: bytes | None = None
+        self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
-        result = await self._run(self._prefill, text, params, list(images), embedding_meta)
+        result = await self._run(self._prefill, text, params, list(media), embedding_meta)
         with timings.step("publish"):
             record = handoff.publish_kv(self.endpoint, result)
         with timings.step("record_encode"):
             return record.encode()
 
-    def _prefill(self, text: str, params: SamplingParams, images: list, embedding_meta: bytes | None) -> PrefillResult:
-        """Encode the raw ``images`` here, or READ the embeddings of ``embedding_meta``, then prefill."""
+    def _prefill(self, text: str, params: SamplingParams, media: list, embedding_meta: bytes | None) -> PrefillResult:
+        """Encode the raw ``media`` here, or READ the embeddings of ``embedding_meta``, then prefill."""
         seed = new_seed(params)
-        if images:
-            self.processor.check_placeholders(text, len(images))  # before spending time on the vision tower
-            emb = self.encoder.encode(images)
-            prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts)
+        if media:
+            self.processor.check_placeholders(text, counts(media))  # before spending time on the encoders
+            with timings.step("media_decode"):
+                decoded = [(item.kind, self.processor.open(item)) for item in media]
+            emb = self.encoder.encode(decoded)
+            prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds)
             return self.prefiller.prefill(prompt, emb, params, seed)
         if embedding_meta is None:
             return self.prefiller.prefill(handoff.prepare_prompt(self.processor, text, []), None, params, seed)
@@ -172,13 +177,13 @@ class HFStageEngine:
             release()
 
     async def generate(
-        self, text: str | None, params: SamplingParams, *, images: list = (),
+        self, text: str | None, params: SamplingParams, *, media: list = (),
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
         if kv_meta is not None:
             request = await self._run(handoff.receive_kv, self.endpoint, kv_meta, params, "", self.model.check_kv)
         else:
-            result = await self._run(self._prefill, text, params, list(images), embedding_meta)
+            result = await self._run(self._prefill, text, params, list(media), embedding_meta)
             request = handoff.continue_locally(result, params)
         stream = self.decoder.submit(request, asyncio.get_running_loop())
 

@@ -1,0 +1,146 @@
+"""The media of a request (images, video clips, audio clips): what clients send, checked and decoded.
+
+The entry interface carries each item as base64 (a ``data:`` URL is accepted too), one element per item of
+its input (``image``, ``video``, ``audio``). A request's items are held as :class:`MediaItem` (bytes and
+content id) and decoded only where they are encoded: images by PIL (:mod:`.image`), video by PyAV and
+sampled to frames (:mod:`.video`), audio by soundfile or PyAV and resampled (:mod:`.audio`). Anything that is
+not a decodable item within :data:`LIMITS` is an :class:`~trident.errors.InvalidRequest` naming the item and
+the limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from ..config import MediaLimits
+from ..errors import InvalidRequest
+
+Modality = Literal["image", "video", "audio"]
+MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
+"""The entry inputs that carry media, in the order a request's items are held (images, videos, audio)."""
+
+LIMITS = MediaLimits.from_env()
+"""This process's media limits (``trident serve --max-images / --video-fps / --audio-max-seconds ...``)."""
+
+_COUNT_FLAG = {"image": "--max-images", "video": "--max-videos", "audio": "--max-audios"}
+_BYTES_FLAG = {"image": "--max-image-mib", "video": "--max-video-mib", "audio": "--max-audio-mib"}
+
+
+def max_count(kind: str) -> int:
+    return {"image": LIMITS.max_images, "video": LIMITS.max_videos, "audio": LIMITS.max_audios}[kind]
+
+
+def max_bytes(kind: str) -> int:
+    return {"image": LIMITS.max_bytes, "video": LIMITS.video_max_bytes, "audio": LIMITS.audio_max_bytes}[kind]
+
+
+def check_count(kind: str, count: int) -> None:
+    """A request may carry at most so many items of a kind (checked before any is decoded)."""
+    if count > max_count(kind):
+        raise InvalidRequest(
+            f"the request carries {count} {plural(kind)}; at most {max_count(kind)} are accepted ({_COUNT_FLAG[kind]})"
+        )
+
+
+def check_image_count(count: int) -> None:
+    check_count("image", count)
+
+
+def plural(kind: str) -> str:
+    return {"image": "images", "video": "videos", "audio": "audio clips"}[kind]
+
+
+def decode_base64(data: bytes | str, index: int = 0, kind: str = "image") -> bytes:
+    """An item's bytes from base64 text or a ``data:...;base64,`` URL (not yet decoded as media)."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("ascii")
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"{kind} {index} is not base64 text") from None
+    data = data.strip()
+    if data.startswith("data:"):
+        header, sep, data = data.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InvalidRequest(f"{kind} {index} is a data URL that is not base64-encoded")
+    limit = max_bytes(kind)
+    too_large = f"{kind} {index} is larger than {limit} bytes ({_BYTES_FLAG[kind]})"
+    if len(data) > limit * 4 // 3 + 4:
+        raise InvalidRequest(too_large)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidRequest(f"{kind} {index} is not valid base64: {e}") from None
+    if len(raw) > limit:
+        raise InvalidRequest(too_large)
+    if not raw:
+        raise InvalidRequest(f"{kind} {index} is empty")
+    return raw
+
+
+def content_id(raw: bytes, kind: str = "image") -> str:
+    """The content id of an item's bytes: what caches and routing key it by (equal bytes, equal id). Video and
+    audio ids include the kind and the sampling settings, which change what the bytes turn into."""
+    if kind == "image":
+        return hashlib.blake2b(raw, digest_size=16).hexdigest()
+    h = hashlib.blake2b(digest_size=16)
+    if kind == "video":
+        h.update(f"video:{LIMITS.video_fps}:{LIMITS.video_max_frames}:".encode())
+    else:
+        h.update(f"audio:{LIMITS.audio_sample_rate}:".encode())
+    h.update(raw)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One item of a request as it arrived: its kind, bytes and content id, decoded only when it is encoded."""
+
+    raw: bytes
+    index: int  # position among the request's items of its kind (for error messages)
+    kind: Modality = "image"
+
+    @cached_property
+    def content_id(self) -> str:
+        return content_id(self.raw, self.kind)
+
+    def open(self, sample_rate: int = 16000):
+        """The decoded item: an RGB PIL image, a :class:`~.video.Video` (sampled frames) or a mono float32
+        waveform at ``sample_rate``."""
+        if self.kind == "image":
+            from .image import open_image
+
+            return open_image(self.raw, self.index)
+        if self.kind == "video":
+            from .video import open_video
+
+            return open_video(self.raw, self.index)
+        from .audio import open_audio
+
+        return open_audio(self.raw, self.index, sample_rate)
+
+    @classmethod
+    def from_base64(cls, data: bytes | str, index: int = 0, kind: Modality = "image") -> "MediaItem":
+        return cls(decode_base64(data, index, kind), index, kind)
+
+
+ImageItem = MediaItem  # an image is a media item of kind "image"
+
+
+def decode_base64_image(data: bytes | str, index: int = 0):
+    """One image from base64 text or a ``data:image/...;base64,`` URL, as RGB."""
+    from .image import open_image
+
+    return open_image(decode_base64(data, index), index)
+
+
+def counts(items: list[MediaItem]) -> dict[str, int]:
+    """How many items of each kind."""
+    out = dict.fromkeys(MODALITIES, 0)
+    for item in items:
+        out[item.kind] += 1
+    return out

@@ -1,0 +1,118 @@
+"""Media URLs of the OpenAI API (the frontend): data URLs, http(s) URLs behind an SSRF guard, allowed local
+paths; each becomes the base64 an entry model takes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ..config import MediaPolicy
+from ..errors import InvalidRequest
+from . import decode_base64
+
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def is_public_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """A globally routable address, also for the IPv4 address an IPv6 one carries (IPv4-mapped, NAT64,
+    6to4, Teredo): 100.64/10, NAT64 prefixes and the like are not."""
+    if not addr.is_global or addr.is_multicast:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address):
+        if any(addr in net for net in _NAT64):
+            return False  # the gateway reaches whatever IPv4 address the last 32 bits name
+        embedded = addr.ipv4_mapped or addr.sixtofour or (addr.teredo[1] if addr.teredo else None)
+        if embedded is not None and not is_public_address(embedded):
+            return False
+    return True
+
+
+async def resolve_public(host: str, port: int, policy: MediaPolicy) -> str:
+    """The address to fetch a media URL's host from: resolved once, off the event loop, and only if every
+    address the name has is public (the fetch then connects to that address: no second lookup for a DNS
+    rebinding to answer differently)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidRequest(f"media URL host {host!r} does not resolve: {e}") from None
+    addrs = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+    if not addrs:
+        raise InvalidRequest(f"media URL host {host!r} does not resolve")
+    if not policy.allow_private_urls:
+        for addr in addrs:
+            if not is_public_address(addr):
+                raise InvalidRequest(
+                    f"media URL host {host!r} resolves to the non-public address {addr}; "
+                    "start the server with --allow-private-media-urls to allow it"
+                )
+    return str(addrs[0])
+
+
+async def _fetch(url: str, policy: MediaPolicy, index: int, kind: str) -> bytes:
+    """GET an http(s) media URL from its pinned address, within ``policy``'s size and total time."""
+    import httpx
+
+    parsed = urlparse(url)
+    if not parsed.hostname:
+        raise InvalidRequest(f"{kind} {index} URL has no host")
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:
+        raise InvalidRequest(f"{kind} {index} URL has an invalid port") from None
+    address = await resolve_public(parsed.hostname, port, policy)
+    netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    pinned = parsed._replace(netloc=netloc).geturl()
+    host_header = parsed.netloc.rsplit("@", 1)[-1]
+    data = bytearray()
+    try:
+        async with asyncio.timeout(policy.timeout_s):
+            async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
+                async with client.stream("GET", pinned, headers={"Host": host_header},
+                                         extensions={"sni_hostname": parsed.hostname}) as response:
+                    if response.status_code != 200:
+                        raise InvalidRequest(f"{kind} {index} URL answered HTTP {response.status_code}")
+                    async for part in response.aiter_bytes():
+                        data += part
+                        if len(data) > policy.max_bytes:
+                            raise InvalidRequest(f"{kind} {index} URL is larger than {policy.max_bytes >> 20} MiB")
+    except TimeoutError:
+        raise InvalidRequest(f"{kind} {index} URL took longer than {policy.timeout_s:g} s to fetch") from None
+    except httpx.HTTPError as e:
+        raise InvalidRequest(f"{kind} {index} URL could not be fetched: {type(e).__name__}") from None
+    return bytes(data)
+
+
+async def media_url_to_base64(url: str, policy: MediaPolicy, index: int = 0, kind: str = "image") -> str:
+    """An OpenAI ``image_url`` / ``video_url`` / ``audio_url`` (data URL, http(s) URL or allowed local path) as
+    base64.
+
+    Not decoded here: the entry model does that once, and refuses what it cannot decode with the same
+    message (a 400 through the frontend too)."""
+    if url.startswith("data:"):
+        decode_base64(url, index, kind)  # a clear 400 without a round trip
+        return url.split(",", 1)[1]
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        raw = await _fetch(url, policy, index, kind)
+    elif parsed.scheme in ("file", ""):
+        path = Path(parsed.path if parsed.scheme == "file" else url).resolve()
+        root = policy.allowed_media_dir
+        if root is None or not path.is_relative_to(root.resolve()):
+            raise InvalidRequest(
+                f"{kind} {index} path {str(path)!r} is outside the allowed media folder"
+                + ("" if root else " (none is set: start the server with --allowed-media-dir)")
+            )
+        if not path.is_file():
+            raise InvalidRequest(f"{kind} {index} path {str(path)!r} is not a file")
+        if path.stat().st_size > policy.max_bytes:
+            raise InvalidRequest(f"{kind} {index} file is larger than {policy.max_bytes >> 20} MiB")
+        raw = path.read_bytes()
+    else:
+        raise InvalidRequest(f"{kind} {index} URL scheme {parsed.scheme!r} is not supported (data:, http(s), file)")
+    if not raw:
+        raise InvalidRequest(f"{kind} {index} is empty")
+    return base64.b64encode(raw).decode()

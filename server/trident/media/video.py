@@ -1,0 +1,131 @@
+"""Video clips: decoded with PyAV and sampled to frames.
+
+Frames are taken at ``LIMITS.video_fps`` from the start, at most ``LIMITS.video_max_frames`` (a longer clip
+is sampled evenly over its length). The clip's length and frame size come from its header and are checked
+before anything is decoded; decoding then streams, keeping only the sampled frames, and stops at the
+length limit whatever the header said.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidRequest
+from . import LIMITS
+
+
+@dataclass(frozen=True)
+class Video:
+    """A sampled clip: RGB frames ``(height, width, 3)`` uint8 and the time of each, in seconds."""
+
+    frames: list[np.ndarray]
+    times: list[float]
+    duration: float  # seconds, as the header (or the last frame) says
+
+    @property
+    def fps(self) -> float:
+        """Frames per second of the sampling (what a model with timed positions needs)."""
+        if len(self.times) < 2:
+            return LIMITS.video_fps
+        return (len(self.times) - 1) / max(self.times[-1] - self.times[0], 1e-6)
+
+
+def sample_times(duration: float, fps: float, max_frames: int) -> list[float]:
+    """When to take frames: every ``1/fps`` s from 0, or ``max_frames`` evenly over a longer clip."""
+    count = max(1, int(duration * fps))
+    if count <= max_frames:
+        return [i / fps for i in range(count)]
+    return [i * duration / max_frames for i in range(max_frames)]
+
+
+def open_video(raw: bytes, index: int = 0) -> Video:
+    """Decode a clip's bytes (mp4, webm, mkv, ...) into its sampled frames; a clip that cannot be decoded,
+    has no frames or is over a limit is an :class:`InvalidRequest` naming it."""
+    import av
+
+    name = f"video {index}"
+    try:
+        container = av.open(io.BytesIO(raw), mode="r", metadata_errors="ignore")
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise InvalidRequest(f"{name} could not be decoded as a video: {_reason(e)}") from None
+    with container:
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+            raise InvalidRequest(f"{name} has no video stream (it holds {', '.join(kinds)}; "
+                                 f"container {container.format.name})")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > LIMITS.max_pixels:
+            raise InvalidRequest(
+                f"{name} has {width}x{height} pixels per frame, more than {LIMITS.max_pixels} (--max-image-pixels)"
+            )
+        duration = _header_duration(container, stream)
+        if duration is not None and duration > LIMITS.video_max_seconds:
+            raise InvalidRequest(
+                f"{name} is {duration:.1f} s long, more than {LIMITS.video_max_seconds:g} s (--video-max-seconds)"
+            )
+        return _sample(container, stream, duration, name)
+
+
+def _sample(container, stream, duration: float | None, name: str) -> Video:
+    import av
+
+    rate = float(stream.average_rate or stream.guessed_rate or 25)
+    if duration is None or duration <= 0:  # unknown length: sample at the fps up to the frame limit
+        duration = LIMITS.video_max_frames / LIMITS.video_fps
+    targets = sample_times(duration, LIMITS.video_fps, LIMITS.video_max_frames)
+    frames: list[np.ndarray] = []
+    times: list[float] = []
+    half = 0.5 / rate
+    decoded = 0
+    last = -1.0
+    try:
+        for frame in container.decode(stream):
+            t = float(frame.time) if frame.time is not None else decoded / rate
+            decoded += 1
+            if t > LIMITS.video_max_seconds:
+                raise InvalidRequest(
+                    f"{name} runs past {LIMITS.video_max_seconds:g} s (--video-max-seconds) although its header "
+                    "says otherwise"
+                )
+            if frame.width * frame.height > LIMITS.max_pixels:
+                raise InvalidRequest(f"{name} has a frame of {frame.width}x{frame.height} pixels, more than "
+                                     f"{LIMITS.max_pixels} (--max-image-pixels)")
+            last = max(last, t)
+            taken = None
+            while len(times) < len(targets) and t + half >= targets[len(times)]:
+                taken = taken if taken is not None else frame.to_ndarray(format="rgb24")
+                frames.append(taken)
+                times.append(t)
+            if len(times) == len(targets):
+                break
+    except InvalidRequest:
+        raise
+    except (av.FFmpegError, ValueError, OSError, MemoryError) as e:
+        if not frames:
+            raise InvalidRequest(f"{name} could not be decoded as a video: {_reason(e)}") from None
+        # a clip cut short: the frames before the damage are kept (as ffmpeg and vLLM do)
+    if not frames:
+        raise InvalidRequest(f"{name} has no frames")
+    if len({f.shape for f in frames}) > 1:
+        raise InvalidRequest(f"{name} changes its frame size midway, which is not supported")
+    return Video(frames, times, max(duration, last))
+
+
+def _header_duration(container, stream) -> float | None:
+    """The clip's length in seconds as its header says: the stream's, else the container's."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000  # av.time_base
+    if stream.frames and stream.average_rate:
+        return stream.frames / float(stream.average_rate)
+    return None
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.replace("<none>", "").strip("; :")[:200]
