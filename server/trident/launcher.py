@@ -267,30 +267,26 @@ class Launcher:
             time.sleep(0.2)
 
     def _warm_up(self, modes) -> None:
-        """One small request with an image through each loaded entry model (one per instance of its busiest
-        stage), so that the first client request pays none of the first-call costs: NIXL connections between
-        the workers, torch's and PIL's lazy set-up, Triton's and PyTriton's first call of each model."""
-        import base64
-        import io
+        """One small request with a media item (of the first kind the model takes: an image, a video clip or an
+        audio clip) through each loaded entry model (one per instance of its busiest stage), so that the first
+        client request pays none of the first-call costs: NIXL connections between the workers, torch's, PIL's
+        and FFmpeg's lazy set-up, Triton's and PyTriton's first call of each model."""
         import json
         import urllib.request
 
         from types import SimpleNamespace
 
-        from PIL import Image
-
         from .engines.families import family_of
 
         t0 = time.monotonic()
         config = json.loads((Path(self.model_path) / "config.json").read_text())  # (transformers takes seconds to import)
-        placeholder = family_of(SimpleNamespace(model_type=config.get("model_type"))).placeholder
+        family = family_of(SimpleNamespace(model_type=config.get("model_type")))
+        kind = family.modalities[0]
         params = json.dumps({"max_tokens": 2, "temperature": 0})
         for mode in modes:
             for i in range(max(self.s.instances.get(stage, 1) for stage in MODES[mode])):
-                buf = io.BytesIO()
-                Image.new("RGB", (64, 64), (17 * i % 256, 80, 160)).save(buf, format="PNG")
                 body = json.dumps({
-                    "text_input": f"{placeholder}\nWarm-up.", "image": [base64.b64encode(buf.getvalue()).decode()],
+                    "text_input": f"{family.placeholders[kind].text}\nWarm-up.", kind: [_warm_up_item(kind, i)],
                     "sampling_parameters": params,
                 }).encode()
                 request = urllib.request.Request(
@@ -492,3 +488,35 @@ def serve(settings: ServeSettings) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         launcher.stop()
     return 0
+
+
+def _warm_up_item(kind: str, i: int) -> str:
+    """A small base64 item of ``kind``, different for each ``i`` (so that no cache answers the warm-up)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    if kind == "audio":
+        import soundfile
+
+        t = np.arange(16000) / 16000
+        soundfile.write(buf, (0.3 * np.sin(2 * np.pi * (200 + 10 * i) * t)).astype(np.float32), 16000, format="WAV")
+    elif kind == "video":
+        import av
+
+        with av.open(buf, mode="w", format="mp4") as out:
+            stream = out.add_stream("mpeg4", rate=2)
+            stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+            for level in (40, 200):
+                frame = np.full((64, 64, 3), (17 * i + level) % 256, dtype=np.uint8)
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+    else:
+        from PIL import Image
+
+        Image.new("RGB", (64, 64), (17 * i % 256, 80, 160)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()

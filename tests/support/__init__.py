@@ -7,8 +7,11 @@
 """
 
 from .clients import Result, drain_kv, grpc_generate, http_generate, stage_output, strings
-from .media import b64, chat_prompt, make_image, png_bytes
-from .reference import build_reference
+from .media import (
+    audio_bytes, b64, chat_prompt, frameless_video, long_header_video, make_frames, make_image, make_wave, media_prompt,
+    png_bytes, video_bytes,
+)
+from .reference import build_media_reference, build_reference
 from .server import Server, descendants, wait_drained
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
@@ -35,6 +38,8 @@ def bad_request(case: dict, problem: str, params) -> tuple[str, list[str], objec
 IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300, 200, 2)], "text-only": []}
 
 __all__ = [
+    "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
+    "media_prompt", "video_bytes",
     "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "chat_prompt", "descendants", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",
 ]

@@ -19,11 +19,19 @@ class Result:
     responses: int
 
 
-def entry_inputs(text: str, images: list[str], params: dict | str | None, stream: bool, exclude: bool = True):
-    """(name, numpy array, Triton dtype) of an entry-model request."""
+def by_kind(media: list[str] | dict[str, list[str]] | None) -> dict[str, list[str]]:
+    """A request's media by entry input: a plain list is images."""
+    if not media:
+        return {}
+    return {k: v for k, v in media.items() if v} if isinstance(media, dict) else {"image": list(media)}
+
+
+def entry_inputs(text: str, images, params: dict | str | None, stream: bool, exclude: bool = True):
+    """(name, numpy array, Triton dtype) of an entry-model request; ``images`` is a list of base64 images or
+    a dict of media by input (``image``, ``video``, ``audio``)."""
     out = [("text_input", np.array([text.encode()], dtype=np.object_), "BYTES")]
-    if images:
-        out.append(("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+    for kind, items in by_kind(images).items():
+        out.append((kind, np.array([i.encode() for i in items], dtype=np.object_), "BYTES"))
     if params is not None:
         sp = params if isinstance(params, str) else json.dumps(params)
         out.append(("sampling_parameters", np.array([sp.encode()], dtype=np.object_), "BYTES"))
@@ -42,7 +50,7 @@ def _scalar(result, name):
     return v.decode() if isinstance(v, bytes) else int(v)
 
 
-def grpc_generate(url: str, model: str, text: str, images: list[str], params, stream: bool, timeout: float = 120) -> Result:
+def grpc_generate(url: str, model: str, text: str, images, params, stream: bool, timeout: float = 120) -> Result:
     import tritonclient.grpc as grpcclient
 
     inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in entry_inputs(text, images, params, stream)})
@@ -73,14 +81,14 @@ def grpc_generate(url: str, model: str, text: str, images: list[str], params, st
     return Result("".join(parts), last.get("finish_reason"), last.get("num_input_tokens"), last.get("num_output_tokens"), n)
 
 
-def http_generate(url: str, model: str, text: str, images: list[str], params, timeout: float = 120):
-    """POST /v2/models/<model>/generate; returns (status code, JSON body)."""
+def http_generate(url: str, model: str, text: str, images, params, timeout: float = 120):
+    """POST /v2/models/<model>/generate; returns (status code, JSON body). ``images`` as for
+    :func:`entry_inputs`."""
     import requests
 
     body: dict = {"text_input": text, "exclude_input_in_output": True, "return_finish_reason": True,
                   "return_num_input_tokens": True, "return_num_output_tokens": True}
-    if images:
-        body["image"] = images
+    body.update(by_kind(images))
     if params is not None:
         body["sampling_parameters"] = params if isinstance(params, str) else json.dumps(params)
     r = requests.post(f"http://{url}/v2/models/{model}/generate", json=body, timeout=timeout)

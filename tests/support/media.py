@@ -80,3 +80,54 @@ def audio_bytes(wave: np.ndarray, rate: int = 16000, fmt: str = "wav") -> bytes:
     subtype = {"wav": "FLOAT", "flac": "PCM_16", "ogg": "VORBIS", "mp3": "MPEG_LAYER_III"}[fmt]
     soundfile.write(buf, wave, rate, format=fmt.upper() if fmt != "ogg" else "OGG", subtype=subtype)
     return buf.getvalue()
+
+
+def media_prompt(tokenizer, kinds: list[str], text: str) -> str:
+    """A chat prompt with one content part per media item (``image``, ``video``, ``audio``), then ``text``."""
+    content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def decoded_frames(data: bytes) -> list[np.ndarray]:
+    """Every frame of a clip, decoded with PyAV (the test clips are made at the server's sampling rate)."""
+    import io as _io
+
+    import av
+
+    with av.open(_io.BytesIO(data)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def long_header_video(hours: int = 4) -> bytes:
+    """A small mp4 whose frames are an hour apart: its header says ``hours`` hours."""
+    import io as _io
+    from fractions import Fraction
+
+    import av
+
+    buf = _io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=Fraction(1, 3600))
+        stream.height, stream.width, stream.pix_fmt = 48, 64, "yuv420p"
+        for f in make_frames(hours, 64, 48, 3):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def frameless_video() -> bytes:
+    """A Matroska file with a video stream and no frames."""
+    import io as _io
+
+    import av
+
+    buf = _io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as out:
+        stream = out.add_stream("ffv1", rate=4)
+        stream.height, stream.width, stream.pix_fmt = 48, 64, "yuv420p"
+        out.start_encoding()
+    return buf.getvalue()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .media import b64, chat_prompt, make_image, png_bytes
+from .media import b64, chat_prompt, decoded_frames, make_image, media_prompt, png_bytes
 
 PROMPT = "Describe the picture in detail, please."
 
@@ -33,3 +34,74 @@ def build_reference(model_path: str, specs_by_case: dict, new_tokens: int) -> di
             "num_input_tokens": inputs["input_ids"].shape[1],
         }
     return cases
+
+
+MEDIA_PROMPT = "What happens in it?"
+
+
+def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict:
+    """``model.generate()`` on each case's media, prepared without Trident's request path.
+
+    A case is a list of ``(kind, bytes)``. Audio goes through the checkpoint's own processor
+    (``Qwen2AudioProcessor``) from the clip's samples. Video: transformers' Qwen2-VL video processor needs
+    torchvision (no CPU build), so the clip's frames (all of them: the test clips are made at the server's
+    sampling rate) are patched by Trident's ``video_patches``, which a unit test holds to the image processor's
+    layout; the prompt is expanded here from the grid."""
+    import soundfile
+    import io
+
+    from transformers import AutoProcessor
+
+    from trident.engines.families.qwen2vl import video_patches
+    from trident.engines.hf.model import load_model
+    from trident.processor import Processor
+
+    model, processor, ours = load_model(model_path), AutoProcessor.from_pretrained(model_path), Processor(model_path)
+    tok = processor.tokenizer
+    out = {}
+    for case, items in cases.items():
+        kinds = [kind for kind, _ in items]
+        text = media_prompt(tok, kinds, MEDIA_PROMPT)
+        media = {k: [b64(raw) for kk, raw in items if kk == k] for k in dict.fromkeys(kinds)}
+        if ours.family.name == "qwen2audio":
+            waves = [soundfile.read(io.BytesIO(raw), dtype="float32")[0] for _, raw in items]
+            inputs = processor(text=[text], audio=waves or None, sampling_rate=16000, return_tensors="pt")
+        else:
+            inputs = _qwen2vl_inputs(ours, processor, text, items, video_patches)
+        with torch.inference_mode():
+            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+        ids = gen[0, inputs["input_ids"].shape[1]:].tolist()
+        out[case] = {
+            "text": text, "media": media, "ids": ids, "expected": tok.decode(ids, skip_special_tokens=True),
+            "num_input_tokens": inputs["input_ids"].shape[1],
+        }
+    return out
+
+
+def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> dict:
+    from PIL import Image
+    import io
+
+    merge = ours.image_processor.merge_size
+    kw: dict = {}
+    images = [Image.open(io.BytesIO(raw)).convert("RGB") for kind, raw in items if kind == "image"]
+    videos = [decoded_frames(raw) for kind, raw in items if kind == "video"]
+    counts = {"image": [], "video": []}
+    if images:
+        px = ours.image_processor(images=images, return_tensors="pt")
+        kw.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
+        counts["image"] = [t * h * w // merge**2 for t, h, w in px["image_grid_thw"].tolist()]
+    if videos:
+        patched = [video_patches(ours, frames) for frames in videos]
+        kw["pixel_values_videos"] = torch.from_numpy(np.concatenate([p for p, _ in patched]))
+        kw["video_grid_thw"] = torch.tensor([g for _, g in patched])
+        counts["video"] = [t * h * w // merge**2 for _, (t, h, w) in patched]
+    for kind, pad in (("image", "<|image_pad|>"), ("video", "<|video_pad|>")):
+        for n in counts[kind]:
+            text = text.replace(f"<|vision_start|>{pad}<|vision_end|>", f"<|vision_start|>{'@@' * n}<|vision_end|>", 1)
+        text = text.replace("@@", pad)
+    ids = torch.tensor([processor.tokenizer(text)["input_ids"]])
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[ids == ours.token_ids["image"]] = 1
+    types[ids == ours.token_ids["video"]] = 2
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types, **kw}

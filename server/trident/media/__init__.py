@@ -138,6 +138,12 @@ def decode_base64_image(data: bytes | str, index: int = 0):
     return open_image(decode_base64(data, index), index)
 
 
+def ffmpeg_reason(e: Exception) -> str:
+    """FFmpeg's words for what went wrong, without the errno and empty file name PyAV adds."""
+    text = getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
+    return str(text)[:200]
+
+
 def counts(items: list[MediaItem]) -> dict[str, int]:
     """How many items of each kind."""
     out = dict.fromkeys(MODALITIES, 0)

@@ -9,7 +9,7 @@ import io
 import numpy as np
 
 from ..errors import InvalidRequest
-from . import LIMITS
+from . import LIMITS, ffmpeg_reason
 
 
 def open_audio(raw: bytes, index: int = 0, sample_rate: int = 16000) -> np.ndarray:
@@ -73,7 +73,7 @@ def _decode_av(raw: bytes, name: str, sample_rate: int) -> tuple[np.ndarray, int
     try:
         container = av.open(io.BytesIO(raw), mode="r", metadata_errors="ignore")
     except (av.FFmpegError, ValueError, OSError) as e:
-        raise InvalidRequest(f"{name} could not be decoded as audio: {str(e)[:200]}") from None
+        raise InvalidRequest(f"{name} could not be decoded as audio: {ffmpeg_reason(e)}") from None
     with container:
         if not container.streams.audio:
             raise InvalidRequest(f"{name} has no audio stream (container {container.format.name})")
@@ -96,7 +96,7 @@ def _decode_av(raw: bytes, name: str, sample_rate: int) -> tuple[np.ndarray, int
             raise
         except (av.FFmpegError, ValueError, OSError) as e:
             if not parts:
-                raise InvalidRequest(f"{name} could not be decoded as audio: {str(e)[:200]}") from None
+                raise InvalidRequest(f"{name} could not be decoded as audio: {ffmpeg_reason(e)}") from None
     if not parts:
         raise InvalidRequest(f"{name} has no audio samples")
     return np.concatenate(parts), sample_rate

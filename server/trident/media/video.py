@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidRequest
-from . import LIMITS
+from . import LIMITS, ffmpeg_reason
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,10 @@ def open_video(raw: bytes, index: int = 0) -> Video:
     name = f"video {index}"
     try:
         container = av.open(io.BytesIO(raw), mode="r", metadata_errors="ignore")
+    except av.error.EOFError:
+        raise InvalidRequest(f"{name} has no frames (it ends before its first one)") from None
     except (av.FFmpegError, ValueError, OSError) as e:
-        raise InvalidRequest(f"{name} could not be decoded as a video: {_reason(e)}") from None
+        raise InvalidRequest(f"{name} could not be decoded as a video: {ffmpeg_reason(e)}") from None
     with container:
         if not container.streams.video:
             kinds = sorted({s.type for s in container.streams}) or ["no streams"]
@@ -104,9 +106,11 @@ def _sample(container, stream, duration: float | None, name: str) -> Video:
                 break
     except InvalidRequest:
         raise
+    except av.error.EOFError:  # the stream ends early (or holds no packets at all)
+        pass
     except (av.FFmpegError, ValueError, OSError, MemoryError) as e:
         if not frames:
-            raise InvalidRequest(f"{name} could not be decoded as a video: {_reason(e)}") from None
+            raise InvalidRequest(f"{name} could not be decoded as a video: {ffmpeg_reason(e)}") from None
         # a clip cut short: the frames before the damage are kept (as ffmpeg and vLLM do)
     if not frames:
         raise InvalidRequest(f"{name} has no frames")
@@ -124,8 +128,3 @@ def _header_duration(container, stream) -> float | None:
     if stream.frames and stream.average_rate:
         return stream.frames / float(stream.average_rate)
     return None
-
-
-def _reason(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.replace("<none>", "").strip("; :")[:200]

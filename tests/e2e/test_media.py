@@ -1,0 +1,191 @@
+"""Video and audio end to end on the hf engine: `trident serve` of Qwen2-VL (video, image + video) and of
+Qwen2-Audio (one clip, two clips, text only) in every mode, against transformers' `model.generate()`, over
+gRPC streaming, gRPC and HTTP `generate`, and through the OpenAI API; bad media gets a 400 naming the problem."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from support import (
+    MODES, Server, audio_bytes, b64, build_media_reference, drain_kv, frameless_video, grpc_generate, http_generate,
+    long_header_video, make_frames, make_image, make_wave, media_prompt, png_bytes, stage_output, strings,
+    video_bytes, wait_drained,
+)
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
+NAME = "media-demo"
+
+# Clips are made at the server's sampling rate (--video-fps 2): every frame is sampled.
+CASES = {
+    "qwen2vl": {
+        "one-video": [("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))],
+        # 7 frames: the last temporal patch is padded with the last frame
+        "image-and-video": [("image", png_bytes(make_image(200, 150, 3))),
+                            ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="webm"))],
+    },
+    "qwen2audio": {
+        "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],
+        "two-audio": [("audio", audio_bytes(make_wave(1.5, seed=2))), ("audio", audio_bytes(make_wave(3.2, seed=3), fmt="flac"))],
+        "text-only": [],
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def server(request, demo_models, tmp_path_factory):
+    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws", extra=["--served-model-name", NAME])
+    try:
+        srv.wait_ready()
+        srv.arch = request.param
+        srv.model_path = demo_models[request.param]
+        yield srv
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return build_media_reference(server.model_path, CASES[server.arch], NEW_TOKENS)
+
+
+def _cases(server, reference):
+    return [(case, reference[case]) for case in CASES[server.arch]]
+
+
+def test_start_up_warms_up_with_the_family_s_media(server):
+    assert [line for line in server.log if line.startswith("[trident] warmed up epd, e_pd, e_p_d, ep_d in ")], server.log
+    assert not [line for line in server.log if "warm-up request" in line], server.log
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_equal_generate(server, reference, mode):
+    for case, c in _cases(server, reference):
+        streamed = grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True)
+        assert streamed.text == c["expected"], case
+        assert (streamed.finish_reason, streamed.num_output_tokens) == ("length", NEW_TOKENS), case
+        assert streamed.num_input_tokens == c["num_input_tokens"], case
+        whole = grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=False)
+        assert (whole.text, whole.responses) == (c["expected"], 1), case
+        status, body = http_generate(server.http, mode, c["text"], c["media"], GREEDY)
+        assert status == 200 and body["text_output"] == c["expected"], (case, body)
+
+
+def test_ensemble_carries_media(server, reference):
+    """Triton's ensemble (swapped in while serving) hands the video and audio inputs to encode as well."""
+    try:
+        server.swap_scheduler("e_p_d", "ensemble")
+        for case, c in _cases(server, reference):
+            assert grpc_generate(server.grpc, "e_p_d", c["text"], c["media"], GREEDY, stream=True).text == c["expected"], case
+    finally:
+        server.swap_scheduler("e_p_d", "bls")
+
+
+def _openai_part(kind: str, raw: bytes) -> dict:
+    data = base64.b64encode(raw).decode()
+    if kind == "video":
+        return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + data}}
+    if kind == "audio":
+        return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_openai_media_parts_equal_entry_model(server, reference, mode):
+    """video_url and input_audio parts get the entry model's text; usage counts the media tokens."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", max_retries=0)
+    case, c = _cases(server, reference)[0]
+    items = CASES[server.arch][case]
+    content = [_openai_part(kind, raw) for kind, raw in items] + [{"type": "text", "text": "What happens in it?"}]
+    r = client.chat.completions.create(model=f"{NAME}:{mode}", messages=[{"role": "user", "content": content}],
+                                       max_tokens=NEW_TOKENS, temperature=0)
+    assert r.choices[0].message.content == c["expected"]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (c["num_input_tokens"], NEW_TOKENS)
+
+
+def _bad_media(arch: str, prompt) -> dict:
+    """problem -> (text, media, what the 400 must say)."""
+    video = video_bytes(make_frames(10, 96, 64, 2), fps=2)
+    one_video, one_audio = prompt(["video"]), prompt(["audio"])
+    if arch == "qwen2vl":
+        return {
+            "truncated mp4": (one_video, {"video": [b64(video[: len(video) // 3])]}, "video 0 could not be decoded as a video"),
+            "zero frames": (one_video, {"video": [b64(frameless_video())]}, "video 0 has no frames"),
+            "4-hour header": (one_video, {"video": [b64(long_header_video(4))]},
+                              "video 0 is 14400.0 s long, more than 600 s (--video-max-seconds)"),
+            "audio as video": (one_video, {"video": [b64(audio_bytes(make_wave(1.0)))]}, "video 0 has no video stream"),
+            "placeholder mismatch": (prompt(["image"]), {"video": [b64(video)]},
+                                     "the prompt has 1 image placeholder(s) '<|vision_start|><|image_pad|><|vision_end|>' "
+                                     "but the request carries 0 image(s)"),
+            "audio to a vision model": (one_video, {"video": [b64(video)], "audio": [b64(audio_bytes(make_wave(1.0)))]},
+                                        "the request carries audio but this model (qwen2vl) takes image, video only"),
+            "too many videos": (one_video, {"video": [b64(video)] * 5}, "carries 5 videos; at most 4 are accepted"),
+        }
+    return {
+        "10-minute clip": (one_audio, {"audio": [b64(audio_bytes(make_wave(600.0, seed=4), fmt="ogg"))]},
+                           "audio 0 is 600.0 s long, more than 30 s (--audio-max-seconds)"),
+        "not audio": (one_audio, {"audio": [b64(b"RIFF but not really a wave file at all")]},
+                      "audio 0 could not be decoded as audio"),
+        "placeholder mismatch": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))] * 2},
+                                 "the prompt has 1 audio placeholder(s)"),
+        "video to an audio model": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))], "video": [b64(video)]},
+                                    "the request carries video but this model (qwen2audio) takes audio only"),
+    }
+
+
+@pytest.mark.parametrize("mode", ["e_p_d", "epd"])
+def test_bad_media_is_a_clear_400_and_the_server_carries_on(server, reference, mode):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    for problem, (text, media, message) in _bad_media(server.arch, lambda kinds: media_prompt(tok, kinds, "Hi.")).items():
+        status, body = http_generate(server.http, mode, text, media, GREEDY)
+        assert status == 400 and message in body.get("error", ""), (problem, status, body)
+    case, c = _cases(server, reference)[0]
+    assert grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text == c["expected"]
+
+
+def test_openai_audio_format_is_checked(server):
+    if server.arch != "qwen2audio":
+        pytest.skip("input_audio goes to the audio family")
+    import requests
+
+    wav = base64.b64encode(audio_bytes(make_wave(1.0))).decode()
+    for fmt, message in (("mp3", "input_audio 0 says format 'mp3' but its bytes are 'wav'"),
+                         ("aiff", "input_audio 0 has format 'aiff'; supported: wav, mp3, flac, ogg")):
+        content = [{"type": "input_audio", "input_audio": {"data": wav, "format": fmt}}, {"type": "text", "text": "Hi"}]
+        r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", timeout=60,
+                          json={"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (fmt, r.text)
+
+
+def test_records_stay_small(server):
+    """A 32-frame clip and a 30 s clip: the encode stage's record and the prefill's are at most 1 KiB."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    if server.arch == "qwen2vl":
+        kind, raw = "video", video_bytes(make_frames(64, 96, 64, 9), fps=4)  # 16 s at 2 fps: 32 frames
+    else:
+        kind, raw = "audio", audio_bytes(make_wave(30.0, seed=5))
+    emb = stage_output(server.grpc, "encode", {kind: strings(b64(raw))})
+    assert 0 < len(emb) <= 1024
+    from trident.protocol import EmbeddingsRecord, decode_record
+
+    record = decode_record(emb, EmbeddingsRecord)
+    assert record.kinds == [kind]
+    if kind == "video":
+        assert record.grid_thw[0][0] == 16  # 32 frames in temporal pairs
+    else:
+        assert record.token_counts == [750]
+    kv = stage_output(server.grpc, "prefill", {"text_input": strings(media_prompt(tok, [kind], "Hi.")),
+                                               "embedding_meta": strings(emb)})
+    assert 0 < len(kv) <= 1024
+    drain_kv(server.grpc, kv)
+    wait_drained(server, {"encode", "prefill", "decode"})

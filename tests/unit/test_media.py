@@ -1,0 +1,146 @@
+"""Video and audio decoding, sampling and limits; Qwen2-VL video patches; prompts with several kinds of media."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support import audio_bytes, frameless_video, long_header_video, make_frames, make_image, make_wave, video_bytes
+from trident.errors import InvalidRequest
+from trident.media import MediaItem, content_id
+from trident.media.audio import input_audio_to_base64, sniff
+from trident.media.video import sample_times
+
+
+def test_sample_times_follow_the_fps_up_to_the_frame_limit():
+    assert sample_times(3.0, 2.0, 32) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert sample_times(0.2, 2.0, 32) == [0.0]  # a clip shorter than one interval still gives a frame
+    long = sample_times(100.0, 2.0, 32)
+    assert len(long) == 32 and long[1] == pytest.approx(100 / 32)
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "webm", "mkv"])
+def test_a_clip_is_sampled_at_the_fps(fmt):
+    frames = make_frames(12, 64, 48, 1)
+    video = MediaItem(video_bytes(frames, fps=4, fmt=fmt), 0, "video").open()
+    assert video.times == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]  # every second frame of a 4 fps clip, at 2 fps
+    assert video.frames[0].shape == (48, 64, 3)
+    # each sampled frame is the source frame of its time (lossy codecs: nearer to it than to the next one)
+    def distance(a, b):
+        return np.abs(a.astype(int) - b.astype(int)).mean()
+
+    for i, got in enumerate(video.frames):
+        assert distance(got, frames[2 * i]) < distance(got, frames[2 * i + 1])
+
+
+def test_a_long_clip_is_sampled_evenly_to_the_frame_limit():
+    video = MediaItem(video_bytes(make_frames(200, 32, 32, 1), fps=4), 0, "video").open()
+    assert len(video.frames) == 32 and video.duration == pytest.approx(50.0)
+    assert video.times[:3] == [0.0, 1.5, 3.0]
+
+
+@pytest.mark.parametrize("raw, message", [
+    (lambda: video_bytes(make_frames(12, 64, 48, 1))[:2000], "video 0 could not be decoded as a video"),
+    (frameless_video, "video 0 has no frames"),
+    (lambda: long_header_video(4), "video 0 is 14400.0 s long, more than 600 s (--video-max-seconds)"),
+    (lambda: audio_bytes(make_wave(1.0)), "video 0 has no video stream (it holds audio"),
+])
+def test_bad_video_is_refused_with_its_problem(raw, message):
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)")):
+        MediaItem(raw(), 0, "video").open()
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "ogg", "mp3"])
+def test_audio_decodes_to_mono_at_the_rate(fmt):
+    wave = make_wave(2.0, seed=1)
+    got = MediaItem(audio_bytes(wave, fmt=fmt), 0, "audio").open(16000)
+    assert got.dtype == np.float32 and abs(got.size - 32000) < 1200  # mp3 pads a frame or so
+    if fmt == "wav":
+        assert np.array_equal(got, wave)  # float samples: exact
+    assert sniff(audio_bytes(wave, fmt=fmt)) == fmt
+
+
+def test_audio_is_resampled_and_mixed_down():
+    import io
+
+    import soundfile
+
+    stereo = np.stack([make_wave(1.0, 44100, 1), make_wave(1.0, 44100, 2)], axis=1)
+    buf = io.BytesIO()
+    soundfile.write(buf, stereo, 44100, format="WAV", subtype="FLOAT")
+    got = MediaItem(buf.getvalue(), 0, "audio").open(16000)
+    assert got.ndim == 1 and abs(got.size - 16000) <= 32
+
+
+def test_bad_audio_is_refused_with_its_problem():
+    with pytest.raises(InvalidRequest, match=r"audio 0 is 40.0 s long, more than 30 s \(--audio-max-seconds\)"):
+        MediaItem(audio_bytes(make_wave(40.0)), 0, "audio").open()
+    with pytest.raises(InvalidRequest, match="audio 1 could not be decoded as audio"):
+        MediaItem(b"garbage" * 20, 1, "audio").open()
+
+
+def test_input_audio_format_must_match_its_bytes():
+    import base64
+
+    wav = base64.b64encode(audio_bytes(make_wave(0.5))).decode()
+    assert input_audio_to_base64(wav, "WAV") == wav
+    with pytest.raises(InvalidRequest, match="says format 'mp3' but its bytes are 'wav'"):
+        input_audio_to_base64(wav, "mp3")
+    with pytest.raises(InvalidRequest, match="has format 'pcm16'"):
+        input_audio_to_base64(wav, "pcm16")
+
+
+def test_content_ids_tell_kinds_apart():
+    raw = b"same bytes"
+    assert len({content_id(raw, kind) for kind in ("image", "video", "audio")}) == 3
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(demo_models):
+    from trident.processor import Processor
+
+    return Processor(demo_models["qwen2vl"])
+
+
+def test_two_equal_frames_patch_like_the_image(qwen2vl):
+    """A clip of one frame twice is, in Qwen2-VL's layout, the image of that frame (the image processor repeats
+    an image over the temporal patch): the video patches follow the video processor's layout."""
+    from trident.engines.families.qwen2vl import video_patches
+
+    image = make_image(200, 150, 3)
+    frame = np.asarray(image)
+    patches, grid = video_patches(qwen2vl, [frame, frame])
+    want = qwen2vl.image_processor(images=[image], return_tensors="np")
+    assert grid == want["image_grid_thw"][0].tolist()
+    assert np.array_equal(patches, want["pixel_values"])
+    # an odd frame count is padded with the last frame, as the video processor pads
+    odd, grid3 = video_patches(qwen2vl, [frame, frame, frame])
+    assert grid3[0] == 2 and np.array_equal(odd[: len(patches)], patches)
+
+
+def test_prompt_ids_expand_each_kind_in_order(qwen2vl):
+    text = qwen2vl.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    ids = qwen2vl.prompt_ids(text, [4, 6], ["image", "video"])
+    image, video = qwen2vl.token_ids["image"], qwen2vl.token_ids["video"]
+    assert ids.count(image) == 4 and ids.count(video) == 6
+    assert ids.index(video) < ids.index(image)  # the prompt's own order, whatever the items' order
+    with pytest.raises(InvalidRequest, match="the prompt has 1 video placeholder"):
+        qwen2vl.prompt_ids(text, [4], ["image"])
+    with pytest.raises(InvalidRequest, match="takes image, video only"):
+        qwen2vl.check_placeholders(text, {"image": 1, "video": 1, "audio": 1})
+
+
+def test_records_check_their_media_kinds():
+    from trident.errors import MalformedRecord
+    from trident.protocol import _check_kinds
+
+    _check_kinds(["image", "video", "video", "audio"], 4)
+    with pytest.raises(MalformedRecord, match="out of order"):
+        _check_kinds(["video", "image"], 2)
+    with pytest.raises(MalformedRecord, match="unknown media kinds"):
+        _check_kinds(["smell"], 1)
+    with pytest.raises(MalformedRecord, match="numbers"):
+        _check_kinds(["image"], 2)
