@@ -7,27 +7,27 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import sys
 import urllib.request
 
-from grpc_stream import PLACEHOLDERS, chat_prompt
+from grpc_stream import MEDIA, PLACEHOLDERS, add_media_flags, chat_prompt, read_media
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP URL (default: http://127.0.0.1:8000)")
     ap.add_argument("--mode", default="e_p_d", choices=["epd", "e_pd", "e_p_d", "ep_d"], help="entry model")
-    ap.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    add_media_flags(ap)
     ap.add_argument("--prompt", default="Describe the picture.")
     ap.add_argument("--arch", default="llava", choices=list(PLACEHOLDERS))
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
 
+    media = read_media(args)
     body = {
-        "text_input": chat_prompt(args.arch, args.prompt, len(args.image)),
-        "image": [base64.b64encode(open(p, "rb").read()).decode() for p in args.image],
+        "text_input": chat_prompt(args.arch, args.prompt, *(len(media[kind]) for kind in MEDIA)),
+        **{kind: items for kind, items in media.items() if items},
         "sampling_parameters": json.dumps({"max_tokens": args.max_tokens, "temperature": 0}),
         "exclude_input_in_output": True,
         "return_finish_reason": True,

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark every deployment mode: perf_analyzer on the Triton entry models, aiperf on the OpenAI API.
 
-Starts `trident serve` on the LLaVA demo model (all modes) on free ports. For each mode and concurrency:
+Starts `trident serve` (all modes) on free ports, once per workload: the LLaVA demo model with images, the
+Qwen2-VL demo with video clips, the Qwen2-Audio demo with audio clips. For each mode and concurrency:
 perf_analyzer (tritonclient 2.51 wheel) over gRPC streaming with inputs from make_inputs.py, and, given
 --aiperf, aiperf against /v1/chat/completions with synthetic images. The same requests also run through
 the hf engine in this process. Prints a table per mode (throughput, TTFT p50/p99, ITL, tokens/s) and,
@@ -25,17 +26,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from make_inputs import chat_prompt, perf_analyzer_inputs
+from make_inputs import perf_analyzer_inputs
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
-
-
-def demo_image(seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8))
 
 
 def start_server(model: str, workspace: Path, ports: list[int]) -> subprocess.Popen:
@@ -114,7 +109,7 @@ def aiperf(aiperf_bin: str, url: str, model: str, tokenizer: str, concurrency: i
     }
 
 
-def in_process(model_path: str, text: str, image: Image.Image, params_json: str, concurrency: int, n: int) -> dict:
+def in_process(model_path: str, text: str, item, params_json: str, concurrency: int, n: int) -> dict:
     """The same requests through the engine the EPD worker serves (``generate``), in this process without
     Triton, `concurrency` at a time."""
     import asyncio
@@ -133,7 +128,7 @@ def in_process(model_path: str, text: str, image: Image.Image, params_json: str,
 
     async def one() -> None:
         t0 = time.perf_counter()
-        generation = await engine.generate(text, params, images=[image])
+        generation = await engine.generate(text, params, media=[item])
         first = prev = None
         async for _ in generation.events:
             now = time.perf_counter()
@@ -160,70 +155,90 @@ def in_process(model_path: str, text: str, image: Image.Image, params_json: str,
     return _summary(ttfts, itls, per * concurrency, span)
 
 
+WORKLOADS = {  # media -> (demo family, perf_analyzer inputs, what one request carries)
+    "image": ("llava", {"n_images": 1}, "1 image 224 px"),
+    "video": ("qwen2vl", {"n_images": 0, "n_videos": 1, "frames": 8}, "1 video clip, 8 frames 224 px"),
+    "audio": ("qwen2audio", {"n_images": 0, "n_audios": 1, "seconds": 5.0}, "1 audio clip of 5 s"),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="checkpoint (default: the LLaVA demo model)")
+    ap.add_argument("--model", help="checkpoint of the image rows (default: the LLaVA demo model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=12, help="requests per measurement window; perf_analyzer measures 3 (default: 12)")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--aiperf", help="aiperf executable: also load the OpenAI endpoint with it")
+    ap.add_argument("--media", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+                    help="workloads: image rows (LLaVA demo), video rows (Qwen2-VL demo), audio rows (Qwen2-Audio demo)")
+    ap.add_argument("--aiperf", help="aiperf executable: also load the OpenAI endpoint with it (image rows)")
     ap.add_argument("--report", help="write the tables as Markdown here, with a PNG chart beside it")
     args = ap.parse_args()
 
     from trident.dev.demo import default_demo_model
 
-    model = args.model or str(default_demo_model("llava"))
     sampling = {"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
-    data = work / "input.json"
-    data.write_text(json.dumps(perf_analyzer_inputs("llava", 1, (224, 224), 8, sampling)))
-
-    ports = free_ports(4)
-    server = start_server(model, work / "ws", ports)
-    rows: list[tuple[str, str, int, dict]] = []  # (mode, tool, concurrency, summary)
-    try:
+    rows: list[tuple[str, str, str, int, dict]] = []  # (media, mode, tool, concurrency, summary)
+    for media in args.media:
+        arch, shape, _ = WORKLOADS[media]
+        model = args.model if media == "image" and args.model else str(default_demo_model(arch))
+        doc = perf_analyzer_inputs(arch, size=(224, 224), requests=8, sampling=sampling, **shape)
+        data = work / f"input-{media}.json"
+        data.write_text(json.dumps(doc))
+        ports = free_ports(4)
+        server = start_server(model, work / f"ws-{media}", ports)
+        try:
+            for c in args.concurrency:
+                for mode in MODES:
+                    r = perf_analyzer(f"127.0.0.1:{ports[1]}", mode, c, data, args.requests, work)
+                    r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
+                    rows.append((media, mode, "perf_analyzer", c, r))
+                    print(f"  {media} perf_analyzer {mode:6} c={c}: {r}", flush=True)
+                    if args.aiperf and media == "image":
+                        name = f"{Path(model).name}:{mode}"
+                        r = aiperf(args.aiperf, f"http://127.0.0.1:{ports[3]}", name, model, c, 3 * args.requests,
+                                   args.new_tokens, work)
+                        rows.append((media, mode, "aiperf (OpenAI)", c, r))
+                        print(f"  {media} aiperf        {mode:6} c={c}: {r}", flush=True)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+        first = doc["data"][0]
+        item = _media_item(first, media)
         for c in args.concurrency:
-            for mode in MODES:
-                r = perf_analyzer(f"127.0.0.1:{ports[1]}", mode, c, data, args.requests, work)
-                r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
-                rows.append((mode, "perf_analyzer", c, r))
-                print(f"  perf_analyzer {mode:6} c={c}: {r}", flush=True)
-                if args.aiperf:
-                    name = f"{Path(model).name}:{mode}"
-                    r = aiperf(args.aiperf, f"http://127.0.0.1:{ports[3]}", name, model, c, 3 * args.requests,
-                               args.new_tokens, work)
-                    rows.append((mode, "aiperf (OpenAI)", c, r))
-                    print(f"  aiperf        {mode:6} c={c}: {r}", flush=True)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-    image = demo_image()
-    for c in args.concurrency:
-        r = in_process(model, PROMPT, image, json.dumps(sampling), c, 3 * args.requests)
-        r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
-        rows.append(("in-process", "hf engine", c, r))
-        print(f"  in-process hf     c={c}: {r}", flush=True)
+            r = in_process(model, first["text_input"][0], item, json.dumps(sampling), c, 3 * args.requests)
+            r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
+            rows.append((media, "in-process", "hf engine", c, r))
+            print(f"  {media} in-process hf     c={c}: {r}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
-    base = {c: r for m, _, c, r in rows if m == "in-process"}
-    title = (f"LLaVA demo model (random weights), 1 image 224 px + prompt, {args.new_tokens} new tokens, greedy, "
-             f"streaming; {os.cpu_count()} CPU cores, hf engine")
-    header = ["mode", "tool", "conc", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "tok/s", "tok/s vs in-process"]
+    base = {(media, c): r for media, m, _, c, r in rows if m == "in-process"}
+    title = (f"demo models (random weights): {'; '.join(f'{m}: {WORKLOADS[m][2]} ({WORKLOADS[m][0]})' for m in args.media)}"
+             f" + prompt, {args.new_tokens} new tokens, greedy, streaming; {os.cpu_count()} CPU cores, hf engine")
+    header = ["media", "mode", "tool", "conc", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "tok/s",
+              "tok/s vs in-process"]
     lines = []
-    for mode, tool, c, r in rows:
-        lines.append([mode, tool, str(c), f"{r['req_s']:.2f}", f"{r['ttft_p50']:.1f}", f"{r['ttft_p99']:.1f}",
-                      f"{r['itl_p50']:.1f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base[c]['tok_s']:.2f}x"])
+    for media, mode, tool, c, r in rows:
+        lines.append([media, mode, tool, str(c), f"{r['req_s']:.2f}", f"{r['ttft_p50']:.1f}", f"{r['ttft_p99']:.1f}",
+                      f"{r['itl_p50']:.1f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base[media, c]['tok_s']:.2f}x"])
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
     print("\n" + title)
     print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
     for line in lines:
         print(" | ".join(v.rjust(w) for v, w in zip(line, widths)))
     if args.report:
-        write_report(Path(args.report), title, header, lines, rows, args.concurrency)
+        image_rows = [(m, t, c, r) for media, m, t, c, r in rows if media == "image"]
+        write_report(Path(args.report), title, header, lines, image_rows, args.concurrency)
     return 0
 
 
-PROMPT = chat_prompt("llava", "Describe the picture in detail, please.", 1)
+def _media_item(entry: dict, media: str):
+    """The first request's item, as the in-process engine takes it."""
+    import base64
+
+    from trident.media import MediaItem
+
+    return MediaItem(base64.b64decode(entry[media]["content"][0]), 0, media)
 
 
 def write_report(path: Path, title: str, header: list[str], lines: list[list[str]], rows, concurrency) -> None:

@@ -23,7 +23,7 @@ def _stage(conn, stage: str, model_path: str) -> None:
     torch.set_num_threads(1)
     from trident.config import MiB, TransferConfig
     from trident.engines.hf.stage import HFStageEngine
-    from trident.media import MediaItem as ImageItem
+    from trident.media import MediaItem
     from trident.processor import SamplingParams
     from trident.protocol import STAGES
 
@@ -43,7 +43,7 @@ def _stage(conn, stage: str, model_path: str) -> None:
         cmd, arg = conn.recv()
         try:
             if cmd == "encode":
-                out = asyncio.run(engine.encode([ImageItem(raw, i) for i, raw in enumerate(arg)])).record
+                out = asyncio.run(engine.encode([MediaItem(raw, i) for i, raw in enumerate(arg)])).record
             elif cmd == "prefill":
                 text, emb, params = arg
                 out = asyncio.run(engine.prefill(text, SamplingParams.from_json(params), embedding_meta=emb))

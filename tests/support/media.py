@@ -71,7 +71,8 @@ def make_wave(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:
 
 
 def audio_bytes(wave: np.ndarray, rate: int = 16000, fmt: str = "wav") -> bytes:
-    """``wave`` written as wav (float samples: decodes back exactly), flac, ogg or mp3 with soundfile."""
+    """``wave`` written as wav (float samples: decodes back exactly), flac, ogg or mp3 with soundfile (long ogg
+    clips crashed libsndfile's Vorbis encoder here: keep them short)."""
     import io as _io
 
     import soundfile
