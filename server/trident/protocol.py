@@ -260,9 +260,14 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
     grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
     image_ids: list[str] = []  # content ids of the items, for caches keyed by content
     kinds: list[str] | None = None  # each item's modality; None: all images
+    seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
 
     def validate(self) -> None:
         self.transfer.validate()
+        if self.seconds is not None and (
+            len(self.seconds) != len(self.token_counts) or not all(0 <= t <= 3600 for t in self.seconds)
+        ):
+            raise MalformedRecord("embeddings record has invalid seconds per temporal patch")
         if not self.token_counts or any(c <= 0 for c in self.token_counts):
             raise MalformedRecord(f"embeddings record has invalid token counts {self.token_counts}")
         if self.image_ids and len(self.image_ids) != len(self.token_counts):

@@ -96,6 +96,8 @@ def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> d
         kw["pixel_values_videos"] = torch.from_numpy(np.concatenate([p for p, _ in patched]))
         kw["video_grid_thw"] = torch.tensor([g for _, g in patched])
         counts["video"] = [t * h * w // merge**2 for _, (t, h, w) in patched]
+        if ours.family.name == "qwen2_5vl":  # the clips are sampled at their own rate: 2 frames a second
+            kw["second_per_grid_ts"] = torch.tensor([ours.image_processor.temporal_patch_size / 2.0] * len(videos))
     for kind, pad in (("image", "<|image_pad|>"), ("video", "<|video_pad|>")):
         for n in counts[kind]:
             text = text.replace(f"<|vision_start|>{pad}<|vision_end|>", f"<|vision_start|>{'@@' * n}<|vision_end|>", 1)

@@ -33,6 +33,7 @@ class MediaEmbeddings:
     token_counts: list[int]
     grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
     kinds: list[str] | None = None  # each item's modality (None: all images)
+    seconds: list[float] | None = None  # Qwen2.5-VL: a clip's seconds per temporal patch (0 for other items)
 
     @property
     def item_kinds(self) -> list[str]:

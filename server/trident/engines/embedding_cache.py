@@ -24,7 +24,7 @@ from ..transfer.tensors import dtype_name
 
 @dataclass(eq=False)
 class CachedEmbedding:
-    """One image's embedding rows in the send pool."""
+    """One media item's embedding rows in the send pool."""
 
     key: str
     region: Region
@@ -32,6 +32,7 @@ class CachedEmbedding:
     shape: tuple[int, int]  # (rows, hidden)
     grid: list[int] | None  # Qwen2-VL (t, h, w)
     refs: int = 0
+    seconds: float = 0.0  # Qwen2.5-VL: a clip's seconds per temporal patch
     indexed: bool = False  # in the LRU (else freed when the last reference goes)
 
 
@@ -131,13 +132,13 @@ class EmbeddingCache:
             self.pool.free(entry.region)
 
     # -- stores (compute thread) -----------------------------------------------------------------------
-    def store(self, key: str, tensor, grid: list[int] | None) -> CachedEmbedding:
-        """Copy one image's rows into the pool (evicting unused entries for room); held once for the caller."""
+    def store(self, key: str, tensor, grid: list[int] | None, seconds: float = 0.0) -> CachedEmbedding:
+        """Copy one item's rows into the pool (evicting unused entries for room); held once for the caller."""
         nbytes = tensor.numel() * tensor.element_size()
         region = self._alloc(nbytes)
         flat = self.pool.view(region)
         flat.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1)
+        entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1, seconds=seconds)
         with self._lock:
             if 0 < nbytes <= self.capacity:
                 entry.indexed = True

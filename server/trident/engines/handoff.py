@@ -55,6 +55,7 @@ def publish_cached_embeddings(
         grid_thw=[list(e.grid) for e in entries] if first.grid is not None else None,
         image_ids=list(item_ids),
         kinds=kinds if kinds and set(kinds) != {"image"} else None,
+        seconds=[e.seconds for e in entries] if any(e.seconds for e in entries) else None,
     )
 
 
@@ -76,7 +77,7 @@ def receive_embeddings(
         raise
     with timings.step("nixl_read"):
         received = endpoint.fetch(record.transfer)
-    emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds)
+    emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds, record.seconds)
     return prompt, emb, record, received.release
 
 

@@ -73,6 +73,7 @@ class HFEncoder:
             raise InvalidRequest("encode needs at least one image, video or audio clip")
         rows: list = [None] * len(items)
         grids: list = [None] * len(items)
+        seconds: list[float] = [0.0] * len(items)
         for kind in dict.fromkeys(kind for kind, _ in items):
             where = [i for i, (k, _) in enumerate(items) if k == kind]
             with timings.step(f"{kind}_preprocess"):
@@ -81,10 +82,12 @@ class HFEncoder:
                 features, grid = self.m.family.encode(self.m.model, kind, inputs)
             for j, i in enumerate(where):
                 rows[i], grids[i] = features[j], (grid[j] if grid is not None else None)
+                if "second_per_grid_ts" in inputs:
+                    seconds[i] = float(inputs["second_per_grid_ts"][j])
         has_grids = any(g is not None for g in grids)
         return MediaEmbeddings(
             torch.cat(rows), [r.shape[0] for r in rows], [list(g) for g in grids] if has_grids else None,
-            [kind for kind, _ in items],
+            [kind for kind, _ in items], seconds if any(seconds) else None,
         )
 
 

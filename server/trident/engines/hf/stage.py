@@ -146,8 +146,9 @@ class HFStageEngine:
         self.cache.counters.images_encoded += len(decoded)
         rows = emb.embeddings.split(emb.token_counts)
         grids = emb.grid_thw or [None] * len(rows)
+        seconds = emb.seconds or [0.0] * len(rows)
         with timings.step("publish"):  # the copy into the send pool
-            return [self.cache.store(key, r, g) for (key, _), r, g in zip(claimed, rows, grids)]
+            return [self.cache.store(key, r, g, t) for (key, _), r, g, t in zip(claimed, rows, grids, seconds)]
 
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None

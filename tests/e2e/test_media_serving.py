@@ -1,5 +1,5 @@
-"""Video and audio end to end on the hf engine: `trident serve` of Qwen2-VL (video, image + video) and of
-Qwen2-Audio (one clip, two clips, text only) in every mode, against transformers' `model.generate()`, over
+"""Video and audio end to end on the hf engine: `trident serve` of Qwen2-VL and Qwen2.5-VL (video, image +
+video) and of Qwen2-Audio (one clip, two clips, text only) in every mode, against transformers' `model.generate()`, over
 gRPC streaming, gRPC and HTTP `generate`, and through the OpenAI API; bad media gets a 400 naming the problem."""
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ CASES = {
         # 7 frames: the last temporal patch is padded with the last frame
         "image-and-video": [("image", png_bytes(make_image(200, 150, 3))),
                             ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="webm"))],
+    },
+    "qwen2_5vl": {
+        "one-video": [("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))],
+        "image-and-video": [("image", png_bytes(make_image(200, 150, 3))),
+                            ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="mkv"))],
     },
     "qwen2audio": {
         "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],
@@ -113,7 +118,7 @@ def _bad_media(arch: str, prompt) -> dict:
     """problem -> (text, media, what the 400 must say)."""
     video = video_bytes(make_frames(10, 96, 64, 2), fps=2)
     one_video, one_audio = prompt(["video"]), prompt(["audio"])
-    if arch == "qwen2vl":
+    if arch != "qwen2audio":
         return {
             "truncated mp4": (one_video, {"video": [b64(video[: len(video) // 3])]}, "video 0 could not be decoded as a video"),
             "zero frames": (one_video, {"video": [b64(frameless_video())]}, "video 0 has no frames"),
@@ -124,7 +129,7 @@ def _bad_media(arch: str, prompt) -> dict:
                                      "the prompt has 1 image placeholder(s) '<|vision_start|><|image_pad|><|vision_end|>' "
                                      "but the request carries 0 image(s)"),
             "audio to a vision model": (one_video, {"video": [b64(video)], "audio": [b64(audio_bytes(make_wave(1.0)))]},
-                                        "the request carries audio but this model (qwen2vl) takes image, video only"),
+                                        f"the request carries audio but this model ({arch}) takes image, video only"),
             "too many videos": (one_video, {"video": [b64(video)] * 5}, "carries 5 videos; at most 4 are accepted"),
         }
     return {
@@ -169,7 +174,7 @@ def test_records_stay_small(server):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(server.model_path)
-    if server.arch == "qwen2vl":
+    if server.arch != "qwen2audio":
         kind, raw = "video", video_bytes(make_frames(64, 96, 64, 9), fps=4)  # 16 s at 2 fps: 32 frames
     else:
         kind, raw = "audio", audio_bytes(make_wave(30.0, seed=5))

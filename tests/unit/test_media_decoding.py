@@ -144,3 +144,36 @@ def test_records_check_their_media_kinds():
         _check_kinds(["smell"], 1)
     with pytest.raises(MalformedRecord, match="numbers"):
         _check_kinds(["image"], 2)
+
+
+def test_qwen2_5vl_positions_follow_the_clip_s_time(demo_models):
+    """A clip longer than --video-max-frames allows at 2 fps is sampled evenly (here 2.5 s per temporal patch):
+    the staged prefill, given the seconds the encoder measured, continues as model.generate() given them."""
+    import torch
+
+    from trident.engines.hf.model import HFEncoder, HFModel, HFPrefiller
+    from trident.processor import SamplingParams
+
+    m = HFModel(demo_models["qwen2_5vl"])
+    p = m.processor
+    item = MediaItem(video_bytes(make_frames(40, 64, 64, 4), fps=1), 0, "video")
+    video = p.open(item)
+    assert len(video.frames) == 32
+    emb = HFEncoder(m).encode([("video", video)])
+    assert emb.seconds == [pytest.approx(2 / video.fps)] and emb.seconds[0] > 2
+    text = p.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Hi"}]}],
+                                           tokenize=False, add_generation_prompt=True)
+    ids = p.prompt_ids(text, emb.token_counts, emb.kinds)
+    inputs = p.media_inputs("video", [video])
+    tids = torch.tensor([ids])
+    types = (tids == p.token_ids["video"]).int() * 2
+    with torch.inference_mode():
+        out = m.model.generate(input_ids=tids, attention_mask=torch.ones_like(tids), mm_token_type_ids=types,
+                               pixel_values_videos=inputs["pixel_values_videos"], video_grid_thw=inputs["video_grid_thw"],
+                               second_per_grid_ts=torch.tensor(inputs["second_per_grid_ts"]), max_new_tokens=1, do_sample=False)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    first = HFPrefiller(m).prefill(ids, emb, params, 0)
+    assert first.first_token == int(out[0, -1])
+    # without the seconds the positions (and the rope delta the decode side continues with) differ
+    emb.seconds = None
+    assert HFPrefiller(m).prefill(ids, emb, params, 0).rope_delta != first.rope_delta

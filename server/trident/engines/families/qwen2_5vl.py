@@ -1,0 +1,32 @@
+"""Qwen2.5-VL: Qwen2-VL's placeholders, preprocessing and M-RoPE, with a windowed vision tower and temporal
+positions that follow time: a video's temporal patches are ``tokens_per_second * seconds_per_patch`` positions
+apart, so each clip carries its sampling interval (``second_per_grid_ts``) to the prefill."""
+
+from __future__ import annotations
+
+from .qwen2vl import Qwen2VL
+
+
+class Qwen25VL(Qwen2VL):
+    name = "qwen2_5vl"
+    model_type = "qwen2_5_vl"
+    model_class = "Qwen2_5_VLForConditionalGeneration"
+
+    def media_inputs(self, processor, kind, items):
+        out = super().media_inputs(processor, kind, items)
+        if kind == "video":
+            tp = processor.image_processor.temporal_patch_size
+            out["second_per_grid_ts"] = [tp / video.fps for video in items]
+        return out
+
+    def prefill_inputs(self, model, input_ids, media, token_ids):
+        import torch
+
+        kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
+        seconds = [s for kind, s in zip(media.item_kinds, media.seconds or []) if kind == "video"]
+        if seconds:
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+        return kwargs
+
+
+FAMILY = Qwen25VL()
