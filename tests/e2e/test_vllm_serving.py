@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from support import (
-    MODES, Server, bad_request, build_reference, descendants, drain_kv, grpc_generate, http_generate, stage_output, strings,
-    wait_drained,
+    MODES, Server, b64, bad_request, build_reference, descendants, drain_kv, grpc_generate, http_generate, make_frames,
+    media_prompt, stage_output, strings, video_bytes, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -245,3 +245,21 @@ def test_prompt_ending_in_an_image_when_decode_is_apart(server, reference, mode)
     text = "Look: <|vision_start|><|image_pad|><|vision_end|>"
     aggregated = grpc_generate(server.grpc, "epd", text, c["images"], GREEDY, stream=True).text
     assert grpc_generate(server.grpc, mode, text, c["images"], GREEDY, stream=True).text == aggregated
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_video_is_a_clear_400_for_now(server, reference, mode):
+    """The vllm engine takes images; a video gets a 400 that says so (LLaVA: that the model takes no video),
+    nothing is left held, and the server carries on."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    if server.arch == "qwen2vl":
+        text, message = media_prompt(tok, ["video"], "Hi."), "the vllm engine does not take video yet"
+    else:
+        text, message = reference["one-image"]["text"], "this model (llava) takes image only"
+    status, body = http_generate(server.http, mode, text, {"video": [b64(video_bytes(make_frames(4, 64, 64, 1), fps=2))]}, GREEDY)
+    assert status == 400 and message in body["error"], body
+    wait_drained(server, KV_STAGES, timeout=10)
+    c = reference["one-image"]
+    assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]

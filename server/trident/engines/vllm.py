@@ -34,6 +34,7 @@ import torch
 from .. import signing, timings
 from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
+from ..media import counts as media_counts
 from ..media.image import image_digest
 from ..output import DecodeEvent, Generation
 from ..processor import Processor, SamplingParams
@@ -203,6 +204,7 @@ class VLLMStageEngine:
     async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
         """vLLM's prompt and what the decode side needs: (prompt, expanded length, counts, grids, image ids)."""
         if media:
+            self.processor.check_kinds(media_counts(media))
             _images_only({item.kind for item in media})
             self.processor.check_placeholders(text, len(media))
             images = await asyncio.to_thread(_open_all, media)
@@ -212,7 +214,11 @@ class VLLMStageEngine:
             return prompt, length, counts, grids, image_ids
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
-            _images_only(set(record.kinds or ()))
+            try:
+                _images_only(set(record.kinds or ()))
+            except InvalidRequest:
+                self.endpoint.discard(record.transfer)  # not read: its producer frees it now
+                raise
             loop = asyncio.get_running_loop()
             emb, counts, grids = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
             image_ids = list(record.image_ids) or [uuid.uuid4().hex for _ in counts]
