@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from . import INITIALIZER_RANGE, DemoBuilder
+from .qwen2vl import qwen_chat_template
 
 SPECIALS = {
     "unk_token": "<unk>",
@@ -19,26 +20,10 @@ EXTRA = {
 }
 
 # Qwen2-Audio-Instruct's template, reduced: "Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>\n" per clip.
-QWEN2AUDIO_CHAT_TEMPLATE = (
-    "{%- set audio_count = namespace(value=0) -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ['audio', 'audio_url', 'input_audio'] or 'audio_url' in item -%}"
+QWEN2AUDIO_CHAT_TEMPLATE = "{%- set audio_count = namespace(value=0) -%}" + qwen_chat_template(
+    "{%- elif item['type'] in ['audio', 'audio_url', 'input_audio'] or 'audio_url' in item -%}"
     "{%- set audio_count.value = audio_count.value + 1 -%}"
     "{{ 'Audio ' + audio_count.value|string + ': <|audio_bos|><|AUDIO|><|audio_eos|>\\n' }}"
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
 

@@ -28,28 +28,35 @@ EXTRA = {
 }
 
 
-QWEN2VL_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] in ['image', 'image_url'] or 'image' in item or 'image_url' in item -%}"
+def qwen_chat_template(media_rules: str) -> str:
+    """Qwen's ChatML template (a default system prompt, ``<|im_start|>role ... <|im_end|>``); ``media_rules``
+    renders the family's media parts (Jinja ``elif`` branches over ``item``), text parts are rendered as text."""
+    return (
+        "{%- for message in messages -%}"
+        "{%- if loop.first and message['role'] != 'system' -%}"
+        "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}"
+        "{%- for item in message['content'] -%}"
+        "{%- if item['type'] == 'text' -%}{{ item['text'] }}"
+        + media_rules +
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+
+
+QWEN2VL_CHAT_TEMPLATE = qwen_chat_template(
+    "{%- elif item['type'] in ['image', 'image_url'] or 'image' in item or 'image_url' in item -%}"
     "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- elif item['type'] == 'video' or 'video' in item -%}"
     "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-
 
 
 def _build(tokenizer, ids: dict[str, int], seed: int):
