@@ -30,12 +30,16 @@ EXPECTED_IMAGE_TOKENS = {
     ("llava", (300, 200)): 196,  # resized + center-cropped to 224x224
     ("qwen2vl", (224, 224)): 64,  # grid_thw (1, 16, 16) / merge 2x2
     ("qwen2vl", (300, 200)): 54,  # smart-resize to 252x168 -> grid_thw (1, 12, 18) / 4
+    ("qwen2_5vl", (224, 224)): 64,  # Qwen2.5-VL: Qwen2-VL's image processor
+    ("qwen2_5vl", (300, 200)): 54,
 }
 EXPECTED_CLASSES = {
     "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "CLIPImageProcessorPil"),
     "qwen2vl": ("Qwen2VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
+    "qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
 }
-IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>", "qwen2_5vl": "<|image_pad|>"}
+VISION_ARCHS = [arch for arch in ARCHS if arch in EXPECTED_CLASSES]  # the audio demo is checked below
 
 
 def gradient_image(width: int, height: int) -> "PIL_Image.Image":
@@ -68,7 +72,7 @@ class Built:
         self.model = AutoModelForImageTextToText.from_pretrained(dir_a).eval()
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=VISION_ARCHS)
 def built(request, tmp_path_factory):
     arch = request.param
     logs: list[str] = []
@@ -162,7 +166,7 @@ def test_tokenizer_round_trip_and_special_tokens(built):
     img = IMAGE_TOKEN[built.arch]
     assert tok(img, add_special_tokens=False)["input_ids"] == [built.model.config.image_token_id]
     cfg = built.model.config
-    if built.arch == "qwen2vl":
+    if built.arch.startswith("qwen2"):
         for t in ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]:
             assert len(tok(t, add_special_tokens=False)["input_ids"]) == 1
         assert cfg.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
@@ -212,7 +216,7 @@ def test_generate_one_image(built, size):
     inputs, new = _generate(built, prompt, [gradient_image(*size)])
     n_img = int((inputs["input_ids"] == built.model.config.image_token_id).sum())
     assert n_img == EXPECTED_IMAGE_TOKENS[(built.arch, size)]
-    if built.arch == "qwen2vl":
+    if built.arch.startswith("qwen2"):
         assert int(inputs["image_grid_thw"].prod(-1).sum()) // 4 == n_img
     assert new.shape == (1, 24)
     assert len(set(new[0].tolist())) > 3
@@ -263,3 +267,28 @@ def test_generate_is_deterministic_and_batch_consistent(built):
     # fp32 + tiny model: left padding should not change greedy picks (allow a late divergence)
     assert new[0, :8].tolist() == single1[0, :8].tolist()
     assert new[1, :8].tolist() == single2[0, :8].tolist()
+
+
+def test_audio_demo_builds_the_same_twice_loads_offline_and_generates(tmp_path):
+    """The Qwen2-Audio demo: byte-identical builds, its own processor (Whisper features, 16 kHz, 30 s window),
+    ``<|AUDIO|>`` expanded to ~25 tokens a second, and greedy generation from a clip."""
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    assert "qwen2audio" in ARCHS
+    build_demo_model("qwen2audio", tmp_path / "a", log=None)
+    build_demo_model("qwen2audio", tmp_path / "b", log=None)
+    assert sha256_tree(tmp_path / "a") == sha256_tree(tmp_path / "b")
+    processor = AutoProcessor.from_pretrained(tmp_path / "a")
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(tmp_path / "a").eval()
+    fe = processor.feature_extractor
+    assert (type(fe).__name__, fe.sampling_rate, fe.feature_size, fe.chunk_length) == ("WhisperFeatureExtractor", 16000, 128, 30)
+    content = [{"type": "audio"}, {"type": "text", "text": "What is said?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    assert "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat is said?" in prompt
+    wave = np.sin(np.arange(32000) / 16000 * 2 * np.pi * 300).astype(np.float32)
+    inputs = processor(text=[prompt], audio=[wave], sampling_rate=16000, return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.audio_token_id).sum()) == 50  # 2 s
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(new) == 12 and len(set(new)) > 3
