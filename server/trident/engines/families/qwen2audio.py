@@ -14,7 +14,15 @@ class Qwen2Audio(Family):
     placeholders = {"audio": Placeholder("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|AUDIO|>")}
 
     def media_inputs(self, processor, kind, items):
+        from ...errors import InvalidRequest
+
         fe = processor.feature_extractor
+        for wave in items:  # the encoder's window: the feature extractor would cut a longer clip silently
+            if len(wave) > fe.n_samples:
+                raise InvalidRequest(
+                    f"an audio clip is {len(wave) / fe.sampling_rate:.1f} s long; this model hears at most "
+                    f"{fe.chunk_length} s per clip"
+                )
         out = fe(items, sampling_rate=fe.sampling_rate, return_attention_mask=True, padding="max_length",
                  return_tensors="pt")
         return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"]}
