@@ -64,7 +64,7 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
         (f"{stage}: worker, request inputs", _dur(steps, f"{stage}/inputs")),
     ]
     listed = 0.0
-    for step in ("record_decode", "tokenize", "nixl_read", "image_decode", "image_preprocess", "vision_tower",
+    for step in ("record_decode", "tokenize", "nixl_read", "media_decode", "image_preprocess", "vision_tower",
                  "prefill", "publish", "record_encode", "first_token"):
         value = _dur(steps, f"{stage}/{step}")
         if value is not None:
@@ -104,7 +104,7 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
     return rows
 
 
-COMPUTE = ("image_decode", "image_preprocess", "vision_tower", "prefill")  # the same work in-process
+COMPUTE = ("media_decode", "image_preprocess", "vision_tower", "prefill")  # the same work in-process
 
 
 def compute(steps: Steps) -> float:

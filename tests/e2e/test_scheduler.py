@@ -135,7 +135,7 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
     want = {
         "bls-e_p_d": ["execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
         "proxy-encode": ["execute"], "proxy-decode": ["execute"],
-        "encode": ["inputs", "image_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "infer"],
+        "encode": ["inputs", "media_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "infer"],
         "prefill": ["inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
         "decode": ["inputs", "record_decode", "nixl_read", "decode_admit", "decode_step", "infer_first", "infer"],
     }

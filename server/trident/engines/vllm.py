@@ -40,6 +40,7 @@ from ..output import DecodeEvent, Generation
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from . import handoff
+from .base import MediaEmbeddings
 
 KV_RECORD_LIFE_S = 600.0  # how long a kv_meta is remembered as used: well beyond the life of the KV blocks it names
 # (vLLM 0.32 frees unread blocks after its kv_lease_duration, 30 s, which heartbeats extend only while a reader reads)
@@ -178,68 +179,89 @@ class VLLMStageEngine:
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     # -- inputs ------------------------------------------------------------------------------------------
-    def _prompt(self, text: str, counts: list[int], mm: dict | None, image_ids: list[str]) -> tuple[dict, int]:
-        """vLLM's prompt and the prompt's length with images expanded (checked against the context window).
+    def _prompt(
+        self, text: str, counts: list[int], kinds: list[str], mm: dict | None, item_ids: list[str]
+    ) -> tuple[dict, int]:
+        """vLLM's prompt and the prompt's length with media expanded (checked against the context window).
 
-        vLLM gets the token ids with one placeholder per image and expands them itself: ids that are
+        vLLM gets the token ids with one placeholder per item and expands them itself: ids that are
         already expanded would be expanded again."""
-        expanded = self.processor.prompt_ids(text, counts)
+        expanded = self.processor.prompt_ids(text, counts, kinds)
         self.processor.check_length(len(expanded))
-        if counts and self.kv_role == "kv_producer" and expanded[-1] == self.processor.image_token_id:
-            # the decode engine recomputes the last prompt position, without the image's embeddings
-            raise InvalidRequest("with the vllm engine the prompt must not end with an image placeholder")
+        media_tokens = {self.processor.token_ids[k] for k in set(kinds)}
+        if counts and self.kv_role == "kv_producer" and expanded[-1] in media_tokens:
+            # the decode engine recomputes the last prompt position, without the media's embeddings
+            raise InvalidRequest("with the vllm engine the prompt must not end with a media placeholder")
         prompt: dict[str, Any] = {"prompt_token_ids": self.processor.tokenizer(text)["input_ids"]}
         if mm is not None:
             prompt["multi_modal_data"] = mm
-            prompt["multi_modal_uuids"] = {"image": image_ids}
+            prompt["multi_modal_uuids"] = {
+                kind: [i for i, k in zip(item_ids, kinds) if k == kind] for kind in dict.fromkeys(kinds)
+            }
         return prompt, len(expanded)
 
-    def _read_embeddings(self, text: str, record: EmbeddingsRecord):
+    def _read_embeddings(self, text: str, record: EmbeddingsRecord) -> MediaEmbeddings:
         _, emb, _, release = handoff.receive_embeddings(self.endpoint, self.processor, text, record)
         try:
-            return emb.embeddings.clone(), emb.token_counts, emb.grid_thw
+            emb.embeddings = emb.embeddings.clone()
+            return emb
         finally:
             release()
 
+    def _decoded(self, media: list) -> tuple[dict, list[int], list[list[int]] | None, list[str]]:
+        """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind) and each item's token count,
+        grid and content id, in order."""
+        with timings.step("media_decode"):
+            decoded = [self.processor.open(item) for item in media]
+        mm: dict = {}
+        counts: list[int] = []
+        grids: list = []
+        for kind in dict.fromkeys(item.kind for item in media):
+            items = [d for d, item in zip(decoded, media) if item.kind == kind]
+            mm[kind] = self.family.vllm_inputs(self.processor, kind, items)
+            c, g = self.family.layout(self.processor, kind, items)
+            counts += c
+            grids += g if g is not None else [None] * len(c)
+        ids = [image_digest(d) if item.kind == "image" else item.content_id for d, item in zip(decoded, media)]
+        return mm, counts, (grids if any(g is not None for g in grids) else None), ids
+
     async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
-        """vLLM's prompt and what the decode side needs: (prompt, expanded length, counts, grids, image ids)."""
+        """vLLM's prompt and what the decode side needs: (prompt, expanded length, counts, grids, kinds, ids)."""
         if media:
-            self.processor.check_kinds(media_counts(media))
-            _images_only({item.kind for item in media})
-            self.processor.check_placeholders(text, len(media))
-            images = await asyncio.to_thread(_open_all, media)
-            counts, grids = await asyncio.to_thread(self.processor.image_layout, images)
-            image_ids = [image_digest(im) for im in images]
-            prompt, length = self._prompt(text, counts, {"image": list(images)}, image_ids)
-            return prompt, length, counts, grids, image_ids
+            self.processor.check_placeholders(text, media_counts(media))
+            kinds = [item.kind for item in media]
+            mm, counts, grids, ids = await asyncio.to_thread(self._decoded, media)
+            prompt, length = self._prompt(text, counts, kinds, mm, ids)
+            return prompt, length, counts, grids, kinds, ids
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
-            try:
-                _images_only(set(record.kinds or ()))
-            except InvalidRequest:
-                self.endpoint.discard(record.transfer)  # not read: its producer frees it now
-                raise
             loop = asyncio.get_running_loop()
-            emb, counts, grids = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
-            image_ids = list(record.image_ids) or [uuid.uuid4().hex for _ in counts]
-            prompt, length = self._prompt(text, counts, self.family.vllm_embeddings(emb, counts, grids), image_ids)
-            return prompt, length, counts, grids, image_ids
-        prompt, length = self._prompt(text, [], None, [])
-        return prompt, length, [], None, []
+            emb = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
+            kinds = emb.item_kinds
+            ids = list(record.image_ids) or [uuid.uuid4().hex for _ in kinds]
+            prompt, length = self._prompt(text, emb.token_counts, kinds, self.family.vllm_embeddings(emb), ids)
+            return prompt, length, emb.token_counts, emb.grid_thw, kinds, ids
+        prompt, length = self._prompt(text, [], [], None, [])
+        return prompt, length, [], None, [], []
 
     def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> tuple[dict, int]:
         if text is None:
             raise InvalidRequest("the vllm decode stage needs text_input (the prompt) along with kv_meta")
         if record.prompt_len > self.processor.max_model_len or sum(record.token_counts) > record.prompt_len:
             raise InvalidRequest(
-                f"kv_meta describes a prompt of {record.prompt_len} tokens with {sum(record.token_counts)} image "
+                f"kv_meta describes a prompt of {record.prompt_len} tokens with {sum(record.token_counts)} media "
                 f"tokens; the context window is {self.processor.max_model_len}"
             )
         mm = None
+        kinds = list(record.kinds) if record.kinds is not None else ["image"] * len(record.token_counts)
         if record.token_counts:
-            placeholders = torch.zeros(sum(record.token_counts), self.hidden_size)
-            mm = self.family.vllm_embeddings(placeholders, record.token_counts, record.grid_thw)
-        prompt, length = self._prompt(text, record.token_counts, mm, record.image_ids)
+            self.processor.check_kinds(dict.fromkeys(kinds, 1))
+            placeholders = MediaEmbeddings(
+                torch.zeros(sum(record.token_counts), self.hidden_size), list(record.token_counts),
+                record.grid_thw, kinds,
+            )
+            mm = self.family.vllm_embeddings(placeholders)
+        prompt, length = self._prompt(text, record.token_counts, kinds, mm, record.image_ids)
         if length != record.prompt_len or prompt_digest(prompt["prompt_token_ids"]) != record.prompt_digest:
             raise InvalidRequest("text_input is not the prompt this kv_meta was prefilled from")
         return prompt, length
@@ -251,7 +273,7 @@ class VLLMStageEngine:
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
-        prompt, length, counts, grids, image_ids = await self._inputs(text, list(media), embedding_meta)
+        prompt, length, counts, grids, kinds, image_ids = await self._inputs(text, list(media), embedding_meta)
         sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True,
                              extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         final = None
@@ -263,6 +285,7 @@ class VLLMStageEngine:
         return VLLMKVRecord(
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
             token_counts=counts, grid_thw=grids, image_ids=image_ids,
+            kinds=kinds if set(kinds) - {"image"} else None,
         ).encode()
 
     async def generate(
@@ -271,7 +294,6 @@ class VLLMStageEngine:
     ) -> Generation:
         if kv_meta is not None:
             record = decode_record(kv_meta, VLLMKVRecord)
-            _images_only(set(record.kinds or ()))
             prompt, length = self._decode_inputs(text, record)
             # vLLM frees the prefill's blocks once read: a second read would find other requests' KV there
             self._used_kv.claim(bytes(kv_meta[-signing.MAC_BYTES:]), time.time() + KV_RECORD_LIFE_S,
@@ -322,14 +344,3 @@ class VLLMStageEngine:
             self.endpoint.close()
         self._io.shutdown(wait=False, cancel_futures=True)
 
-
-def _images_only(kinds: set[str]) -> None:
-    """The vllm engine takes images; video and audio are served by the hf engine for now."""
-    other = sorted(kinds - {"image"})
-    if other:
-        raise InvalidRequest(f"the vllm engine does not take {' or '.join(other)} yet; serve with --backend hf")
-
-
-def _open_all(media: list) -> list:
-    with timings.step("image_decode"):
-        return [item.open() for item in media]

@@ -95,11 +95,15 @@ class Family:
         """Offset of decode positions from the cache length after a prefill (0 for 1-D positions)."""
         return 0
 
-    def vllm_embeddings(self, embeddings, token_counts: list[int], grid_thw) -> dict:
-        """vLLM's ``multi_modal_data`` for precomputed image embeddings."""
-        import torch
+    # -- vLLM -------------------------------------------------------------------------------------------
+    def vllm_inputs(self, processor, kind: str, items: list) -> list:
+        """vLLM's ``multi_modal_data[kind]`` for decoded items (vLLM preprocesses and encodes them itself)."""
+        return list(items)
 
-        return {"image": list(torch.split(embeddings, token_counts))}
+    def vllm_embeddings(self, media) -> dict:
+        """vLLM's ``multi_modal_data`` for precomputed embeddings (a
+        :class:`~trident.engines.base.MediaEmbeddings`): per kind, one tensor per item by default."""
+        return {kind: rows for kind, (rows, _) in media.by_kind().items()}
 
 
 def _discover() -> dict[str, Family]:

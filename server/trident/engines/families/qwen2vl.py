@@ -66,10 +66,18 @@ class Qwen2VL(Family):
         deltas = getattr(output, "rope_deltas", None)
         return 0 if deltas is None else int(deltas.reshape(-1)[0])
 
-    def vllm_embeddings(self, embeddings, token_counts, grid_thw):
+    def vllm_inputs(self, processor, kind, items):
+        if kind == "video":  # the sampled frames, (t, h, w, 3) uint8 per clip
+            return [np.stack(video.frames) for video in items]
+        return list(items)
+
+    def vllm_embeddings(self, media):
         import torch
 
-        return {"image": {"image_embeds": embeddings, "image_grid_thw": torch.tensor(grid_thw)}}
+        return {
+            kind: {f"{kind}_embeds": torch.cat(rows), f"{kind}_grid_thw": torch.tensor(grids)}
+            for kind, (rows, grids) in media.by_kind().items()
+        }
 
 
 # -- video preprocessing without torchvision ---------------------------------------------------------------
