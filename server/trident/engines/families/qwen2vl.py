@@ -67,8 +67,11 @@ class Qwen2VL(Family):
         return 0 if deltas is None else int(deltas.reshape(-1)[0])
 
     def vllm_inputs(self, processor, kind, items):
-        if kind == "video":  # the sampled frames, (t, h, w, 3) uint8 per clip
-            return [np.stack(video.frames) for video in items]
+        if kind == "video":
+            # the sampled frames, (t, h, w, 3) uint8 per clip, already resized as video_patches resizes them:
+            # vLLM's (torchvision) resize to the same size then changes nothing, so a clip gives the same
+            # pixels, hence embeddings, whether vLLM or the encode worker encodes it
+            return [np.stack(resized_frames(processor, video.frames)) for video in items]
         return list(items)
 
     def vllm_embeddings(self, media):
@@ -116,13 +119,21 @@ def video_grid(processor, frames: list) -> list[int]:
     return [t, height // ip.patch_size, width // ip.patch_size]
 
 
+def resized_frames(processor, frames: list) -> list[np.ndarray]:
+    """A clip's frames resized (PIL, the image processor's filter) to the clip's patch-aligned size."""
+    from PIL import Image
+
+    height, width = _frame_size(processor, *frames[0].shape[:2])
+    if frames[0].shape[:2] == (height, width):
+        return list(frames)
+    resample = processor.image_processor.resample
+    return [np.asarray(Image.fromarray(f).resize((width, height), resample=resample)) for f in frames]
+
+
 def video_patches(processor, frames: list) -> tuple[np.ndarray, list[int]]:
     """A clip's ``pixel_values_videos`` rows and its (t, h, w) grid."""
     ip = processor.image_processor
-    height, width = _frame_size(processor, *frames[0].shape[:2])
-    from PIL import Image
-
-    resized = [np.asarray(Image.fromarray(f).resize((width, height), resample=ip.resample)) for f in frames]
+    resized = resized_frames(processor, frames)
     out = ip(images=resized, do_resize=False, temporal_patch_size=1, return_tensors="np")
     rows, grid = out["pixel_values"], out["image_grid_thw"]
     tp, (_, gh, gw) = ip.temporal_patch_size, grid[0]
