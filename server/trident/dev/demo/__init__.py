@@ -64,6 +64,17 @@ TARGET_VOCAB_SIZE = 3072
 RANDOM_WEIGHTS_NOTICE = "weights are RANDOM (demo model, not a trained model)"
 
 
+def rename_weights(folder: Path, old_prefix: str, new_prefix: str) -> None:
+    """Rename the saved weights under ``old_prefix`` to ``new_prefix`` (to the hub's layout, which vLLM loads;
+    transformers loads either)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(path)
+    renamed = {(new_prefix + k[len(old_prefix):] if k.startswith(old_prefix) else k): v for k, v in tensors.items()}
+    save_file(renamed, path, metadata={"format": "pt"})
+
+
 @dataclass(frozen=True)
 class DemoBuilder:
     """How one family's demo checkpoint is made (the family-specific half of :func:`build_demo_model`)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import INITIALIZER_RANGE, DemoBuilder
+from . import INITIALIZER_RANGE, DemoBuilder, rename_weights
 
 LLAVA_IMAGE_SIZE = 224
 LLAVA_PATCH_SIZE = 16
@@ -114,17 +114,7 @@ def _build(tokenizer, ids: dict[str, int], seed: int):
 def _after_save(folder: Path) -> None:
     """Store LLaVA's CLIP weights as ``vision_tower.vision_model.*`` (the layout of LLaVA checkpoints on the
     hub). transformers 5 saves ``vision_tower.*`` but loads both; vLLM loads only the hub layout."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    renamed = {
-        ("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
-        for k, v in tensors.items()
-    }
-    save_file(renamed, path, metadata={"format": "pt"})
-
-
+    rename_weights(folder, "vision_tower.", "vision_tower.vision_model.")
 
 
 BUILDER = DemoBuilder(

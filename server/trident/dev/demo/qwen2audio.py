@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from . import INITIALIZER_RANGE, DemoBuilder
+from pathlib import Path
+
+from . import INITIALIZER_RANGE, DemoBuilder, rename_weights
 from .qwen2vl import qwen_chat_template
 
 SPECIALS = {
@@ -73,6 +75,12 @@ def _build(tokenizer, ids: dict[str, int], seed: int):
     return model, processor
 
 
+def _after_save(folder: Path) -> None:
+    """transformers 5 saves the text model as ``language_model.model.model.*``; the hub's (and vLLM's) layout
+    is ``language_model.model.*``. transformers loads both."""
+    rename_weights(folder, "language_model.model.model.", "language_model.model.")
+
+
 BUILDER = DemoBuilder(
     arch="qwen2audio",
     specials=SPECIALS,
@@ -82,5 +90,6 @@ BUILDER = DemoBuilder(
         "audio_eos": "<|audio_eos|>", "audio": "<|AUDIO|>",
     },
     build=_build,
+    after_save=_after_save,
     describe="each audio clip (16 kHz, at most 30 s) -> ~25 <|AUDIO|> tokens per second (2 s -> 50, 30 s -> 750)",
 )
