@@ -9,8 +9,8 @@ import base64
 import pytest
 
 from support import (
-    MODES, Server, audio_bytes, b64, build_media_reference, drain_kv, frameless_video, grpc_generate, http_generate,
-    long_header_video, make_frames, make_image, make_wave, media_prompt, png_bytes, stage_output, strings,
+    MEDIA_CASES as CASES, MODES, Server, audio_bytes, b64, build_media_reference, drain_kv, frameless_video, grpc_generate, http_generate,
+    long_header_video, make_frames, make_wave, media_prompt, stage_output, strings,
     video_bytes, wait_drained,
 )
 
@@ -19,27 +19,6 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 NAME = "media-demo"
-
-# Clips are made at the server's sampling rate (--video-fps 2): every frame is sampled.
-CASES = {
-    "qwen2vl": {
-        "one-video": [("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))],
-        # 7 frames: the last temporal patch is padded with the last frame
-        "image-and-video": [("image", png_bytes(make_image(200, 150, 3))),
-                            ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="webm"))],
-    },
-    "qwen2_5vl": {
-        "one-video": [("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))],
-        "image-and-video": [("image", png_bytes(make_image(200, 150, 3))),
-                            ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="mkv"))],
-    },
-    "qwen2audio": {
-        "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],
-        "two-audio": [("audio", audio_bytes(make_wave(1.5, seed=2))), ("audio", audio_bytes(make_wave(3.2, seed=3), fmt="flac"))],
-        "text-only": [],
-    },
-}
-
 
 @pytest.fixture(scope="module", params=list(CASES))
 def server(request, demo_models, tmp_path_factory):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from support import (
-    MODES, Server, b64, bad_request, build_reference, descendants, drain_kv, grpc_generate, http_generate, make_frames,
-    media_prompt, stage_output, strings, video_bytes, wait_drained,
+    MODES, Server, audio_bytes, b64, bad_request, build_reference, descendants, drain_kv, grpc_generate, http_generate,
+    make_frames, make_wave, media_prompt, stage_output, strings, video_bytes, vllm_python, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -27,18 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
 
 
-def _vllm_python() -> str:
-    python = os.environ.get("TRIDENT_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not os.path.exists(python):
-        pytest.skip(f"no vLLM environment at {python}: run `make install-vllm` (make test does)")
-    return python
-
-
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def server(request, demo_models, tmp_path_factory):
     srv = Server(
         demo_models[request.param], tmp_path_factory.mktemp("serve-vllm") / "ws",
-        extra=["--backend", "vllm", "--worker-python", _vllm_python()],
+        extra=["--backend", "vllm", "--worker-python", vllm_python()],
     )
     tree: list[int] = []
     try:
@@ -248,17 +241,17 @@ def test_prompt_ending_in_an_image_when_decode_is_apart(server, reference, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_video_is_a_clear_400_for_now(server, reference, mode):
-    """The vllm engine takes images; a video gets a 400 that says so (LLaVA: that the model takes no video),
-    nothing is left held, and the server carries on."""
+def test_media_the_model_does_not_take_is_a_clear_400(server, reference, mode):
+    """A video to LLaVA, an audio clip to Qwen2-VL: a 400 naming what the model takes, nothing is left held,
+    and the server carries on."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(server.model_path)
     if server.arch == "qwen2vl":
-        text, message = media_prompt(tok, ["video"], "Hi."), "the vllm engine does not take video yet"
+        media, message = {"audio": [b64(audio_bytes(make_wave(1.0)))]}, "this model (qwen2vl) takes image, video only"
     else:
-        text, message = reference["one-image"]["text"], "this model (llava) takes image only"
-    status, body = http_generate(server.http, mode, text, {"video": [b64(video_bytes(make_frames(4, 64, 64, 1), fps=2))]}, GREEDY)
+        media, message = {"video": [b64(video_bytes(make_frames(4, 64, 64, 1), fps=2))]}, "this model (llava) takes image only"
+    status, body = http_generate(server.http, mode, media_prompt(tok, [], "Hi."), media, GREEDY)
     assert status == 400 and message in body["error"], body
     wait_drained(server, KV_STAGES, timeout=10)
     c = reference["one-image"]

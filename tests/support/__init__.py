@@ -11,8 +11,11 @@ from .media import (
     audio_bytes, b64, chat_prompt, frameless_video, long_header_video, make_frames, make_image, make_wave, media_prompt,
     png_bytes, video_bytes,
 )
+from .media import media_cases
 from .reference import build_media_reference, build_reference
-from .server import Server, descendants, wait_drained
+
+MEDIA_CASES = media_cases()
+from .server import Server, descendants, vllm_python, wait_drained
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 
@@ -38,7 +41,7 @@ def bad_request(case: dict, problem: str, params) -> tuple[str, list[str], objec
 IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300, 200, 2)], "text-only": []}
 
 __all__ = [
-    "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
+    "MEDIA_CASES", "vllm_python", "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
     "media_prompt", "video_bytes",
     "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "chat_prompt", "descendants", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",

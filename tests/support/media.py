@@ -132,3 +132,30 @@ def frameless_video() -> bytes:
         stream.height, stream.width, stream.pix_fmt = 48, 64, "yuv420p"
         out.start_encoding()
     return buf.getvalue()
+
+
+def media_cases() -> dict:
+    """The media end-to-end cases by family: ``case -> [(kind, bytes)]``. Clips are made at the servers'
+    sampling rate (--video-fps 2), so every frame is sampled. ``short-video`` has fewer temporal patches than
+    its frames' larger side has merged patches; the other clips have more, where transformers 5.19's Qwen2-VL
+    positions after a clip differ from Qwen's (and vLLM's): see the vLLM media test."""
+    video = ("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))
+    image_and_video = [("image", png_bytes(make_image(200, 150, 3))),
+                       # 7 frames: the last temporal patch is padded with the last frame
+                       ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="webm"))]
+    return {
+        "qwen2vl": {
+            "one-video": [video], "image-and-video": image_and_video,
+            "short-video": [("video", video_bytes(make_frames(4, 224, 168, 6), fps=2))],
+        },
+        "qwen2_5vl": {
+            "one-video": [video],
+            "image-and-video": [image_and_video[0], ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="mkv"))],
+        },
+        "qwen2audio": {
+            "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],
+            "two-audio": [("audio", audio_bytes(make_wave(1.5, seed=2))),
+                          ("audio", audio_bytes(make_wave(3.2, seed=3), fmt="flac"))],
+            "text-only": [],
+        },
+    }

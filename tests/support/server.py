@@ -23,3 +23,17 @@ def wait_drained(server: Server, stages: set[str], timeout: float = 10.0) -> dic
     assert not busy, busy
     assert all(v.get("expired", 0) == 0 for v in stats.values()), stats
     return stats
+
+
+def vllm_python() -> str:
+    """The vLLM environment's interpreter (``TRIDENT_VLLM_PYTHON``, else the checkout's ``.venv-vllm``)."""
+    import os
+    from pathlib import Path
+
+    import pytest
+
+    repo = Path(__file__).resolve().parents[2]
+    python = os.environ.get("TRIDENT_VLLM_PYTHON") or str(repo / ".venv-vllm" / "bin" / "python")
+    if not os.path.exists(python):
+        pytest.skip(f"no vLLM environment at {python}: run `make install-vllm` (make test does)")
+    return python

@@ -1,0 +1,71 @@
+"""Video and audio through the vllm engine in every mode: `trident serve --backend vllm` of the Qwen2-VL and
+Qwen2-Audio demos, over gRPC streaming and HTTP `generate`.
+
+Every vllm mode gives exactly what vLLM gives in one engine (epd). Where that is also transformers'
+`model.generate()`, the test holds it to that too:
+- Qwen2-Audio: every case.
+- Qwen2-VL: `short-video` only. For a clip with more temporal patches than its frames' larger side has merged
+  patches (`one-video`, `image-and-video`), transformers 5.19 starts the text after the clip at
+  `max(h, w) / merge` positions past the clip's start, where Qwen's reference and vLLM start it past the clip's
+  largest position (`t` included). The hf engine reproduces transformers, the vllm engine vLLM.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import (
+    MEDIA_CASES, MODES, Server, build_media_reference, grpc_generate, http_generate, vllm_python, wait_drained,
+)
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
+KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
+SAME_AS_TRANSFORMERS = {"qwen2vl": {"short-video"}, "qwen2audio": set(MEDIA_CASES["qwen2audio"])}
+
+
+@pytest.fixture(scope="module", params=["qwen2vl", "qwen2audio"])
+def server(request, demo_models, tmp_path_factory):
+    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("vllm-media") / "ws",
+                 extra=["--backend", "vllm", "--worker-python", vllm_python()])
+    try:
+        srv.wait_ready(timeout=400)
+        srv.arch = request.param
+        srv.model_path = demo_models[request.param]
+        yield srv
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return build_media_reference(server.model_path, MEDIA_CASES[server.arch], NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def aggregated(server, reference):
+    """vLLM's own output in one engine (epd) for each case."""
+    out = {}
+    for case, c in reference.items():
+        r = grpc_generate(server.grpc, "epd", c["text"], c["media"], GREEDY, stream=True)
+        assert (r.num_output_tokens, r.num_input_tokens) == (NEW_TOKENS, c["num_input_tokens"]), case
+        out[case] = r.text
+    return out
+
+
+def test_epd_equals_transformers_where_they_agree(server, reference, aggregated):
+    for case in SAME_AS_TRANSFORMERS[server.arch]:
+        assert aggregated[case] == reference[case]["expected"], case
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_equals_vllm_in_one_engine(server, reference, aggregated, mode):
+    for case, c in reference.items():
+        streamed = grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True)
+        assert streamed.text == aggregated[case], case
+        assert streamed.num_input_tokens == c["num_input_tokens"], case
+        status, body = http_generate(server.http, mode, c["text"], c["media"], GREEDY)
+        assert status == 200 and body["text_output"] == aggregated[case], (case, body)
+    wait_drained(server, KV_STAGES, timeout=30)
