@@ -23,7 +23,6 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 CASES = {"one-image": [(224, 224, 1)], "text-only": [], "two-images": [(224, 224, 1), (300, 200, 2)]}
-REPO = Path(__file__).resolve().parents[2]
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
 
 

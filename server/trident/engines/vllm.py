@@ -2,7 +2,7 @@
 
 What each stage runs:
 
-- ``generate`` (EPD) and ``encode_prefill`` (EP/D): raw images into vLLM, which runs its own vision tower.
+- ``generate`` (EPD) and ``encode_prefill`` (EP/D): raw media into vLLM, which runs its own vision or audio tower.
 - ``encode``: transformers' vision tower + projector (:class:`~trident.engines.hf.stage.HFStageEngine`),
   the embeddings published through :mod:`trident.engines.handoff` exactly as with the ``hf`` engine.
 - ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through
