@@ -188,10 +188,11 @@ class VLLMStageEngine:
         already expanded would be expanded again."""
         expanded = self.processor.prompt_ids(text, counts, kinds)
         self.processor.check_length(len(expanded))
-        media_tokens = {self.processor.token_ids[k] for k in set(kinds)}
-        if counts and self.kv_role == "kv_producer" and expanded[-1] in media_tokens:
+        last = next((k for k in set(kinds) if self.processor.token_ids[k] == expanded[-1]), None)
+        if counts and self.kv_role == "kv_producer" and last is not None:
             # the decode engine recomputes the last prompt position, without the media's embeddings
-            raise InvalidRequest("with the vllm engine the prompt must not end with a media placeholder")
+            article = "an" if last in ("image", "audio") else "a"
+            raise InvalidRequest(f"with the vllm engine the prompt must not end with {article} {last} placeholder")
         prompt: dict[str, Any] = {"prompt_token_ids": self.processor.tokenizer(text)["input_ids"]}
         if mm is not None:
             prompt["multi_modal_data"] = mm

@@ -6,14 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import INITIALIZER_RANGE, DemoBuilder, rename_weights
-from .qwen2vl import qwen_chat_template
+from .qwen2vl import SPECIALS, qwen_chat_template
 
-SPECIALS = {
-    "unk_token": "<unk>",
-    "bos_token": "<s>",
-    "eos_token": "<|im_end|>",
-    "pad_token": "<|endoftext|>",
-}
 EXTRA = {
     "im_start_token": "<|im_start|>",
     "audio_bos_token": "<|audio_bos|>",
