@@ -58,7 +58,8 @@ def perf_analyzer(url: str, mode: str, concurrency: int, data: Path, requests: i
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
-        raise RuntimeError(f"perf_analyzer failed for {mode}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+        # (its own error comes first, before the usage text it prints after some errors)
+        raise RuntimeError(f"perf_analyzer failed for {mode}:\n{run.stdout[:1500]}\n...\n{run.stderr[-2000:]}")
     doc = json.loads(export.read_text())
     reqs = [r for exp in doc["experiments"] for r in exp["requests"] if r.get("response_timestamps")]
     return _summary(
