@@ -134,21 +134,12 @@ class Processor:
         ``input_features``, with their grids or masks)."""
         return self.family.media_inputs(self, kind, items)
 
-    def pixel_inputs(self, images: list) -> dict:
-        return self.media_inputs("image", images)
-
     def layout(self, kind: str, items: list) -> tuple[list[int], list[list[int]] | None]:
         """Embedding count of each decoded item of one kind, and Qwen2-VL's (t, h, w) patch grids (None for
         the others), without running the encoder."""
         return self.family.layout(self, kind, items)
 
-    def image_layout(self, images: list) -> tuple[list[int], list[list[int]] | None]:
-        return self.layout("image", images)
-
     # -- prompt (prefill stage) -------------------------------------------------------------------
-    def count_placeholders(self, text: str, kind: str = "image") -> int:
-        return text.count(self.family.placeholders[kind].text)
-
     def check_kinds(self, counts: dict[str, int]) -> None:
         """Every kind of media the request carries must be one the model takes."""
         for kind, n in counts.items():

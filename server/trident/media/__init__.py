@@ -47,10 +47,6 @@ def check_count(kind: str, count: int) -> None:
         )
 
 
-def check_image_count(count: int) -> None:
-    check_count("image", count)
-
-
 def plural(kind: str) -> str:
     return {"image": "images", "video": "videos", "audio": "audio clips"}[kind]
 
@@ -126,9 +122,6 @@ class MediaItem:
     @classmethod
     def from_base64(cls, data: bytes | str, index: int = 0, kind: Modality = "image") -> "MediaItem":
         return cls(decode_base64(data, index, kind), index, kind)
-
-
-ImageItem = MediaItem  # an image is a media item of kind "image"
 
 
 def decode_base64_image(data: bytes | str, index: int = 0):

@@ -36,17 +36,6 @@ def open_audio(raw: bytes, index: int = 0, sample_rate: int = 16000) -> np.ndarr
     return np.ascontiguousarray(wave, dtype=np.float32)
 
 
-def duration(raw: bytes) -> float | None:
-    """A clip's length in seconds from its header, or None when it cannot be told without decoding."""
-    import soundfile
-
-    try:
-        info = soundfile.info(io.BytesIO(raw))
-        return info.frames / info.samplerate
-    except Exception:
-        return None
-
-
 def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
     """``wave`` (mono float32) from ``rate`` to ``target`` Hz, with FFmpeg's resampler."""
     import av

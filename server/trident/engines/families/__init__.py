@@ -59,20 +59,10 @@ class Family:
 
     def encode(self, model, kind: str, inputs: dict) -> tuple[list, list[list[int]] | None]:
         """Run the encoder + projector over one kind's inputs: per-item embeddings and grids (if any)."""
-        if kind != "image":
-            raise NotImplementedError(kind)
-        return self.encode_images(model, inputs)
-
-    def encode_images(self, model, pixel_inputs: dict) -> tuple[list, list[list[int]] | None]:
         raise NotImplementedError
 
     def layout(self, processor, kind: str, items: list) -> tuple[list[int], list[list[int]] | None]:
         """Embedding count of each decoded item and the grids, without running the encoder."""
-        if kind != "image":
-            raise NotImplementedError(kind)
-        return self.image_layout(processor.config, processor.image_processor, items)
-
-    def image_layout(self, config, image_processor, images: list) -> tuple[list[int], list[list[int]] | None]:
         raise NotImplementedError
 
     # -- prefill ---------------------------------------------------------------------------------------

@@ -11,18 +11,19 @@ class LLaVA(Family):
     model_class = "LlavaForConditionalGeneration"
     placeholders = {"image": Placeholder("<image>", "<image>")}
 
-    def encode_images(self, model, pixel_inputs):
+    def encode(self, model, kind, inputs):
         cfg = model.config
         out = model.model.get_image_features(
-            pixel_values=pixel_inputs["pixel_values"],
+            pixel_values=inputs["pixel_values"],
             vision_feature_layer=cfg.vision_feature_layer,
             vision_feature_select_strategy=cfg.vision_feature_select_strategy,
             return_dict=True,
         )
         return list(out.pooler_output), None
 
-    def image_layout(self, config, image_processor, images):
-        pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
+    def layout(self, processor, kind, images):
+        config = processor.config
+        pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
         height, width = pixels.shape[-2:]
         patch = config.vision_config.patch_size
         per_image = (height // patch) * (width // patch)
