@@ -264,10 +264,7 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
 
     def validate(self) -> None:
         self.transfer.validate()
-        if self.seconds is not None and (
-            len(self.seconds) != len(self.token_counts) or not all(0 <= t <= 3600 for t in self.seconds)
-        ):
-            raise MalformedRecord("embeddings record has invalid seconds per temporal patch")
+        _check_seconds(self.seconds, len(self.token_counts))
         if not self.token_counts or any(c <= 0 for c in self.token_counts):
             raise MalformedRecord(f"embeddings record has invalid token counts {self.token_counts}")
         if self.image_ids and len(self.image_ids) != len(self.token_counts):
@@ -310,11 +307,18 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     grid_thw: list[list[int]] | None
     image_ids: list[str]
     kinds: list[str] | None = None  # each item's modality; None: all images
+    seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
 
     def validate(self) -> None:
         if len(self.token_counts) != len(self.image_ids):
             raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")
         _check_kinds(self.kinds, len(self.token_counts))
+        _check_seconds(self.seconds, len(self.token_counts))
+
+
+def _check_seconds(seconds: list[float] | None, items: int) -> None:
+    if seconds is not None and (len(seconds) != items or not all(0 <= t <= 3600 for t in seconds)):
+        raise MalformedRecord("record has invalid seconds per temporal patch")
 
 
 def _check_kinds(kinds: list[str] | None, items: int) -> None:

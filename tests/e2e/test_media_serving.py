@@ -22,10 +22,12 @@ NAME = "media-demo"
 
 @pytest.fixture(scope="module", params=list(CASES))
 def server(request, demo_models, tmp_path_factory):
-    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws", extra=["--served-model-name", NAME])
+    media_dir = tmp_path_factory.mktemp("media-files")
+    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws",
+                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)])
     try:
         srv.wait_ready()
-        srv.arch = request.param
+        srv.arch, srv.media_dir = request.param, media_dir
         srv.model_path = demo_models[request.param]
         yield srv
     finally:
@@ -91,6 +93,67 @@ def test_openai_media_parts_equal_entry_model(server, reference, mode):
                                        max_tokens=NEW_TOKENS, temperature=0)
     assert r.choices[0].message.content == c["expected"]
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (c["num_input_tokens"], NEW_TOKENS)
+
+
+def test_openai_media_urls_equal_data_urls(server, reference, tmp_path):
+    """video_url and audio_url parts with a path under --allowed-media-dir, and with an http URL (fetched from
+    a local server, so by a frontend that allows private URLs), give the data URL's text; a path outside the
+    folder and a missing file are 400s naming them."""
+    import functools
+    import http.server
+    import threading
+
+    import openai
+    from fastapi.testclient import TestClient
+
+    from trident.config import FrontendSettings, MediaPolicy
+    from trident.frontend.app import create_app
+    from trident.frontend.engine import TritonEngine
+
+    case, c = _cases(server, reference)[0]
+    items = CASES[server.arch][case]
+    part = {"video": "video_url", "audio": "audio_url", "image": "image_url"}
+    for i, (kind, raw) in enumerate(items):
+        (server.media_dir / f"item{i}").write_bytes(raw)
+        (tmp_path / f"item{i}").write_bytes(raw)
+
+    def content(url) -> list[dict]:
+        return [{"type": part[kind], part[kind]: {"url": url(i)}} for i, (kind, _) in enumerate(items)] + [
+            {"type": "text", "text": "What happens in it?"}]
+
+    def ask(post, url) -> tuple[int, dict]:
+        r = post({"model": NAME, "max_tokens": NEW_TOKENS, "temperature": 0,
+                  "messages": [{"role": "user", "content": content(url)}]})
+        return r.status_code, r.json()
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content(
+        lambda i: str(server.media_dir / f"item{i}"))}], max_tokens=NEW_TOKENS, temperature=0)
+    assert r.choices[0].message.content == c["expected"]
+    with pytest.raises(openai.BadRequestError, match="outside the allowed media folder"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content(
+            lambda i: str(tmp_path / f"item{i}"))}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="is not a file"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content(
+            lambda i: f"file://{server.media_dir}/missing{i}")}], max_tokens=2)
+
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        app = create_app(FrontendSettings(model_name=NAME, model_path=server.model_path,
+                                          media=MediaPolicy(allow_private_urls=True)), TritonEngine(server.grpc))
+        with TestClient(app) as http_client:
+            def post(body):
+                return http_client.post("/v1/chat/completions", json=body)
+            status, body = ask(post, lambda i: f"{base}/item{i}")
+            assert status == 200 and body["choices"][0]["message"]["content"] == c["expected"], body
+            status, body = ask(post, lambda i: f"{base}/missing{i}")
+            assert status == 400 and "HTTP 404" in body["error"]["message"], body
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def _bad_media(arch: str, prompt) -> dict:

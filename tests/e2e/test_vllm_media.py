@@ -1,13 +1,14 @@
-"""Video and audio through the vllm engine in every mode: `trident serve --backend vllm` of the Qwen2-VL and
-Qwen2-Audio demos, over gRPC streaming and HTTP `generate`.
+"""Video and audio through the vllm engine in every mode: `trident serve --backend vllm` of the Qwen2-VL,
+Qwen2.5-VL and Qwen2-Audio demos, over gRPC streaming and HTTP `generate`.
 
 Every vllm mode gives exactly what vLLM gives in one engine (epd). Where that is also transformers'
 `model.generate()`, the test holds it to that too:
 - Qwen2-Audio: every case.
-- Qwen2-VL: `short-video` only. For a clip with more temporal patches than its frames' larger side has merged
-  patches (`one-video`, `image-and-video`), transformers 5.19 starts the text after the clip at
-  `max(h, w) / merge` positions past the clip's start, where Qwen's reference and vLLM start it past the clip's
-  largest position (`t` included). The hf engine reproduces transformers, the vllm engine vLLM.
+- Qwen2-VL and Qwen2.5-VL: `short-video` only. For a clip whose temporal positions reach further than its
+  frames' larger side in merged patches (`one-video`, `image-and-video`: more temporal patches than that for
+  Qwen2-VL; Qwen2.5-VL spaces them `tokens_per_second * seconds per patch` apart), transformers 5.19 starts the
+  text after the clip `max(h, w) / merge` positions past the clip's start, where Qwen's reference and vLLM
+  start it past the clip's largest position. The hf engine reproduces transformers, the vllm engine vLLM.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
-SAME_AS_TRANSFORMERS = {"qwen2vl": {"short-video"}, "qwen2audio": set(MEDIA_CASES["qwen2audio"])}
+SAME_AS_TRANSFORMERS = {
+    "qwen2vl": {"short-video"}, "qwen2_5vl": {"short-video"}, "qwen2audio": set(MEDIA_CASES["qwen2audio"]),
+}
 
 
-@pytest.fixture(scope="module", params=["qwen2vl", "qwen2audio"])
+@pytest.fixture(scope="module", params=["qwen2vl", "qwen2_5vl", "qwen2audio"])
 def server(request, demo_models, tmp_path_factory):
     srv = Server(demo_models[request.param], tmp_path_factory.mktemp("vllm-media") / "ws",
                  extra=["--backend", "vllm", "--worker-python", vllm_python()])

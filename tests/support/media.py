@@ -140,17 +140,19 @@ def media_cases() -> dict:
     its frames' larger side has merged patches; the other clips have more, where transformers 5.19's Qwen2-VL
     positions after a clip differ from Qwen's (and vLLM's): see the vLLM media test."""
     video = ("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))
+    short_video = ("video", video_bytes(make_frames(4, 224, 168, 6), fps=2))
     image_and_video = [("image", png_bytes(make_image(200, 150, 3))),
                        # 7 frames: the last temporal patch is padded with the last frame
                        ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="webm"))]
     return {
         "qwen2vl": {
             "one-video": [video], "image-and-video": image_and_video,
-            "short-video": [("video", video_bytes(make_frames(4, 224, 168, 6), fps=2))],
+            "short-video": [short_video],
         },
         "qwen2_5vl": {
             "one-video": [video],
             "image-and-video": [image_and_video[0], ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="mkv"))],
+            "short-video": [short_video],
         },
         "qwen2audio": {
             "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],

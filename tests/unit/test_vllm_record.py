@@ -36,6 +36,8 @@ def test_kv_record_round_trip_and_size():
     (sign(msgspec.msgpack.encode([1, "x"])), "kind and format version"),
     (sign(msgspec.msgpack.encode(["vllm_kv/1", {}])), "'vllm_kv/1' is not supported"),
     (_record(image_ids=[]).encode(), "item token counts and item ids"),
+    (_record(seconds=[1.0, 1.0]).encode(), "invalid seconds per temporal patch"),
+    (_record(seconds=[float("nan")]).encode(), "invalid seconds per temporal patch"),
 ])
 def test_malformed_kv_records_are_refused(data, message):
     with pytest.raises(MalformedRecord, match=message):
@@ -74,3 +76,23 @@ def test_decode_refuses_image_counts_beyond_the_prompt_before_allocating(demo_mo
     for counts, prompt_len in (([10**12], 220), ([300], 220), ([196], 10**9)):
         with pytest.raises(InvalidRequest, match="context window"):  # once: zeros(10**12, 4096) first
             engine._decode_inputs(text, _record(token_counts=counts, prompt_len=prompt_len))
+
+
+def test_decode_gives_vllm_each_clip_s_seconds_per_temporal_patch(demo_models):
+    """Qwen2.5-VL's positions after a clip follow its sampling rate: the decode side hands vLLM the seconds the
+    prefill side recorded, or its positions would not continue the prefilled ones."""
+    from transformers import AutoTokenizer
+
+    from support import media_prompt
+
+    engine = _decode_side(demo_models["qwen2_5vl"])
+    text = media_prompt(AutoTokenizer.from_pretrained(demo_models["qwen2_5vl"]), ["image", "video"], "What is it?")
+    ids = engine.processor.tokenizer(text)["input_ids"]
+    counts, kinds = [16, 30], ["image", "video"]
+    length = len(engine.processor.prompt_ids(text, counts, kinds))
+    record = _record(prompt_len=length, prompt_digest=prompt_digest(ids), token_counts=counts, kinds=kinds,
+                     grid_thw=[[1, 8, 8], [5, 4, 6]], image_ids=["a" * 32, "b" * 32], seconds=[0.0, 1.0])
+    mm = engine._decode_inputs(text, record)[0]["multi_modal_data"]
+    assert mm["video"]["second_per_grid_ts"].tolist() == [1.0]
+    assert mm["video"]["video_embeds"].shape == (30, 8) and mm["video"]["video_grid_thw"].tolist() == [[5, 4, 6]]
+    assert "second_per_grid_ts" not in mm["image"]

@@ -209,41 +209,46 @@ class VLLMStageEngine:
         finally:
             release()
 
-    def _decoded(self, media: list) -> tuple[dict, list[int], list[list[int]] | None, list[str]]:
-        """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind) and each item's token count,
-        grid and content id, in order."""
+    def _decoded(self, media: list) -> tuple[dict, MediaEmbeddings, list[str]]:
+        """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
+        counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
         with timings.step("media_decode"):
             decoded = [self.processor.open(item) for item in media]
         mm: dict = {}
         counts: list[int] = []
         grids: list = []
+        seconds: list[float] = []
         for kind in dict.fromkeys(item.kind for item in media):
             items = [d for d, item in zip(decoded, media) if item.kind == kind]
             mm[kind] = self.family.vllm_inputs(self.processor, kind, items)
             c, g = self.family.layout(self.processor, kind, items)
             counts += c
             grids += g if g is not None else [None] * len(c)
+            seconds += self.family.clip_seconds(self.processor, kind, items) or [0.0] * len(c)
+        layout = MediaEmbeddings(
+            torch.empty(0), counts, grids if any(g is not None for g in grids) else None,
+            [item.kind for item in media], seconds if any(seconds) else None,
+        )
         ids = [image_digest(d) if item.kind == "image" else item.content_id for d, item in zip(decoded, media)]
-        return mm, counts, (grids if any(g is not None for g in grids) else None), ids
+        return mm, layout, ids
 
     async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
-        """vLLM's prompt and what the decode side needs: (prompt, expanded length, counts, grids, kinds, ids)."""
+        """vLLM's prompt and what the decode side needs: (prompt, expanded length, the media's layout (token
+        counts, grids, kinds, seconds), the items' ids)."""
         if media:
             self.processor.check_placeholders(text, media_counts(media))
-            kinds = [item.kind for item in media]
-            mm, counts, grids, ids = await asyncio.to_thread(self._decoded, media)
-            prompt, length = self._prompt(text, counts, kinds, mm, ids)
-            return prompt, length, counts, grids, kinds, ids
+            mm, layout, ids = await asyncio.to_thread(self._decoded, media)
+            prompt, length = self._prompt(text, layout.token_counts, layout.item_kinds, mm, ids)
+            return prompt, length, layout, ids
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
             loop = asyncio.get_running_loop()
             emb = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
-            kinds = emb.item_kinds
-            ids = list(record.image_ids) or [uuid.uuid4().hex for _ in kinds]
-            prompt, length = self._prompt(text, emb.token_counts, kinds, self.family.vllm_embeddings(emb), ids)
-            return prompt, length, emb.token_counts, emb.grid_thw, kinds, ids
+            ids = list(record.image_ids) or [uuid.uuid4().hex for _ in emb.token_counts]
+            prompt, length = self._prompt(text, emb.token_counts, emb.item_kinds, self.family.vllm_embeddings(emb), ids)
+            return prompt, length, emb, ids
         prompt, length = self._prompt(text, [], [], None, [])
-        return prompt, length, [], None, [], []
+        return prompt, length, MediaEmbeddings(torch.empty(0), [], kinds=[]), []
 
     def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> tuple[dict, int]:
         if text is None:
@@ -259,7 +264,7 @@ class VLLMStageEngine:
             self.processor.check_kinds(dict.fromkeys(kinds, 1))
             placeholders = MediaEmbeddings(
                 torch.zeros(sum(record.token_counts), self.hidden_size), list(record.token_counts),
-                record.grid_thw, kinds,
+                record.grid_thw, kinds, record.seconds,
             )
             mm = self.family.vllm_embeddings(placeholders)
         prompt, length = self._prompt(text, record.token_counts, kinds, mm, record.image_ids)
@@ -274,7 +279,7 @@ class VLLMStageEngine:
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
-        prompt, length, counts, grids, kinds, image_ids = await self._inputs(text, list(media), embedding_meta)
+        prompt, length, layout, image_ids = await self._inputs(text, list(media), embedding_meta)
         sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True,
                              extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         final = None
@@ -285,8 +290,8 @@ class VLLMStageEngine:
         digest = prompt_digest(prompt["prompt_token_ids"])
         return VLLMKVRecord(
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
-            token_counts=counts, grid_thw=grids, image_ids=image_ids,
-            kinds=kinds if set(kinds) - {"image"} else None,
+            token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
+            kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
         ).encode()
 
     async def generate(

@@ -85,6 +85,11 @@ class Family:
         """Offset of decode positions from the cache length after a prefill (0 for 1-D positions)."""
         return 0
 
+    def clip_seconds(self, processor, kind: str, items: list) -> list[float] | None:
+        """Seconds per temporal patch of each decoded clip, for families whose positions follow time
+        (None: the family's positions do not)."""
+        return None
+
     # -- vLLM -------------------------------------------------------------------------------------------
     def vllm_inputs(self, processor, kind: str, items: list) -> list:
         """vLLM's ``multi_modal_data[kind]`` for decoded items (vLLM preprocesses and encodes them itself)."""

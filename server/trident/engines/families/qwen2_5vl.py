@@ -15,9 +15,13 @@ class Qwen25VL(Qwen2VL):
     def media_inputs(self, processor, kind, items):
         out = super().media_inputs(processor, kind, items)
         if kind == "video":
-            tp = processor.image_processor.temporal_patch_size
-            out["second_per_grid_ts"] = [tp / video.fps for video in items]
+            out["second_per_grid_ts"] = self.clip_seconds(processor, kind, items)
         return out
+
+    def clip_seconds(self, processor, kind, items):
+        if kind != "video":
+            return None
+        return [processor.image_processor.temporal_patch_size / video.fps for video in items]
 
     def prefill_inputs(self, model, input_ids, media, token_ids):
         import torch
@@ -27,6 +31,27 @@ class Qwen25VL(Qwen2VL):
         if seconds:
             kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
         return kwargs
+
+    def vllm_inputs(self, processor, kind, items):
+        frames = super().vllm_inputs(processor, kind, items)
+        if kind != "video":
+            return frames
+        # vLLM's Qwen2.5-VL takes a clip with its metadata: the sampling rate gives its seconds per temporal
+        # patch (frames already sampled: vLLM samples none again)
+        return [
+            (clip, {"fps": video.fps, "duration": video.duration, "total_num_frames": len(clip),
+                    "frames_indices": list(range(len(clip))), "video_backend": "pyav", "do_sample_frames": False})
+            for clip, video in zip(frames, items)
+        ]
+
+    def vllm_embeddings(self, media):
+        import torch
+
+        out = super().vllm_embeddings(media)
+        seconds = [s for kind, s in zip(media.item_kinds, media.seconds or []) if kind == "video"]
+        if "video" in out and seconds:
+            out["video"]["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+        return out
 
 
 FAMILY = Qwen25VL()
