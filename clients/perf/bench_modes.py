@@ -38,17 +38,26 @@ def start_server(model: str, workspace: Path, ports: list[int]) -> subprocess.Po
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
            "--openai-port", str(ports[3])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workspace.mkdir(parents=True, exist_ok=True)
+    log = open(workspace / "serve.log", "w")  # what the server says, kept with the run's files
+
+    def keep(line: str) -> None:
+        log.write(line)
+        log.flush()
+
     t0 = time.monotonic()
     for line in proc.stdout:
+        keep(line)
         if line.startswith("[trident] ready"):
             print(f"server ready in {time.monotonic() - t0:.1f} s", flush=True)
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: [keep(line) for line in proc.stdout], daemon=True).start()
             return proc
     raise RuntimeError("trident serve exited before it was ready")
 
 
 def perf_analyzer(url: str, mode: str, concurrency: int, data: Path, requests: int, out_dir: Path) -> dict:
-    export = out_dir / f"{mode}-c{concurrency}.json"
+    # one file per workload: perf_analyzer will not write over an earlier run's (it prints its usage instead)
+    export = out_dir / f"{data.stem}-{mode}-c{concurrency}.json"
     cmd = [
         shutil.which("perf_analyzer") or str(Path(sys.executable).parent / "perf_analyzer"),
         "-m", mode, "-u", url, "-i", "grpc", "--streaming", "--async",
@@ -56,10 +65,13 @@ def perf_analyzer(url: str, mode: str, concurrency: int, data: Path, requests: i
         "--measurement-mode", "count_windows", "--measurement-request-count", str(requests),
         "--stability-percentage", "999", "--max-trials", "10", "--profile-export-file", str(export),
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"perf_analyzer did not finish {mode} c={concurrency} in 300 s: requests stalled") from None
     if run.returncode != 0:
         # (its own error comes first, before the usage text it prints after some errors)
-        raise RuntimeError(f"perf_analyzer failed for {mode}:\n{run.stdout[:1500]}\n...\n{run.stderr[-2000:]}")
+        raise RuntimeError(f"perf_analyzer failed for {mode}:\n{run.stdout[:1500]}\n{run.stderr[:1500]}")
     doc = json.loads(export.read_text())
     reqs = [r for exp in doc["experiments"] for r in exp["requests"] if r.get("response_timestamps")]
     return _summary(
@@ -180,37 +192,43 @@ def main() -> int:
     sampling = {"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
     rows: list[tuple[str, str, str, int, dict]] = []  # (media, mode, tool, concurrency, summary)
-    for media in args.media:
-        arch, shape, _ = WORKLOADS[media]
-        model = args.model if media == "image" and args.model else str(default_demo_model(arch))
-        doc = perf_analyzer_inputs(arch, size=(224, 224), requests=8, sampling=sampling, **shape)
-        data = work / f"input-{media}.json"
-        data.write_text(json.dumps(doc))
-        ports = free_ports(4)
-        server = start_server(model, work / f"ws-{media}", ports)
-        try:
+    try:
+        for media in args.media:
+            arch, shape, _ = WORKLOADS[media]
+            model = args.model if media == "image" and args.model else str(default_demo_model(arch))
+            doc = perf_analyzer_inputs(arch, size=(224, 224), requests=8, sampling=sampling, **shape)
+            data = work / f"input-{media}.json"
+            data.write_text(json.dumps(doc))
+            ports = free_ports(4)
+            server = start_server(model, work / f"ws-{media}", ports)
+            try:
+                for c in args.concurrency:
+                    for mode in MODES:
+                        r = perf_analyzer(f"127.0.0.1:{ports[1]}", mode, c, data, args.requests, work)
+                        r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
+                        rows.append((media, mode, "perf_analyzer", c, r))
+                        print(f"  {media} perf_analyzer {mode:6} c={c}: {r}", flush=True)
+                        if args.aiperf and media == "image":
+                            name = f"{Path(model).name}:{mode}"
+                            r = aiperf(args.aiperf, f"http://127.0.0.1:{ports[3]}", name, model, c, 3 * args.requests,
+                                       args.new_tokens, work)
+                            rows.append((media, mode, "aiperf (OpenAI)", c, r))
+                            print(f"  {media} aiperf        {mode:6} c={c}: {r}", flush=True)
+            finally:
+                if (work / f"ws-{media}" / "stats").is_dir():  # the workers' last stats, as the run left them
+                    shutil.copytree(work / f"ws-{media}" / "stats", work / f"stats-{media}", dirs_exist_ok=True)
+                server.send_signal(signal.SIGTERM)
+                server.wait(120)
+            first = doc["data"][0]
+            item = _media_item(first, media)
             for c in args.concurrency:
-                for mode in MODES:
-                    r = perf_analyzer(f"127.0.0.1:{ports[1]}", mode, c, data, args.requests, work)
-                    r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
-                    rows.append((media, mode, "perf_analyzer", c, r))
-                    print(f"  {media} perf_analyzer {mode:6} c={c}: {r}", flush=True)
-                    if args.aiperf and media == "image":
-                        name = f"{Path(model).name}:{mode}"
-                        r = aiperf(args.aiperf, f"http://127.0.0.1:{ports[3]}", name, model, c, 3 * args.requests,
-                                   args.new_tokens, work)
-                        rows.append((media, mode, "aiperf (OpenAI)", c, r))
-                        print(f"  {media} aiperf        {mode:6} c={c}: {r}", flush=True)
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
-        first = doc["data"][0]
-        item = _media_item(first, media)
-        for c in args.concurrency:
-            r = in_process(model, first["text_input"][0], item, json.dumps(sampling), c, 3 * args.requests)
-            r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
-            rows.append((media, "in-process", "hf engine", c, r))
-            print(f"  {media} in-process hf     c={c}: {r}", flush=True)
+                r = in_process(model, first["text_input"][0], item, json.dumps(sampling), c, 3 * args.requests)
+                r["tok_s"] = r["requests"] * args.new_tokens / r["span_s"]
+                rows.append((media, "in-process", "hf engine", c, r))
+                print(f"  {media} in-process hf     c={c}: {r}", flush=True)
+    except BaseException:
+        print(f"failed; the run's files (server logs, worker stats, inputs) stay in {work}", flush=True)
+        raise
     shutil.rmtree(work, ignore_errors=True)
 
     base = {(media, c): r for media, m, _, c, r in rows if m == "in-process"}
@@ -280,9 +298,10 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
         *("| " + " | ".join(line) + " |" for line in lines),
         "", f"![throughput and TTFT per mode]({chart.name})", "",
     ]
-    # the sections of make bench-hops and make bench-scheduler (from the first one's marker on) stay
+    # the sections of make bench-openai, bench-hops and bench-scheduler (from the first one's marker on) stay
     text = path.read_text() if path.exists() else ""
-    starts = [i for i in (text.find("<!-- bench-hops -->"), text.find("<!-- bench-scheduler -->")) if i >= 0]
+    markers = ("<!-- bench-openai -->", "<!-- bench-hops -->", "<!-- bench-scheduler -->")
+    starts = [i for i in (text.find(m) for m in markers) if i >= 0]
     path.write_text("\n".join(md) + ("\n" + text[min(starts):] if starts else ""))
     print(f"wrote {path} and {chart}")
 

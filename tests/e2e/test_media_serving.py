@@ -5,13 +5,14 @@ gRPC streaming, gRPC and HTTP `generate`, and through the OpenAI API; bad media 
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 
 from support import (
-    MEDIA_CASES as CASES, MODES, Server, audio_bytes, b64, build_media_reference, drain_kv, frameless_video, grpc_generate, http_generate,
-    long_header_video, make_frames, make_wave, media_prompt, stage_output, strings,
-    video_bytes, wait_drained,
+    MEDIA_CASES as CASES, MODES, audio_bytes, b64, bad_media, build_media_reference, drain_kv, grpc_generate, http_generate,
+    make_frames, make_wave, media_prompt, stage_output, strings,
+    serving, video_bytes, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -23,15 +24,10 @@ NAME = "media-demo"
 @pytest.fixture(scope="module", params=list(CASES))
 def server(request, demo_models, tmp_path_factory):
     media_dir = tmp_path_factory.mktemp("media-files")
-    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws",
-                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)])
-    try:
-        srv.wait_ready()
+    with serving(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws",
+                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)]) as srv:
         srv.arch, srv.media_dir = request.param, media_dir
-        srv.model_path = demo_models[request.param]
         yield srv
-    finally:
-        assert srv.stop() == 0, "\n".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +55,43 @@ def test_modes_equal_generate(server, reference, mode):
         assert (whole.text, whole.responses) == (c["expected"], 1), case
         status, body = http_generate(server.http, mode, c["text"], c["media"], GREEDY)
         assert status == 200 and body["text_output"] == c["expected"], (case, body)
+
+
+def test_a_repeated_clip_is_a_cache_hit_and_a_new_one_is_encoded_once(server, reference):
+    """The embedding cache and encode-once key clips by content: the same clip again (through another mode)
+    runs no encoder, and four concurrent requests with a clip the cache has not seen encode it once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    case, c = _cases(server, reference)[0]
+    clips = len(CASES[server.arch][case])
+
+    def encode_stats(until=None) -> dict:
+        deadline = time.monotonic() + 5
+        while True:
+            stats = server.stats()["encode"]
+            if until is None or until(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def run(mode: str = "e_p_d") -> str:
+        return grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text
+
+    assert run() == c["expected"]
+    before = encode_stats(lambda s: s["leases"] == 0)
+    for mode in ("e_p_d", "e_pd"):
+        assert run(mode) == c["expected"]
+    after = encode_stats(lambda s: s["published"] == before["published"] + 2)
+    assert after["vision_runs"] == before["vision_runs"]
+    assert after["cache_hits"] - before["cache_hits"] == 2 * clips
+
+    kind, raw = CASES[server.arch][case][0]
+    fresh = {**c["media"], kind: [b64(raw + b"\0")] + c["media"][kind][1:]}  # other bytes, the same clip
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: grpc_generate(server.grpc, "e_p_d", c["text"], fresh, GREEDY).text, range(4)))
+    assert texts == [c["expected"]] * 4
+    done = encode_stats(lambda s: s["published"] == after["published"] + 4)
+    assert done["cache_misses"] - after["cache_misses"] == 1
+    assert (done["encodes_shared"] - after["encodes_shared"]) + (done["cache_hits"] - after["cache_hits"]) == 4 * clips - 1
 
 
 def test_ensemble_carries_media(server, reference):
@@ -156,42 +189,12 @@ def test_openai_media_urls_equal_data_urls(server, reference, tmp_path):
         httpd.server_close()
 
 
-def _bad_media(arch: str, prompt) -> dict:
-    """problem -> (text, media, what the 400 must say)."""
-    video = video_bytes(make_frames(10, 96, 64, 2), fps=2)
-    one_video, one_audio = prompt(["video"]), prompt(["audio"])
-    if arch != "qwen2audio":
-        return {
-            "truncated mp4": (one_video, {"video": [b64(video[: len(video) // 3])]}, "video 0 could not be decoded as a video"),
-            "zero frames": (one_video, {"video": [b64(frameless_video())]}, "video 0 has no frames"),
-            "4-hour header": (one_video, {"video": [b64(long_header_video(4))]},
-                              "video 0 is 14400.0 s long, more than 600 s (--video-max-seconds)"),
-            "audio as video": (one_video, {"video": [b64(audio_bytes(make_wave(1.0)))]}, "video 0 has no video stream"),
-            "placeholder mismatch": (prompt(["image"]), {"video": [b64(video)]},
-                                     "the prompt has 1 image placeholder(s) '<|vision_start|><|image_pad|><|vision_end|>' "
-                                     "but the request carries 0 image(s)"),
-            "audio to a vision model": (one_video, {"video": [b64(video)], "audio": [b64(audio_bytes(make_wave(1.0)))]},
-                                        f"the request carries audio but this model ({arch}) takes image, video only"),
-            "too many videos": (one_video, {"video": [b64(video)] * 5}, "carries 5 videos; at most 4 are accepted"),
-        }
-    return {
-        "10-minute clip": (one_audio, {"audio": [b64(audio_bytes(make_wave(600.0, seed=4), fmt="mp3"))]},
-                           "audio 0 is 600.0 s long, more than 30 s (--audio-max-seconds)"),
-        "not audio": (one_audio, {"audio": [b64(b"RIFF but not really a wave file at all")]},
-                      "audio 0 could not be decoded as audio"),
-        "placeholder mismatch": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))] * 2},
-                                 "the prompt has 1 audio placeholder(s)"),
-        "video to an audio model": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))], "video": [b64(video)]},
-                                    "the request carries video but this model (qwen2audio) takes audio only"),
-    }
-
-
 @pytest.mark.parametrize("mode", ["e_p_d", "epd"])
 def test_bad_media_is_a_clear_400_and_the_server_carries_on(server, reference, mode):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(server.model_path)
-    for problem, (text, media, message) in _bad_media(server.arch, lambda kinds: media_prompt(tok, kinds, "Hi.")).items():
+    for problem, (text, media, message) in bad_media(server.arch, lambda kinds: media_prompt(tok, kinds, "Hi.")).items():
         status, body = http_generate(server.http, mode, text, media, GREEDY)
         assert status == 400 and message in body.get("error", ""), (problem, status, body)
     case, c = _cases(server, reference)[0]

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import requests
 
-from support import MODES, Server, b64, grpc_generate, make_image, png_bytes
+from support import MODES, b64, grpc_generate, make_image, png_bytes, serving
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +28,9 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory, media_dir):
-    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("oai") / "ws",
-                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)])
-    try:
-        srv.wait_ready()
+    with serving(demo_models["llava"], tmp_path_factory.mktemp("oai") / "ws",
+                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)]) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from support import Server, build_reference, grpc_generate, http_generate
+from support import build_reference, grpc_generate, http_generate, serving
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +41,12 @@ CASES = {
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp("trace")
-    srv = Server(
+    with serving(
         demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
         extra=["--instances", "prefill=2", "--embedding-cache-mib", str(CACHE_MIB), "--trace-dir", str(trace_dir)],
-    )
-    srv.trace_dir = trace_dir
-    try:
-        srv.wait_ready()
+    ) as srv:
+        srv.trace_dir = trace_dir
         yield srv
-    finally:
-        assert srv.stop() == 0, "\n".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 from support import (
-    MEDIA_CASES, MODES, Server, build_media_reference, grpc_generate, http_generate, vllm_python, wait_drained,
+    MEDIA_CASES, MODES, bad_media, build_media_reference, grpc_generate, http_generate, media_prompt,
+    serving, vllm_python, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,15 +32,10 @@ SAME_AS_TRANSFORMERS = {
 
 @pytest.fixture(scope="module", params=["qwen2vl", "qwen2_5vl", "qwen2audio"])
 def server(request, demo_models, tmp_path_factory):
-    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("vllm-media") / "ws",
-                 extra=["--backend", "vllm", "--worker-python", vllm_python()])
-    try:
-        srv.wait_ready(timeout=400)
+    with serving(demo_models[request.param], tmp_path_factory.mktemp("vllm-media") / "ws", timeout=400,
+                 extra=["--backend", "vllm", "--worker-python", vllm_python()]) as srv:
         srv.arch = request.param
-        srv.model_path = demo_models[request.param]
         yield srv
-    finally:
-        assert srv.stop() == 0, "\n".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")
@@ -71,4 +67,17 @@ def test_every_mode_equals_vllm_in_one_engine(server, reference, aggregated, mod
         assert streamed.num_input_tokens == c["num_input_tokens"], case
         status, body = http_generate(server.http, mode, c["text"], c["media"], GREEDY)
         assert status == 200 and body["text_output"] == aggregated[case], (case, body)
+    wait_drained(server, KV_STAGES, timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["e_p_d", "epd"])
+def test_bad_media_is_a_clear_400_and_the_server_carries_on(server, reference, aggregated, mode):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    for problem, (text, media, message) in bad_media(server.arch, lambda kinds: media_prompt(tok, kinds, "Hi.")).items():
+        status, body = http_generate(server.http, mode, text, media, GREEDY)
+        assert status == 400 and message in body.get("error", ""), (problem, status, body)
+    case, c = next(iter(reference.items()))
+    assert grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text == aggregated[case]
     wait_drained(server, KV_STAGES, timeout=30)

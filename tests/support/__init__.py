@@ -11,11 +11,11 @@ from .media import (
     audio_bytes, b64, chat_prompt, frameless_video, long_header_video, make_frames, make_image, make_wave, media_prompt,
     png_bytes, video_bytes,
 )
-from .media import media_cases
+from .media import bad_media, media_cases
 from .reference import build_media_reference, build_reference
 
 MEDIA_CASES = media_cases()
-from .server import Server, descendants, vllm_python, wait_drained
+from .server import Server, descendants, serving, vllm_python, wait_drained
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 

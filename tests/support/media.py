@@ -161,3 +161,34 @@ def media_cases() -> dict:
             "text-only": [],
         },
     }
+
+
+def bad_media(arch: str, prompt) -> dict:
+    """Bad media for a family: problem -> (text, media, what the 400 must say); ``prompt(kinds)`` writes a
+    chat prompt with those placeholders."""
+    video = video_bytes(make_frames(10, 96, 64, 2), fps=2)
+    one_video, one_audio = prompt(["video"]), prompt(["audio"])
+    if arch != "qwen2audio":
+        return {
+            "truncated mp4": (one_video, {"video": [b64(video[: len(video) // 3])]}, "video 0 could not be decoded as a video"),
+            "zero frames": (one_video, {"video": [b64(frameless_video())]}, "video 0 has no frames"),
+            "4-hour header": (one_video, {"video": [b64(long_header_video(4))]},
+                              "video 0 is 14400.0 s long, more than 600 s (--video-max-seconds)"),
+            "audio as video": (one_video, {"video": [b64(audio_bytes(make_wave(1.0)))]}, "video 0 has no video stream"),
+            "placeholder mismatch": (prompt(["image"]), {"video": [b64(video)]},
+                                     "the prompt has 1 image placeholder(s) '<|vision_start|><|image_pad|><|vision_end|>' "
+                                     "but the request carries 0 image(s)"),
+            "audio to a vision model": (one_video, {"video": [b64(video)], "audio": [b64(audio_bytes(make_wave(1.0)))]},
+                                        f"the request carries audio but this model ({arch}) takes image, video only"),
+            "too many videos": (one_video, {"video": [b64(video)] * 5}, "carries 5 videos; at most 4 are accepted"),
+        }
+    return {
+        "10-minute clip": (one_audio, {"audio": [b64(audio_bytes(make_wave(600.0, seed=4), fmt="mp3"))]},
+                           "audio 0 is 600.0 s long, more than 30 s (--audio-max-seconds)"),
+        "not audio": (one_audio, {"audio": [b64(b"RIFF but not really a wave file at all")]},
+                      "audio 0 could not be decoded as audio"),
+        "placeholder mismatch": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))] * 2},
+                                 "the prompt has 1 audio placeholder(s)"),
+        "video to an audio model": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))], "video": [b64(video)]},
+                                    "the request carries video but this model (qwen2audio) takes audio only"),
+    }

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from trident.dev.served import Server, descendants, held
 
-__all__ = ["Server", "descendants", "wait_drained"]
+__all__ = ["Server", "descendants", "serving", "wait_drained"]
+
+
+@contextlib.contextmanager
+def serving(model: str, workspace, *, timeout: float = 240, **kwargs):
+    """A ready `trident serve` of ``model`` (:class:`Server` arguments), stopped at the end, where it must
+    exit cleanly (0)."""
+    srv = Server(model, workspace, **kwargs)
+    try:
+        srv.wait_ready(timeout=timeout)
+        yield srv
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
 
 
 def wait_drained(server: Server, stages: set[str], timeout: float = 10.0) -> dict[str, dict]:
