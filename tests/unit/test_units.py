@@ -136,3 +136,37 @@ def test_stage_instances_run_their_calls_on_one_loop_at_once():
         t.join(10)
     assert sorted(r[0]["n"] for r in results) == [0, 1, 2]
     assert len(loops) == 1 and peak == 3
+
+
+def test_a_later_stage_instance_waits_for_the_first_one_s_config_socket(tmp_path, monkeypatch):
+    """PyTriton gives a model's first instance 1 s to open the config socket its other instances read; the
+    stage stubs' proxy waits longer, then takes the config through PyTriton's own hand-shake."""
+    import sys
+    import threading
+    import time
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    from pytriton.proxy.communication import HandshakeServer, get_config_from_handshake_server
+
+    from trident.workers import proxy_model
+
+    socket_path = tmp_path / "prefill-config.sock"
+    with pytest.raises(TimeoutError):  # PyTriton's own, without the first instance there
+        get_config_from_handshake_server(socket_path)
+    servers: list = []
+
+    def first_instance_starts_late() -> None:
+        time.sleep(2.5)
+        server = HandshakeServer(socket_path, {"authkey": "c2VjcmV0"})
+        server.start()
+        servers.append(server)
+
+    threading.Thread(target=first_instance_starts_late, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        assert proxy_model.patient_handshake(socket_path) == {"authkey": "c2VjcmV0"}
+        assert time.monotonic() - t0 >= 2.5
+    finally:
+        for server in servers:
+            server.close()

@@ -22,6 +22,7 @@ from trident.errors import Unavailable, client_message, from_wire, to_wire
 from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE
 
 WATCH_S = 0.5  # how often a request waiting on the worker checks that the worker still runs
+HANDSHAKE_S = 120.0  # how long a model's later instances wait for its first instance's config socket
 _worker: dict = {}  # {"pid": ..., "name": ...} of this stub's worker
 
 
@@ -183,6 +184,22 @@ class TritonPythonModel(_proxy.TritonPythonModel):
             timings.mark("execute", t0)
 
 
+_pytriton_handshake = _proxy.get_config_from_handshake_server
+
+
+def patient_handshake(socket_path: Path, timeout_s: float = 1.0) -> dict:
+    """PyTriton's config hand-shake, with time to wait. A stage model's second and later instances read their
+    config from a socket that its first instance opens; Triton starts the instances side by side and PyTriton
+    gives that socket 1 s to appear. On a busy machine the first instance takes longer to get there, and the
+    model failed to load (``--vllm-prefill-calls 2`` at start-up beside vLLM engines). The socket is waited
+    for up to :data:`HANDSHAKE_S`; the exchange itself keeps PyTriton's limit."""
+    deadline = time.monotonic() + HANDSHAKE_S
+    while not Path(socket_path).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _pytriton_handshake(socket_path, timeout_s)
+
+
+_proxy.get_config_from_handshake_server = patient_handshake
 _proxy.pb_utils = _BackendUtils()
 _proxy.BatchResponsesHandler = _BatchResponses
 _proxy.DecoupledResponsesHandler = _DecoupledResponses
