@@ -87,7 +87,7 @@ def test_a_repeated_clip_is_a_cache_hit_and_a_new_one_is_encoded_once(server, re
     kind, raw = CASES[server.arch][case][0]
     fresh = {**c["media"], kind: [b64(raw + b"\0")] + c["media"][kind][1:]}  # other bytes, the same clip
     with ThreadPoolExecutor(4) as pool:
-        texts = list(pool.map(lambda _: grpc_generate(server.grpc, "e_p_d", c["text"], fresh, GREEDY).text, range(4)))
+        texts = list(pool.map(lambda _: grpc_generate(server.grpc, "e_p_d", c["text"], fresh, GREEDY, stream=True).text, range(4)))
     assert texts == [c["expected"]] * 4
     done = encode_stats(lambda s: s["published"] == after["published"] + 4)
     assert done["cache_misses"] - after["cache_misses"] == 1
