@@ -27,7 +27,7 @@ class Qwen25VL(Qwen2VL):
         import torch
 
         kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
-        seconds = [s for kind, s in zip(media.item_kinds, media.seconds or []) if kind == "video"]
+        seconds = _video_seconds(media)
         if seconds:
             kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
         return kwargs
@@ -48,10 +48,16 @@ class Qwen25VL(Qwen2VL):
         import torch
 
         out = super().vllm_embeddings(media)
-        seconds = [s for kind, s in zip(media.item_kinds, media.seconds or []) if kind == "video"]
+        seconds = _video_seconds(media)
         if "video" in out and seconds:
             out["video"]["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
         return out
+
+
+
+def _video_seconds(media) -> list[float]:
+    """Seconds per temporal patch of a request's clips (a MediaEmbeddings), in order; empty without them."""
+    return [s for kind, s in zip(media.item_kinds, media.seconds or []) if kind == "video"]
 
 
 FAMILY = Qwen25VL()
