@@ -170,3 +170,33 @@ def test_a_later_stage_instance_waits_for_the_first_one_s_config_socket(tmp_path
     finally:
         for server in servers:
             server.close()
+
+
+def test_stage_messages_carry_their_tensors_inline_and_round_trip():
+    """The stub <-> worker wire (:mod:`trident.workers.wire`): every dtype the stage models use comes back
+    equal, shapes included, with the parameters; nothing is left in a store to release."""
+    import numpy as np
+    from pytriton.proxy.types import Request, Response
+
+    from trident.workers.wire import InlineSerializer
+
+    wire = InlineSerializer()
+    data = {
+        "text_input": np.array([b"USER: <image>\nhi"], dtype=np.object_),
+        "image": np.array([b"\x00\xffpng" * 1000, b""], dtype=np.object_),
+        "stream": np.array([True]),
+        "max": np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint32),
+        "f": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
+    }
+    payload = wire.serialize_requests([Request(data=data, parameters={"trident_request_id": "r1"})])
+    assert isinstance(payload, bytes) and len(payload) > 4000  # the image bytes are in the message
+    (back,) = wire.deserialize_requests(payload)
+    assert back.parameters == {"trident_request_id": "r1"} and back.span is None
+    assert set(back.data) == set(data)
+    for name, tensor in data.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
+        assert np.array_equal(back[name], tensor), name
+    out = {"kv_meta": np.array([b"\x01record"], dtype=np.object_), "num_output_tokens": np.array([7], np.uint32)}
+    (resp,) = wire.deserialize_responses(wire.serialize_responses([out]))  # the worker's output dicts
+    assert isinstance(resp, Response) and resp["kv_meta"].tolist() == [b"\x01record"] and resp["num_output_tokens"].tolist() == [7]
+    assert wire.deserialize_responses(b"") == []

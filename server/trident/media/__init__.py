@@ -10,7 +10,6 @@ the limit.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
 from dataclasses import dataclass
@@ -51,8 +50,9 @@ def plural(kind: str) -> str:
     return {"image": "images", "video": "videos", "audio": "audio clips"}[kind]
 
 
-def decode_base64(data: bytes | str, index: int = 0, kind: str = "image") -> bytes:
-    """An item's bytes from base64 text or a ``data:...;base64,`` URL (not yet decoded as media)."""
+def base64_text(data: bytes | str, index: int = 0, kind: str = "image") -> str:
+    """An item's base64 text (the payload of a ``data:...;base64,`` URL), checked for its form and size but
+    not decoded: where the item is only passed on (the frontend), the entry model decodes it once."""
     if isinstance(data, bytes):
         try:
             data = data.decode("ascii")
@@ -63,16 +63,26 @@ def decode_base64(data: bytes | str, index: int = 0, kind: str = "image") -> byt
         header, sep, data = data.partition(",")
         if not sep or not header.endswith(";base64"):
             raise InvalidRequest(f"{kind} {index} is a data URL that is not base64-encoded")
-    limit = max_bytes(kind)
-    too_large = f"{kind} {index} is larger than {limit} bytes ({_BYTES_FLAG[kind]})"
-    if len(data) > limit * 4 // 3 + 4:
-        raise InvalidRequest(too_large)
+    if len(data) > max_bytes(kind) * 4 // 3 + 4:
+        raise InvalidRequest(_too_large(kind, index))
+    if not data:
+        raise InvalidRequest(f"{kind} {index} is empty")
+    return data
+
+
+def _too_large(kind: str, index: int) -> str:
+    return f"{kind} {index} is larger than {max_bytes(kind)} bytes ({_BYTES_FLAG[kind]})"
+
+
+def decode_base64(data: bytes | str, index: int = 0, kind: str = "image") -> bytes:
+    """An item's bytes from base64 text or a ``data:...;base64,`` URL (not yet decoded as media)."""
+    text = base64_text(data, index, kind)
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = binascii.a2b_base64(text, strict_mode=True)  # what b64decode(validate=True) accepts, in half the time
     except (binascii.Error, ValueError) as e:
         raise InvalidRequest(f"{kind} {index} is not valid base64: {e}") from None
-    if len(raw) > limit:
-        raise InvalidRequest(too_large)
+    if len(raw) > max_bytes(kind):
+        raise InvalidRequest(_too_large(kind, index))
     if not raw:
         raise InvalidRequest(f"{kind} {index} is empty")
     return raw

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 from ..config import MediaPolicy
 from ..errors import InvalidRequest
-from . import decode_base64
+from . import base64_text
 
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 
@@ -91,10 +91,10 @@ async def media_url_to_base64(url: str, policy: MediaPolicy, index: int = 0, kin
     base64.
 
     Not decoded here: the entry model does that once, and refuses what it cannot decode with the same
-    message (a 400 through the frontend too)."""
+    message (a 400 through the frontend too). A data URL's form and size are checked here (a clear 400
+    without a round trip); decoding 200 KB of base64 only to check it cost ~1 ms per image."""
     if url.startswith("data:"):
-        decode_base64(url, index, kind)  # a clear 400 without a round trip
-        return url.split(",", 1)[1]
+        return base64_text(url, index, kind)
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
         raw = await _fetch(url, policy, index, kind)

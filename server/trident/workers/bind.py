@@ -64,8 +64,15 @@ class _WireErrors:
 
 
 def _install_proxy_model() -> None:
-    """PyTriton writes its proxy ``model.py`` next to the stage model's config; Trident's replaces it."""
+    """PyTriton writes its proxy ``model.py`` next to the stage model's config; Trident's replaces it. Both
+    sides send tensors inline (:mod:`.wire`), not through PyTriton's tensor store."""
+    from pytriton.models import model as _model
     from pytriton.models.model import Model
+
+    from . import wire
+
+    if wire.inline():
+        _model.TensorStoreSerializerDeserializer = wire.InlineSerializer
 
     if getattr(Model.generate_model, "_trident", False):
         return

@@ -20,6 +20,7 @@ from pytriton.proxy import model as _proxy
 from trident import timings
 from trident.errors import Unavailable, client_message, from_wire, to_wire
 from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE
+from trident.workers import wire
 
 WATCH_S = 0.5  # how often a request waiting on the worker checks that the worker still runs
 HANDSHAKE_S = 120.0  # how long a model's later instances wait for its first instance's config socket
@@ -200,6 +201,8 @@ def patient_handshake(socket_path: Path, timeout_s: float = 1.0) -> dict:
 
 
 _proxy.get_config_from_handshake_server = patient_handshake
+if wire.inline():  # the worker's side: bind._install_proxy_model
+    _proxy.TensorStoreSerializerDeserializer = wire.InlineSerializer
 _proxy.pb_utils = _BackendUtils()
 _proxy.BatchResponsesHandler = _BatchResponses
 _proxy.DecoupledResponsesHandler = _DecoupledResponses
