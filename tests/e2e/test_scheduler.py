@@ -333,10 +333,14 @@ def test_a_worker_that_joins_later_gets_traffic(server, ref):
     joiner = subprocess.Popen(cmd, env=dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1"))
     try:
         deadline = time.monotonic() + 120
-        while not (admin.is_model_ready("prefill-3") and admin.is_model_ready("prefill-2")):
-            assert joiner.poll() is None and time.monotonic() < deadline, "the joiner did not bind or prefill-2 did not come back"
+
+        def back() -> bool:  # the supervisor says so on its own round, which may come after Triton's readiness
+            return any(line.endswith("worker prefill-2 is back: stage model prefill-2 is ready") for line in server.log)
+
+        while not (admin.is_model_ready("prefill-3") and admin.is_model_ready("prefill-2") and back()):
+            assert joiner.poll() is None and time.monotonic() < deadline, (
+                "the joiner did not bind, or prefill-2 did not come back, or the supervisor did not say so")
             time.sleep(0.2)
-        assert any(line.endswith("worker prefill-2 is back: stage model prefill-2 is ready") for line in server.log)
         time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
         before = _published(server)
         cases = [ref[f"unique-{i}"] for i in range(1, 7)]  # prefixes it has not seen on any live instance

@@ -200,3 +200,29 @@ def test_stage_messages_carry_their_tensors_inline_and_round_trip():
     (resp,) = wire.deserialize_responses(wire.serialize_responses([out]))  # the worker's output dicts
     assert isinstance(resp, Response) and resp["kv_meta"].tolist() == [b"\x01record"] and resp["num_output_tokens"].tolist() == [7]
     assert wire.deserialize_responses(b"") == []
+
+
+def test_every_stage_model_runs_trident_s_proxy_with_the_inline_wire(tmp_path):
+    """Written into the server's repository or uploaded by a worker that joins: the stage model's
+    ``model.py`` is Trident's proxy (PyTriton's own would read the tensor store the worker no longer writes);
+    only the local one gets the worker file (a pid means nothing on another host)."""
+    import numpy as np
+    from pytriton.model_config import ModelConfig, Tensor
+    from pytriton.models import model as pytriton_model
+    from pytriton.models.model import Model
+    from pytriton.utils.workspace import Workspace
+
+    from trident.protocol import WORKER_FILE
+    from trident.workers import bind, wire
+
+    bind._install_proxy_model()
+    assert pytriton_model.TensorStoreSerializerDeserializer is wire.InlineSerializer
+    model = Model("prefill", 1, lambda requests: requests, [Tensor(name="x", dtype=np.bytes_, shape=(1,))],
+                  [Tensor(name="y", dtype=np.bytes_, shape=(1,))], ModelConfig(), Workspace(tmp_path / "ws"), None, False)
+    ours = bind._PROXY_MODEL.read_bytes()
+    assert model.get_proxy_model_files()["file:1/model.py"] == ours
+    store = tmp_path / "store"
+    store.mkdir()
+    model.generate_model(store)
+    assert (store / "prefill" / "1" / "model.py").read_bytes() == ours
+    assert (store / "prefill" / "1" / WORKER_FILE).exists()

@@ -64,8 +64,10 @@ class _WireErrors:
 
 
 def _install_proxy_model() -> None:
-    """PyTriton writes its proxy ``model.py`` next to the stage model's config; Trident's replaces it. Both
-    sides send tensors inline (:mod:`.wire`), not through PyTriton's tensor store."""
+    """PyTriton puts its proxy ``model.py`` beside the stage model's config, written into the server's
+    repository folder (``--model-store``) or uploaded with the load request (a worker that joins from
+    elsewhere); either way Trident's replaces it. Both sides send tensors inline (:mod:`.wire`), not through
+    PyTriton's tensor store, so a stage model must never run PyTriton's own proxy."""
     from pytriton.models import model as _model
     from pytriton.models.model import Model
 
@@ -76,7 +78,7 @@ def _install_proxy_model() -> None:
 
     if getattr(Model.generate_model, "_trident", False):
         return
-    original = Model.generate_model
+    original, original_files = Model.generate_model, Model.get_proxy_model_files
 
     def generate_model(self, model_repository: Path) -> None:
         original(self, model_repository)
@@ -85,8 +87,15 @@ def _install_proxy_model() -> None:
         # the stub watches this process: requests waiting on a worker that died fail at once (503)
         (version_dir / WORKER_FILE).write_text(json.dumps({"pid": os.getpid(), "name": self.model_name}))
 
+    def get_proxy_model_files(self) -> dict[str, bytes]:
+        # no worker file here: the server may be on another host, where this pid names another process
+        files = original_files(self)
+        files[f"file:{self.model_version}/model.py"] = _PROXY_MODEL.read_bytes()
+        return files
+
     generate_model._trident = True
     Model.generate_model = generate_model
+    Model.get_proxy_model_files = get_proxy_model_files
 
 
 def _remote_triton(url: str, access_token: str | None, model_store: str | None):
