@@ -66,9 +66,12 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
     listed = 0.0
     for step in ("record_decode", "tokenize", "nixl_read", "media_decode", "image_preprocess", "vision_tower",
                  "prefill", "publish", "record_encode", "first_token"):
-        value = _dur(steps, f"{stage}/{step}")
+        spans = steps.get(f"{stage}/{step}", [])
+        if streamed and infer_t1 is not None:  # what the stage does after its first response is not in TTFT
+            spans = [(t0, t1) for t0, t1 in spans if t0 < infer_t1]
+        value = _dur({"s": spans}, "s")
         if value is not None:
-            label = "decode admit, first token emitted" if step == "first_token" else step.replace("_", " ")
+            label = "first token emitted" if step == "first_token" else step.replace("_", " ")
             rows.append((f"{stage}: {label}", value))
             listed += value
     if streamed:

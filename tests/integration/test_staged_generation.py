@@ -38,6 +38,13 @@ def _stage(conn, stage: str, model_path: str) -> None:
             reason = event.finish_reason
         return tokens, text, reason
 
+    async def first_only(kv: bytes, params: SamplingParams):
+        """A client that goes away after the first token: the stream is closed there."""
+        generation = await engine.generate(None, params, kv_meta=kv)
+        event = await anext(generation.events)
+        await generation.events.aclose()
+        return event.token_ids, event.finish_reason
+
     conn.send("ready")
     while True:
         cmd, arg = conn.recv()
@@ -50,6 +57,9 @@ def _stage(conn, stage: str, model_path: str) -> None:
             elif cmd == "decode":
                 kv, params = arg
                 out = asyncio.run(decode(kv, SamplingParams.from_json(params)))
+            elif cmd == "decode_first":
+                kv, params = arg
+                out = asyncio.run(first_only(kv, SamplingParams.from_json(params)))
             elif cmd == "stats":
                 out = engine.stats()
             elif cmd == "exit":
@@ -139,6 +149,36 @@ def test_placeholder_mismatch_frees_the_embeddings(pipeline):
     with pytest.raises(RuntimeError, match="2 image placeholder.*1 image"):
         stages["prefill"]("prefill", (text, emb, GREEDY))
     _assert_pools_drained(stages)
+
+
+def test_a_request_ending_at_its_first_token_reads_no_kv(pipeline, references):
+    """The prefill sampled the first token and the record carries it: with max_tokens 1 the decode stage
+    answers from the record, never READs the KV cache, and its producer frees it at once (not at expiry)."""
+    _, _, stages = pipeline
+    c = references["one-image"]
+    one = '{"max_tokens": 1, "temperature": 0}'
+    emb = stages["encode"]("encode", c["pngs"])
+    kv = stages["prefill"]("prefill", (c["text"], emb, one))
+    fetched = stages["decode"]("stats")["fetched"]
+    tokens, _, reason = stages["decode"]("decode", (kv, one))
+    assert tokens == c["ids"][:1]
+    assert reason == "length"
+    assert stages["decode"]("stats")["fetched"] == fetched
+    _assert_pools_drained(stages)
+
+
+def test_a_stream_closed_after_its_first_token_frees_the_kv(pipeline, references):
+    """The first token leaves before the READ: a client that goes away then leaves nothing held on either
+    side, and the same record replayed afterwards is refused before any token."""
+    _, _, stages = pipeline
+    c = references["one-image"]
+    emb = stages["encode"]("encode", c["pngs"])
+    kv = stages["prefill"]("prefill", (c["text"], emb, GREEDY))
+    tokens, reason = stages["decode"]("decode_first", (kv, GREEDY))
+    assert tokens == c["ids"][:1] and reason is None
+    _assert_pools_drained(stages)
+    with pytest.raises(RuntimeError, match="ReplayedRecord"):
+        stages["decode"]("decode", (kv, GREEDY))
 
 
 def _assert_pools_drained(stages, timeout: float = 5.0) -> None:

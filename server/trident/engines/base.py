@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from ..output import DecodeEvent, Generation
+from ..output import DecodeEvent, Generation, RequestOutput
 from ..processor import SamplingParams
 
 __all__ = [
@@ -84,6 +84,9 @@ class DecodeRequest:
     seed: int = 0
     request_id: str = ""
     on_admit: Callable[[], None] | None = None  # called once ``kv`` has been copied and may be freed
+    # the request's output with the first token already pushed and sent (the engine emits it before the KV is
+    # read, so that it does not wait behind a READ and a decode step); None: the decoder emits it on admission
+    output: RequestOutput | None = None
 
 
 class Encoder(Protocol):

@@ -14,6 +14,7 @@ from typing import Callable
 
 from .. import timings
 from ..errors import TridentError
+from ..output import RequestOutput
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
 from ..transfer import TransferEndpoint, TransferSender
@@ -89,36 +90,57 @@ def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> HFKVRecord:
     )
 
 
-def receive_kv(
-    endpoint: TransferEndpoint, data: bytes, params: SamplingParams, request_id: str = "",
-    check: Callable[[HFKVRecord], None] | None = None,
-) -> DecodeRequest:
-    """READ a prefilled request's KV cache; the pool region is freed once the decoder has copied it.
-
-    ``check`` (the model's) refuses a record this decoder cannot continue, before the READ."""
+def open_kv(
+    endpoint: TransferEndpoint, data: bytes, check: Callable[[HFKVRecord], None] | None = None
+) -> HFKVRecord:
+    """Decode and check a ``kv_meta``, and claim it for this consumer, before anything is read or sent on
+    its account. ``check`` (the model's) refuses a record this decoder cannot continue; a refused record is
+    discarded (its producer frees it now). Then :func:`receive_kv` READs it, or :func:`release_kv` lets it go."""
     with timings.step("record_decode"):
         record = decode_record(data, HFKVRecord)
-        if check is not None:
-            try:
+        try:
+            if check is not None:
                 check(record)
-            except Exception:
-                endpoint.discard(record.transfer)
-                raise
+        except Exception:
+            endpoint.discard(record.transfer)
+            raise
+        endpoint.claim(record.transfer)
+    return record
+
+
+def receive_kv(
+    endpoint: TransferEndpoint, record: HFKVRecord, params: SamplingParams, request_id: str = "",
+    output: RequestOutput | None = None,
+) -> DecodeRequest:
+    """READ the KV cache of a record :func:`open_kv` claimed; the pool region is freed once the decoder has
+    copied it. ``output``: the request's output with the first token already emitted (see
+    :class:`~trident.engines.base.DecodeRequest`)."""
     with timings.step("nixl_read"):
-        received = endpoint.fetch(record.transfer)  # decode_record checked the (k, v) pairs and sizes
+        received = endpoint.fetch(record.transfer, claimed=True)  # decode_record checked the (k, v) pairs and sizes
     t = received.tensors
     return DecodeRequest(
         kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,
         params=params, rope_delta=record.rope_delta, seed=record.seed, request_id=request_id,
-        on_admit=received.release,
+        on_admit=received.release, output=output,
     )
 
 
-def continue_locally(result: PrefillResult, params: SamplingParams, request_id: str = "") -> DecodeRequest:
+def release_kv(endpoint: TransferEndpoint, record: HFKVRecord) -> None:
+    """A claimed record that will not be read (the request ended at its first token, or went away): its
+    producer frees it now (best effort; otherwise at the lease's end)."""
+    try:
+        endpoint.discard(record.transfer, claimed=True)
+    except TridentError as e:
+        log.info("could not release an unread record: %s", e)
+
+
+def continue_locally(
+    result: PrefillResult, params: SamplingParams, request_id: str = "", output: RequestOutput | None = None
+) -> DecodeRequest:
     """Decode a prefill in the process that ran it (no transfer)."""
     return DecodeRequest(
         kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
-        rope_delta=result.rope_delta, seed=result.seed, request_id=request_id,
+        rope_delta=result.rope_delta, seed=result.seed, request_id=request_id, output=output,
     )
 
 

@@ -45,11 +45,14 @@ class TransferEndpoint:
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
         return self.sender.publish(tensors, lease_s=lease_s)
 
-    def fetch(self, transfer: Transfer) -> Received:
-        return self.receiver.fetch(transfer)
+    def claim(self, transfer: Transfer) -> None:
+        self.receiver.claim(transfer)
 
-    def discard(self, transfer: Transfer) -> None:
-        self.receiver.discard(transfer)
+    def fetch(self, transfer: Transfer, *, claimed: bool = False) -> Received:
+        return self.receiver.fetch(transfer, claimed=claimed)
+
+    def discard(self, transfer: Transfer, *, claimed: bool = False) -> None:
+        self.receiver.discard(transfer, claimed=claimed)
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and metrics: regions in use per pool and lease outcomes."""

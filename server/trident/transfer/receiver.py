@@ -58,7 +58,17 @@ class TransferReceiver:
         self._used.claim((record.agent, record.lease_id), record.expires_at,
                          f"record of lease {record.lease_id} from {record.agent}")
 
-    def fetch(self, record: Transfer) -> Received:
+    def claim(self, record: Transfer) -> None:
+        """Take ``record`` for this consumer before anything is read or sent on its account: refused when its
+        lease ends too soon to read safely (:class:`LeaseExpired`) or this consumer has used it already
+        (:class:`ReplayedRecord`). :meth:`fetch` and :meth:`discard` claim it unless told it is claimed."""
+        left = record.expires_at - time.time()
+        if left < self.config.lease_margin_s:
+            state = f"expired {-left:.2f} s ago" if left <= 0 else f"expires in {left:.2f} s, too soon to read safely"
+            raise LeaseExpired(f"lease {record.lease_id} from {record.agent} {state}")
+        self._claim(record)
+
+    def fetch(self, record: Transfer, *, claimed: bool = False) -> Received:
         """READ the record's regions into a fresh region of the receive pool, then the lease's stamp; the
         producer is notified with the second READ.
 
@@ -68,11 +78,8 @@ class TransferReceiver:
         lease's stamp before it frees the regions, so a stamp that no longer holds the lease id, read after
         the data, means the data may not be this record's: refused (:class:`ReplayedRecord`).
         """
-        left = record.expires_at - time.time()
-        if left < self.config.lease_margin_s:
-            state = f"expired {-left:.2f} s ago" if left <= 0 else f"expires in {left:.2f} s, too soon to read safely"
-            raise LeaseExpired(f"lease {record.lease_id} from {record.agent} {state}")
-        self._claim(record)
+        if not claimed:
+            self.claim(record)
         region = self.pool.alloc(record.nbytes + STAMP_BYTES)
         local = self.pool.address_of(region)
         lease = record.lease_id.encode()
@@ -101,7 +108,8 @@ class TransferReceiver:
         self.fetched += 1
         return Received(self.pool, region, record)
 
-    def discard(self, record: Transfer) -> None:
+    def discard(self, record: Transfer, *, claimed: bool = False) -> None:
         """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
-        self._claim(record)
+        if not claimed:
+            self._claim(record)
         self.agent.notify(record.agent, record.agent_meta, record.lease_id.encode())

@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import time
+
 import msgspec
 from pytriton.proxy.data import (
     BaseRequestsResponsesSerializerDeserializer,
@@ -25,6 +27,8 @@ from pytriton.proxy.data import (
     serialize_numpy_with_struct_header,
 )
 from pytriton.proxy.types import Request, Response
+
+from .. import timings
 
 ENV = "TRIDENT_STAGE_WIRE"
 
@@ -59,6 +63,7 @@ class InlineSerializer(BaseRequestsResponsesSerializerDeserializer):
     """PyTriton's serializer interface, with the tensors inline (see the module docstring)."""
 
     def serialize_requests(self, requests) -> bytes:
+        t0 = time.monotonic_ns()
         out: list[dict[str, Any]] = []
         for request in requests:
             item: dict[str, Any] = {"data": _pack(request.data), "parameters": request.parameters}
@@ -69,9 +74,13 @@ class InlineSerializer(BaseRequestsResponsesSerializerDeserializer):
             if request.requested_output_names is not None:
                 item["requested_output_names"] = list(request.requested_output_names)
             out.append(item)
-        return _encoder.encode(out)
+        try:
+            return _encoder.encode(out)
+        finally:
+            timings.mark("wire_pack", t0)
 
     def deserialize_requests(self, requests_payload: bytes):
+        t0 = time.monotonic_ns()
         requests = []
         for item in _decoder.decode(requests_payload):
             kwargs: dict[str, Any] = {"data": _unpack(item["data"]), "parameters": item.get("parameters")}
@@ -82,16 +91,25 @@ class InlineSerializer(BaseRequestsResponsesSerializerDeserializer):
             if "requested_output_names" in item:
                 kwargs["requested_output_names"] = item["requested_output_names"]
             requests.append(Request(**kwargs))
+        timings.mark("wire_unpack", t0)
         return requests
 
     def serialize_responses(self, responses) -> bytes:
         """``responses``: the inference callable's output dicts (name -> array), as PyTriton passes them."""
-        return _encoder.encode([_pack(response) for response in responses])
+        t0 = time.monotonic_ns()
+        try:
+            return _encoder.encode([_pack(response) for response in responses])
+        finally:
+            timings.mark("wire_pack", t0)
 
     def deserialize_responses(self, responses_payload: bytes):
         if not responses_payload:
             return []
-        return [Response(data=_unpack(frames)) for frames in _decoder.decode(responses_payload)]
+        t0 = time.monotonic_ns()
+        try:
+            return [Response(data=_unpack(frames)) for frames in _decoder.decode(responses_payload)]
+        finally:
+            timings.mark("wire_unpack", t0)
 
     def free_requests_resources(self, requests_payload: bytes) -> None:
         """Nothing to free: the tensors were in the message."""

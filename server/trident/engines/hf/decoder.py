@@ -223,10 +223,12 @@ class HFDecoder:
             block = False
             t0 = time.monotonic_ns()
             try:
-                active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
-                # The first token was sampled by prefill: emit it before the request enters the batch.
-                finished = self._emit(active, req.first_token, req.prompt_len)
-                timings.mark("first_token", t0)
+                if req.output is not None:  # the engine has sent the first token already
+                    active, finished = _Active(req, stream, req.output), False
+                else:  # the first token was sampled by prefill: emit it before the request enters the batch
+                    active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
+                    finished = self._emit(active, req.first_token, req.prompt_len)
+                    timings.mark("first_token", t0)
                 if not finished:
                     self._kv.add(req.kv)
                     self._active.append(active)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -21,12 +22,12 @@ from typing import Any, Callable
 from ... import timings
 from ...config import TransferConfig
 from ...media import MediaItem, counts
-from ...output import Generation
+from ...output import DecodeEvent, Generation, RequestOutput
 from ...processor import SamplingParams
 from ...protocol import StageSpec
 from ...transfer import TransferEndpoint
 from .. import handoff
-from ..base import Encoded, PrefillResult
+from ..base import DecodeRequest, Encoded, PrefillResult
 from ..embedding_cache import CachedEmbedding, EmbeddingCache
 from .sampling import new_seed
 
@@ -181,21 +182,59 @@ class HFStageEngine:
         self, text: str | None, params: SamplingParams, *, media: list = (),
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
+        """The first token goes out before the KV cache is read and before the request joins the decode batch:
+        the prefill sampled it (``kv_meta`` carries it), and sent from here it waits neither for the READ nor
+        for the batch's next step, which would hold the other core. A request that ends at its first token
+        (``max_tokens`` 1, EOS, a stop string) reads no KV at all. The record is checked and claimed first, so a
+        refused or replayed one sends nothing."""
+        output = RequestOutput(self.processor, params)
         if kv_meta is not None:
-            request = await self._run(handoff.receive_kv, self.endpoint, kv_meta, params, "", self.model.check_kv)
+            record = handoff.open_kv(self.endpoint, kv_meta, self.model.check_kv)
+            first_token, prompt_len = record.first_token, record.prompt_len
+
+            def read() -> DecodeRequest:
+                return handoff.receive_kv(self.endpoint, record, params, output=output)
+
+            def unread() -> None:
+                handoff.release_kv(self.endpoint, record)
         else:
             result = await self._run(self._prefill, text, params, list(media), embedding_meta)
-            request = handoff.continue_locally(result, params)
-        stream = self.decoder.submit(request, asyncio.get_running_loop())
+            local = handoff.continue_locally(result, params, output=output)
+            first_token, prompt_len = local.first_token, local.prompt_len
+            read, unread = None, None
+        t0 = time.monotonic_ns()
+        first = output.push(first_token, prompt_len)
+        timings.mark("first_token", t0)
+        return Generation(prompt_len, self._events(first, read or (lambda: local), unread))
 
-        async def events():
+    async def _events(self, first: DecodeEvent, read: Callable[[], DecodeRequest], unread: Callable | None):
+        """The first event, then (unless it ended the request) the KV READ on the compute thread and the
+        decoder's stream. A READ this request no longer waits for still frees what it read."""
+        loop = asyncio.get_running_loop()
+        joined = False
+        try:
+            yield first
+            if first.finish_reason is not None:
+                return
+            joined = True
+            if unread is None:  # prefilled here: nothing to read
+                request = read()
+            else:
+                fetch = loop.run_in_executor(self._compute, read)
+                try:
+                    request = await asyncio.shield(fetch)
+                except asyncio.CancelledError:
+                    fetch.add_done_callback(_release_unused)
+                    raise
+            stream = self.decoder.submit(request, loop)
             try:
                 async for event in stream:
                     yield event
             finally:
                 stream.cancel()  # no-op once finished; stops a request whose client went away
-
-        return Generation(request.prompt_len, events())
+        finally:
+            if not joined and unread is not None:
+                unread()
 
     def discard(self, record: bytes) -> None:
         """A record this stage will not read: tell its producer to free it now (best effort)."""
@@ -215,6 +254,12 @@ class HFStageEngine:
         if self.endpoint is not None:
             self.endpoint.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
+
+
+def _release_unused(fetch: asyncio.Future) -> None:
+    """The KV a READ brought in for a request that went away meanwhile: back to the receive pool."""
+    if not fetch.cancelled() and fetch.exception() is None and fetch.result().on_admit is not None:
+        fetch.result().on_admit()
 
 
 def _settings_digest(model_path: str) -> str:
