@@ -142,6 +142,7 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
     from trident import timings
     from trident.engines.hf.stage import HFStageEngine
     from trident.media import MediaItem
+    from trident.output import OutputOptions, entry_responses
     from trident.processor import SamplingParams
     from trident.protocol import STAGES
 
@@ -153,7 +154,8 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
     async def one(b64: str) -> dict:
         clock = {"send": time.monotonic_ns()}
         generation = await engine.generate(text, params, media=[MediaItem.from_base64(b64.encode(), 0)])
-        async for _ in generation.events:
+        # the first streamed response, as the server sends it (a first token with no text yet sends none)
+        async for _ in entry_responses(generation, OutputOptions(stream=True), None):
             clock.setdefault("first", time.monotonic_ns())
         clock["done"] = time.monotonic_ns()
         return clock
@@ -198,14 +200,15 @@ def main() -> int:
             clocks[mode] = []
             for i in range(args.requests):
                 clock: dict = {}
-                stream.request(mode, text, [image_b64(100_000 * (k + 1) + i)], args.max_tokens, clock)
+                stream.request(mode, text, [image_b64(100_000 + i)], args.max_tokens, clock)  # the same images in every mode
                 clocks[mode].append(clock)
                 time.sleep(0.05)  # keep the windows apart
             print(f"[bench-hops] {mode}: {args.requests} requests", flush=True)
         stream.close()
+        (trace_dir / "clocks.json").write_text(json.dumps(clocks))  # with the steps: every request's hops, again
     finally:
         server.stop()
-    images = [image_b64(700_000 + i) for i in range(args.requests)]
+    images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
     steps = read_steps(trace_dir / "server")
     local_steps = read_steps(trace_dir / "local")

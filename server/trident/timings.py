@@ -11,6 +11,7 @@ steps that fall inside its send..done window. When tracing is off a step costs o
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -33,6 +34,21 @@ def start(name: str) -> None:
         return
     Path(folder).mkdir(parents=True, exist_ok=True)
     _out = open(Path(folder) / f"{name}.jsonl", "a", buffering=1)  # a line each, flushed as written
+    gc.callbacks.append(_gc_step)
+
+
+_gc_t0 = 0
+
+
+def _gc_step(phase: str, info: dict) -> None:
+    """The garbage collector's passes over the older generations are steps too (``gc1``, ``gc2``)."""
+    global _gc_t0
+    if info.get("generation", 0) == 0:
+        return
+    if phase == "start":
+        _gc_t0 = time.monotonic_ns()
+    elif _gc_t0:
+        mark(f"gc{info['generation']}", _gc_t0)
 
 
 def enabled() -> bool:

@@ -83,6 +83,7 @@ def run_transfer_bench(repeat_scale: float = 1.0, out=print) -> list[dict]:
                     "n": n,
                 }
             )
+        fixed = _fixed_cost(ep, conn)
         ep.close()
     finally:
         conn.send(None)
@@ -96,7 +97,40 @@ def run_transfer_bench(repeat_scale: float = 1.0, out=print) -> list[dict]:
             f"{r['size']:>8} | {r['read_us']:>9.1f} | {r['read_gbps']:>9.2f} | {r['memcpy_us']:>9.1f} | "
             f"{r['memcpy_gbps']:>11.2f} | {r['ratio']:>14.2f} | {r['n']:>4}"
         )
+    out("")
+    out("Fixed cost of a small READ on a reused connection (64 bytes, medians of %d):" % fixed["n"])
+    out(f"  NIXL alone, one READ + notify:                       {fixed['read_notify_us']:7.1f} us")
+    out(f"  fetch(): data READ, then the stamp READ with notify: {fixed['fetch_us']:7.1f} us")
+    rows.append({"size": "fixed", **fixed})
     return rows
+
+
+def _fixed_cost(ep, conn, n: int = 500) -> dict:
+    """The fixed cost of a READ: NIXL's own READ + notify of 64 bytes, and Trident's fetch() of 64 bytes (two
+    READs: the data, then the lease's stamp, which carries the release notification)."""
+    region = ep.receiver.pool.alloc(64)
+    local = ep.receiver.pool.address_of(region)
+    conn.send(64)
+    record = conn.recv()
+    raw = []
+    for i in range(n + 10):
+        t0 = time.perf_counter()
+        ep.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"bench", 5.0)
+        if i >= 10:
+            raw.append(time.perf_counter() - t0)
+    ep.receiver.pool.free(region)
+    ep.fetch(record).release()
+    fetches = []
+    for i in range(n + 10):
+        conn.send(64)
+        record = conn.recv()
+        t0 = time.perf_counter()
+        received = ep.fetch(record)
+        dt = time.perf_counter() - t0
+        received.release()
+        if i >= 10:
+            fetches.append(dt)
+    return {"n": n, "read_notify_us": statistics.median(raw) * 1e6, "fetch_us": statistics.median(fetches) * 1e6}
 
 
 def run_decode_bench(model_path: str, concurrency=(1, 4, 8, 16), new_tokens: int = 64, out=print) -> list[dict]:

@@ -67,14 +67,17 @@ def _install_proxy_model() -> None:
     """PyTriton puts its proxy ``model.py`` beside the stage model's config, written into the server's
     repository folder (``--model-store``) or uploaded with the load request (a worker that joins from
     elsewhere); either way Trident's replaces it. Both sides send tensors inline (:mod:`.wire`), not through
-    PyTriton's tensor store, so a stage model must never run PyTriton's own proxy."""
+    PyTriton's tensor store, and over Trident's channel (:mod:`.channel`), not PyTriton's transport, so a stage
+    model must never run PyTriton's own proxy."""
     from pytriton.models import model as _model
     from pytriton.models.model import Model
 
-    from . import wire
+    from . import channel, wire
 
     if wire.inline():
         _model.TensorStoreSerializerDeserializer = wire.InlineSerializer
+    if channel.enabled():
+        channel.install_worker_side()
 
     if getattr(Model.generate_model, "_trident", False):
         return

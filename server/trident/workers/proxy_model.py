@@ -10,17 +10,19 @@ exception wrapped in the stub's traceback.
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 from pytriton.proxy import model as _proxy
+from pytriton.proxy.types import Request
 
 from trident import timings
 from trident.errors import Unavailable, client_message, from_wire, to_wire
 from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE
-from trident.workers import wire
+from trident.workers import channel, wire
 
 WATCH_S = 0.5  # how often a request waiting on the worker checks that the worker still runs
 HANDSHAKE_S = 120.0  # how long a model's later instances wait for its first instance's config socket
@@ -54,9 +56,7 @@ class _WatchedQueue:
             if not worker_alive(pid):
                 task.cancel()
                 self._synthetic = True
-                error = Unavailable(f"the {_worker['name']} stage's worker (pid {pid}) exited; the request was lost "
-                                    "with it (the server restarts the worker)")
-                return _proxy.PyTritonResponseFlags.EOS | _proxy.PyTritonResponseFlags.ERROR, to_wire(error).encode()
+                return _proxy.PyTritonResponseFlags.EOS | _proxy.PyTritonResponseFlags.ERROR, _lost_worker()
 
     def task_done(self) -> None:
         if self._synthetic:
@@ -124,31 +124,12 @@ class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
                 t_in = time.monotonic_ns() if first else 0
                 eos = bool(flags & _proxy.PyTritonResponseFlags.EOS)
                 error = bool(flags & _proxy.PyTritonResponseFlags.ERROR)
-                if error:
-                    responses = [pb_utils.InferenceResponse(error=triton_error(payload.decode("utf-8"))) for _ in senders]
-                else:
-                    decoded = self._serializer_deserializer.deserialize_responses(payload)
-                    responses = [
-                        _proxy._wrap_response(response, request.requested_output_names(), self._model_outputs_dict)
-                        for request, response in zip(triton_requests, decoded)
-                    ]
-                flags_out = 0
-                if eos:  # the end of the stream may come without a response (then only the flag goes)
-                    flags_out = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-                    responses = responses or [None] * len(senders)
-                for request, sender, response in zip(triton_requests, senders, responses):
-                    if error and eos:
-                        # Triton 2.51 loses an error response that follows others on its way to a BLS caller
-                        # (its stream then ends as if complete, or never): the scheduler gets the error in the
-                        # final response's finish_reason; other callers as an error response, then the flag.
-                        if _from_scheduler(request):
-                            mark = np.array([STAGE_ERROR_MARK + payload], dtype=np.object_)
-                            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("finish_reason", mark)]), flags_out)
-                        else:
-                            sender.send(response, 0)
-                            sender.send(None, flags_out)
-                        continue
-                    sender.send(response, flags_out)
+                responses = [] if error else [
+                    _proxy._wrap_response(response, request.requested_output_names(), self._model_outputs_dict)
+                    for request, response in zip(triton_requests, self._serializer_deserializer.deserialize_responses(payload))
+                ]
+                _send_stream(triton_requests, senders, (channel.EOS if eos else 0) | (channel.ERROR if error else 0),
+                             payload, responses)
                 if first and not eos:
                     timings.mark("first_response", t_in)
                     first = False
@@ -165,8 +146,117 @@ class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
         responses_future.set_result(None)
 
 
+def _lost_worker() -> bytes:
+    pid = f" (pid {_worker['pid']})" if "pid" in _worker else ""
+    error = Unavailable(f"the {_worker.get('name', 'stage')} stage's worker{pid} exited; the request was lost "
+                        "with it (the server restarts the worker)")
+    return to_wire(error).encode()
+
+
+def _send_stream(triton_requests, senders, flags: int, payload: bytes, responses: list) -> None:
+    """One response of a decoupled stage to Triton (``responses``: the wrapped ones, unless an error)."""
+    eos, error = bool(flags & channel.EOS), bool(flags & channel.ERROR)
+    flags_out = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if eos else 0
+    if error:
+        responses = [pb_utils.InferenceResponse(error=triton_error(payload.decode("utf-8"))) for _ in senders]
+    if eos:  # the end of the stream may come without a response (then only the flag goes)
+        responses = responses or [None] * len(senders)
+    for request, sender, response in zip(triton_requests, senders, responses):
+        if error and eos:
+            # Triton 2.51 loses an error response that follows others on its way to a BLS caller (its stream
+            # then ends as if complete, or never): the scheduler gets the error in the final response's
+            # finish_reason; other callers as an error response, then the flag.
+            if _from_scheduler(request):
+                mark = np.array([STAGE_ERROR_MARK + payload], dtype=np.object_)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("finish_reason", mark)]), flags_out)
+            else:
+                sender.send(response, 0)
+                sender.send(None, flags_out)
+            continue
+        sender.send(response, flags_out)
+
+
+class _ChannelServer:
+    """Stands in for PyTriton's ``TritonRequestsServer`` (same constructor; PyTriton's ``initialize`` makes it
+    and runs :meth:`run` on a thread of its own): the stage's calls go over :class:`channel.StubChannel`.
+
+    A one-answer stage's ``execute`` sends the request and waits for the response on its own thread; a
+    decoupled stage's returns at once and the reader thread sends each response to Triton."""
+
+    def __init__(self, url, responses_handle_fn, serializer_deserializer, model_config) -> None:
+        self._serializer = serializer_deserializer
+        self._inputs = [i["name"] for i in model_config["input"]]
+        self._outputs = {o["name"]: o for o in model_config["output"]}
+        self._decoupled = model_config.get("model_transaction_policy", {}).get("decoupled", False)
+        self.channel = channel.StubChannel(url, _lost_worker)
+        self._reader: threading.Thread | None = None
+
+    def run(self) -> None:
+        self._reader = threading.current_thread()
+        try:
+            self.channel.run()
+        finally:
+            self.channel.finish()
+
+    def shutdown(self) -> None:
+        self.channel.close()
+
+    def _request(self, triton_request) -> Request:
+        data = {}
+        for name in self._inputs:
+            tensor = pb_utils.get_input_tensor_by_name(triton_request, name)
+            if tensor is not None:
+                data[name] = tensor.as_numpy()
+        return Request(data=data, parameters=json.loads(triton_request.parameters() or "{}"),
+                       requested_output_names=list(triton_request.requested_output_names()))
+
+    def _responses(self, triton_requests, payload: bytes) -> list:
+        if not payload:
+            return []
+        return [
+            _proxy._wrap_response(response, request.requested_output_names(), self._outputs)
+            for request, response in zip(triton_requests, self._serializer.deserialize_responses(payload))
+        ]
+
+    def submit(self, triton_requests):
+        """``execute``: the responses of a one-answer stage; None for a decoupled one (sent as they come)."""
+        payload = self._serializer.serialize_requests([self._request(r) for r in triton_requests])
+        if self._decoupled:
+            senders = [r.get_response_sender() for r in triton_requests]
+            first = [True]
+
+            def on_response(flags: int, data: bytes) -> None:
+                t_in = time.monotonic_ns() if first[0] else 0
+                responses = [] if flags & channel.ERROR else self._responses(triton_requests, data)
+                _send_stream(triton_requests, senders, flags, data, responses)
+                if first[0] and not flags & channel.EOS:
+                    timings.mark("first_response", t_in)
+                    first[0] = False
+
+            try:
+                self.channel.send(payload, on_response)
+            except channel.NoWorker:
+                on_response(channel.EOS | channel.ERROR, _no_worker())
+            return None
+        answer = channel.OneAnswer()
+        try:
+            self.channel.send(payload, answer)
+            flags, data = answer.wait(lambda: self._reader is not None and self._reader.is_alive())
+        except channel.NoWorker:
+            flags, data = channel.EOS | channel.ERROR, _no_worker()
+        if flags & channel.ERROR:
+            return [pb_utils.InferenceResponse(error=triton_error(data.decode("utf-8"))) for _ in triton_requests]
+        return self._responses(triton_requests, data)
+
+
+def _no_worker() -> bytes:
+    name = _worker.get("name", "this")
+    return to_wire(Unavailable(f"the {name} stage's worker did not take the request (it is not running)")).encode()
+
+
 class TritonPythonModel(_proxy.TritonPythonModel):
-    """PyTriton's proxy; with ``TRIDENT_TRACE_DIR`` set it times each ``execute`` call."""
+    """PyTriton's proxy over Trident's channel (:mod:`trident.workers.channel`); with ``TRIDENT_TRACE_DIR`` set
+    it times each ``execute`` call."""
 
     def initialize(self, args):
         timings.start(f"proxy-{args['model_name']}")
@@ -180,6 +270,8 @@ class TritonPythonModel(_proxy.TritonPythonModel):
     def execute(self, requests):
         t0 = time.monotonic_ns()
         try:
+            if isinstance(self._requests_server, _ChannelServer):
+                return self._requests_server.submit(requests)
             return super().execute(requests)  # a decoupled stage's returns at once, the others' with the responses
         finally:
             timings.mark("execute", t0)
@@ -203,6 +295,8 @@ def patient_handshake(socket_path: Path, timeout_s: float = 1.0) -> dict:
 _proxy.get_config_from_handshake_server = patient_handshake
 if wire.inline():  # the worker's side: bind._install_proxy_model
     _proxy.TensorStoreSerializerDeserializer = wire.InlineSerializer
+if channel.enabled():
+    _proxy.TritonRequestsServer = _ChannelServer
 _proxy.pb_utils = _BackendUtils()
 _proxy.BatchResponsesHandler = _BatchResponses
 _proxy.DecoupledResponsesHandler = _DecoupledResponses

@@ -35,7 +35,8 @@ from .sampling import new_seed
 class HFStageEngine:
     """The ``hf`` engine behind :class:`~trident.engines.base.StageEngine` for one stage: its roles, this
     process's transfer endpoint (when the stage hands on or takes a record), and one compute thread for
-    blocking work (encode, prefill, READs)."""
+    blocking work (encode, prefill, READs) beside the decoder's stream; a one-answer stage computes on its event
+    loop itself."""
 
     calls_at_once = 1  # one compute thread: requests would only queue there instead of in Triton
 
@@ -61,9 +62,25 @@ class HFStageEngine:
             if publishes_embeddings else None
         )
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trident-compute")
+        # Triton hands a one-answer stage's instance one request at a time (calls_at_once), so nothing else
+        # waits on this worker's event loop while it computes: its work runs there, not two thread hops away
+        self._inline = spec.hands_on != "tokens"
+
+    def _start(self, fn: Callable, *args) -> asyncio.Future:
+        """``fn(*args)`` as a future: on the compute thread, or done at once on the event loop for a one-answer
+        stage (see ``_inline``)."""
+        loop = asyncio.get_running_loop()
+        if not self._inline:
+            return loop.run_in_executor(self._compute, fn, *args)
+        done = loop.create_future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     async def _run(self, fn: Callable, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        return await self._start(fn, *args)
 
     # -- stage operations ----------------------------------------------------------------------------------
     async def encode(self, media: list[MediaItem]) -> Encoded:
@@ -120,7 +137,7 @@ class HFStageEngine:
         """Encode the items this request claimed, in one encoder pass on the compute thread, and wake
         the requests waiting on them whatever happens to this one."""
         cache, keys = self.cache, list(claimed)
-        run = asyncio.get_running_loop().run_in_executor(self._compute, self._encode_into_cache, list(claimed.items()))
+        run = self._start(self._encode_into_cache, list(claimed.items()))
 
         def settle(done: asyncio.Future) -> None:
             if done.cancelled() or done.exception() is not None:
@@ -131,7 +148,10 @@ class HFStageEngine:
                 for key, entry in zip(keys, done.result()):
                     cache.fulfil(key, entry)
 
-        run.add_done_callback(settle)
+        if run.done():  # encoded on the event loop: wake the waiters before anything else runs
+            settle(run)
+        else:
+            run.add_done_callback(settle)
         try:
             entries = await asyncio.shield(run)
         except asyncio.CancelledError:  # this request went away: its references go when the encode ends
