@@ -20,6 +20,7 @@ import asyncio
 import base64
 import io
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -187,9 +188,21 @@ def bench_trident(args, model: str, backend: str, mode: str) -> dict:
             startup, startup_cpu = server.started()
             result = asyncio.run(load(f"http://127.0.0.1:{openai_port}/v1", "demo", args.requests, args.concurrency,
                                       args.max_tokens, args.rounds))
+        except BaseException:
+            _keep_logs(Path(tmp) / "ws", server, f"{backend}-{mode}")
+            raise
         finally:
             server.stop()
     return dict(result, startup=startup, startup_cpu=startup_cpu)
+
+
+def _keep_logs(workspace: Path, server: Process, name: str) -> None:
+    """A failed run's server output and Triton log, kept where the temporary workspace would lose them."""
+    kept = Path(tempfile.mkdtemp(prefix=f"bench-vllm-{name}-"))
+    (kept / "serve.log").write_text("".join(server.lines))
+    if (workspace / "triton.log").exists():
+        shutil.copy(workspace / "triton.log", kept / "triton.log")
+    print(f"[bench] {name} failed; its logs are in {kept}", file=sys.stderr, flush=True)
 
 
 def main() -> int:

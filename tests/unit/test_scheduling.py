@@ -217,3 +217,49 @@ def test_streams_stop_a_request_by_id_and_close_its_generation():
         assert [x async for x in streams.relay(None, tokens())][-1] == 999
 
     asyncio.run(scenario())
+
+
+class _FakeMetricFamily:
+    """pb_utils.MetricFamily as the BLS sees it: every increment is recorded (in Triton, an IPC round trip)."""
+
+    COUNTER, GAUGE = "counter", "gauge"
+    log: list = []
+
+    def __init__(self, name, description, kind):
+        self.name = name
+
+    def Metric(self, labels):  # noqa: N802 (pb_utils' name)
+        family = self
+
+        class _Metric:
+            def increment(self, value):
+                _FakeMetricFamily.log.append((family.name, labels.get("stage"), value))
+
+            def set(self, value):
+                _FakeMetricFamily.log.append((family.name, "set", value))
+
+        return _Metric()
+
+
+def test_a_requests_metric_updates_wait_for_apply():
+    from types import SimpleNamespace
+
+    from trident.scheduler.metrics import SchedulerMetrics
+
+    _FakeMetricFamily.log = []
+    metrics = SchedulerMetrics("e_p_d", SimpleNamespace(MetricFamily=_FakeMetricFamily))
+    held = metrics.held()
+    held.add("trident_routed_total", stage="encode", instance="encode")
+    held.request("encode>prefill>decode", ("skip_encode",), "e_p_d")
+    called = []
+    held.later(called.append, "logged")
+    metrics.add("trident_scheduler_errors_total", code="400")  # the model's own updates go at once
+    assert _FakeMetricFamily.log == [("trident_scheduler_errors_total", None, 1)] and called == []
+    held.apply()
+    assert [entry[0] for entry in _FakeMetricFamily.log[1:]] == [
+        "trident_routed_total", "trident_requests_total", "trident_decisions_total"]
+    assert called == ["logged"]
+    held.add("trident_routed_total", stage="decode", instance="decode")  # after apply: at once
+    assert _FakeMetricFamily.log[-1] == ("trident_routed_total", "decode", 1)
+    held.apply()  # again: nothing twice
+    assert len(_FakeMetricFamily.log) == 5

@@ -6,6 +6,7 @@ encode (its ``encode_report``) and are summed per encode instance.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 _FAMILIES = {
@@ -32,11 +33,35 @@ class SchedulerMetrics:
         self._families: dict[str, Any] = {}
         self._metrics: dict[tuple, Any] = {}
         self._evictions_seen: dict[str, int] = {}
+        self._held: list | None = None
         if pb_utils is not None and hasattr(pb_utils, "MetricFamily"):
             for name, (kind, description) in _FAMILIES.items():
                 self._families[name] = pb_utils.MetricFamily(
                     name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind)
                 )
+
+    def held(self, loop=None) -> "SchedulerMetrics":
+        """A view of these metrics that holds its updates (and the calls given to :meth:`later`) until
+        :meth:`apply`: each update is an IPC round trip to Triton, so a request's updates wait until its first
+        response is out. ``loop``: the event loop to apply them from (the python-backend stub's API is used
+        from the model's loop, not from the threads that forward streams)."""
+        view = copy.copy(self)  # shares the families, the metrics and the evictions seen
+        view._held = []
+        view.loop = loop
+        return view
+
+    def later(self, fn, *args) -> None:
+        """Call ``fn(*args)`` with the held updates (at once when not held)."""
+        if self._held is None:
+            fn(*args)
+        else:
+            self._held.append((fn, args))
+
+    def apply(self) -> None:
+        """Make the held updates (once; later updates go at once)."""
+        held, self._held = self._held, None
+        for fn, args in held or ():
+            fn(*args)
 
     def _metric(self, name: str, **labels: str):
         family = self._families.get(name)
@@ -52,12 +77,12 @@ class SchedulerMetrics:
         if value:
             metric = self._metric(name, **labels)
             if metric is not None:
-                metric.increment(value)
+                self.later(metric.increment, value)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         metric = self._metric(name, **labels)
         if metric is not None:
-            metric.set(value)
+            self.later(metric.set, value)
 
     def request(self, path: str, decisions: tuple[str, ...], runs_as: str) -> None:
         self.add("trident_requests_total", path=path)

@@ -147,8 +147,9 @@ class TritonPythonModel:
         pb = self.pb
         timings.mark("execute", time.monotonic_ns())
         sender = request.get_response_sender()
+        held = self.metrics.held(asyncio.get_running_loop())  # this request's metric updates, sent after its first response
         try:
-            await self._run(request, sender)
+            await self._run(request, sender, held)
         except (StageError, TridentError) as e:
             code = e.code if isinstance(e, StageError) else getattr(pb.TritonError, e.triton_code, pb.TritonError.INTERNAL)
             message = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
@@ -161,6 +162,8 @@ class TritonPythonModel:
                 pb.InferenceResponse(error=pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL)),
                 flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
             )
+        finally:
+            held.apply()
 
     def _inputs(self, request) -> dict:
         inputs = {}
@@ -170,7 +173,7 @@ class TritonPythonModel:
                 inputs[name] = tensor
         return inputs
 
-    async def _run(self, request, sender) -> None:
+    async def _run(self, request, sender, held) -> None:
         with timings.step("inputs"):
             inputs = self._inputs(request)
             text = _text(inputs.get("text_input"))
@@ -179,7 +182,7 @@ class TritonPythonModel:
         while True:
             p = self._plan(len(image_ids))
             try:
-                await self._follow(p, request, sender, inputs, text, image_ids, kinds)
+                await self._follow(p, request, sender, inputs, text, image_ids, kinds, held)
                 return
             except StageGone as gone:
                 retries -= 1
@@ -189,13 +192,13 @@ class TritonPythonModel:
                 self._refresh(force=True)
 
     async def _follow(
-        self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str], kinds: list[str]
+        self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str], kinds: list[str], held
     ) -> None:
         records: dict[str, bytes] = {}
         stages = list(p.stages)
         embeddings = RECORD_TENSOR["embeddings"]
         if stages[0] == "encode":
-            outputs = await self._call("encode", image_ids, inputs, records, [embeddings, ENCODE_REPORT])
+            outputs = await self._call("encode", image_ids, inputs, records, [embeddings, ENCODE_REPORT], held)
             records[embeddings] = outputs[embeddings]
             stages.pop(0)
         if needs_prompt_length(p, self.cfg.local_prefill_tokens):
@@ -204,18 +207,18 @@ class TritonPythonModel:
             if length is not None:
                 p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(image_ids))
                 stages = [s for s in p.stages if s != "encode"]
-        self.metrics.request(p.path, p.decisions, p.runs_as)
-        self.logger.log_verbose(f"[trident] {self.mode} request: path {p.path} {' '.join(p.decisions)}".rstrip())
+        held.request(p.path, p.decisions, p.runs_as)
+        held.later(self.logger.log_verbose, f"[trident] {self.mode} request: path {p.path} {' '.join(p.decisions)}".rstrip())
         keys = prefix_keys(text, image_ids)
         for stage in stages[:-1]:  # record stages
             if request.is_cancelled():
                 return self._cancelled(sender)
             out = RECORD_TENSOR[STAGES[stage].hands_on]
-            outputs = await self._call(stage, keys, inputs, records, [out])
+            outputs = await self._call(stage, keys, inputs, records, [out], held)
             records[out] = outputs[out]
         if request.is_cancelled():
             return self._cancelled(sender)
-        await self._stream(stages[-1], keys, request, sender, inputs, records, p)
+        await self._stream(stages[-1], keys, request, sender, inputs, records, p, held)
 
     def _prompt_length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
         """The prompt's token count with media expanded; None when it cannot be told here (the stage that
@@ -247,17 +250,17 @@ class TritonPythonModel:
         name = RECORD_TENSOR.get(kind) if kind else None
         return (name, records[name]) if name in records else None
 
-    def _route(self, stage: str, keys: list[str]) -> str:
+    def _route(self, stage: str, keys: list[str], held) -> str:
         instances = self.live.get(stage) or []
         if not instances:
             raise StageGone(instance_name(stage, 1))
         instance, _ = self.router.choose(stage, instances, keys)
-        self.metrics.add("trident_routed_total", stage=stage, instance=instance)
+        held.add("trident_routed_total", stage=stage, instance=instance)
         return instance
 
-    async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str]) -> dict:
+    async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str], held) -> dict:
         """One non-streaming stage call; its outputs as bytes."""
-        instance = self._route(stage, keys)
+        instance = self._route(stage, keys, held)
         self.router.begin(instance)
         try:
             with timings.step(f"call:{stage}"):
@@ -271,7 +274,7 @@ class TritonPythonModel:
             value = tensor.as_numpy().reshape(-1)[0] if tensor is not None else b""
             result[name] = value if isinstance(value, bytes) else str(value).encode()
         if stage == "encode" and result.get(ENCODE_REPORT):
-            self.metrics.encode_report(instance, json.loads(result[ENCODE_REPORT]))
+            held.encode_report(instance, json.loads(result[ENCODE_REPORT]))
         return result
 
     def _check(self, response, instance: str) -> None:
@@ -283,10 +286,10 @@ class TritonPythonModel:
             code = error.code() if hasattr(error, "code") else self.pb.TritonError.INTERNAL
             raise StageError(message, code)
 
-    async def _stream(self, stage: str, keys, request, sender, inputs: dict, records: dict, p: Plan) -> None:
+    async def _stream(self, stage: str, keys, request, sender, inputs: dict, records: dict, p: Plan, held) -> None:
         """Call the stage that hands on tokens and pass its responses to the client as they come."""
         record = self._record_for(stage, records, p.local_prefill)  # a decode stage prefilling gets the embeddings
-        instance = self._route(stage, keys)
+        instance = self._route(stage, keys, held)
         request_id = uuid.uuid4().hex
         self.router.begin(instance)
         # the stage always says why it stopped: a stream that ends without a finish_reason was cut off
@@ -297,7 +300,7 @@ class TritonPythonModel:
             t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
             outcome = await asyncio.get_running_loop().run_in_executor(
-                self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0
+                self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0, held
             )
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, stream, request_id)
@@ -306,7 +309,7 @@ class TritonPythonModel:
             self.router.end(instance)
 
     def _forward(self, stream, instance: str, request, sender, wants_reason: bool, step: str = "stream",
-                 t0: int = 0) -> str:
+                 t0: int = 0, held=None) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
         looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled". The call (from
         ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``.
@@ -342,6 +345,8 @@ class TritonPythonModel:
                 if not sent:
                     timings.mark(step, t0, t1)
                     timings.mark("first_send", t1)
+                    if held is not None:  # the first response is out: now the metric updates (an IPC each),
+                        held.loop.call_soon_threadsafe(held.apply)  # from the model's event loop, as before
                 sent += 1
         if not finished:
             if not sent:
