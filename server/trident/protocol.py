@@ -238,7 +238,13 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
             # every tensor holds at least one element, so ``count`` is bounded by the regions' bytes
             if spec.count < 1 or len(spec.shape) > MAX_TENSOR_RANK or any(d < 1 for d in spec.shape):
                 raise MalformedRecord(f"transfer record has an invalid tensor spec {spec}")
-        want = sum(spec.nbytes for spec in self.tensors)
+        offset = 0
+        for spec in self.tensors:  # a consumer views each tensor in place: it must start where its dtype can
+            if offset % DTYPE_SIZES[spec.dtype]:
+                raise MalformedRecord(f"transfer record puts a {spec.dtype} tensor at byte {offset}, not a multiple "
+                                      f"of its element size")
+            offset += spec.nbytes
+        want = offset
         if want != self.nbytes:
             raise MalformedRecord(f"transfer record tensors need {want} bytes but its regions hold {self.nbytes} bytes")
 

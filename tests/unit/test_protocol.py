@@ -68,6 +68,8 @@ def test_a_record_of_the_wrong_kind_is_refused_by_name():
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)),))).encode(), "do not hold 196 rows"),
         (_embeddings(image_ids=["a", "b"]).encode(), "token counts and image ids"),
         (_embeddings(token_counts=[0]).encode(), "invalid token counts"),
+        (_embeddings(transfer=_transfer(8, (TensorSpec("float16", (1,)), TensorSpec("float32", (1,)), TensorSpec("float16", (1,))))).encode(),
+         "float32 tensor at byte 2, not a multiple of its element size"),
         # a zero-size tensor with a huge count (once looped over in unpack_tensors)
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)), TensorSpec("float32", (0, 4), 1 << 40)))).encode(),
          "invalid tensor spec"),
@@ -165,3 +167,34 @@ def test_other_failures_are_internal_errors():
     assert type(errors.from_wire(errors.to_wire(KeyError("x")))) is TridentError
     assert errors.from_wire("Traceback (most recent call last):\n  ...\nRuntimeError: boom").message == "RuntimeError: boom"
     assert errors.from_message("Request for unknown model: 'e_pd' is not found") is None
+
+
+def test_received_tensors_are_views_of_the_pool_in_the_records_layout():
+    """unpack_tensors: views (as_strided) of the bytes the layout puts where; specs that reach past the buffer, or
+    put a tensor where its dtype cannot start (a float16 run of odd length before float32), are refused."""
+    import torch
+
+    from trident.transfer import MemoryPool
+    from trident.transfer.tensors import unpack_tensors
+
+    pool = MemoryPool("t", 4096)
+    tensors = [torch.arange(4, dtype=torch.float16), torch.arange(6, dtype=torch.float32).reshape(2, 3) + 0.5,
+               torch.arange(8, dtype=torch.int64).reshape(2, 2, 2), torch.tensor([7, 9], dtype=torch.uint8)]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    region = pool.alloc(flat.numel())
+    pool.view(region)[: flat.numel()] = flat
+    specs = (TensorSpec("float16", (4,)), TensorSpec("float32", (2, 3)), TensorSpec("int64", (2, 2, 2)),
+             TensorSpec("uint8", (2,)))
+    views = unpack_tensors(pool.buffer, specs, region.offset, pool.typed)
+    for view, want in zip(views, tensors):
+        assert view.dtype == want.dtype and view.shape == want.shape and torch.equal(view, want)
+    assert views[0].data_ptr() == pool.address_of(region)  # views, not copies
+    views[3][0] = 8
+    assert int(pool.view(region)[flat.numel() - 2]) == 8
+    kv = (TensorSpec("float32", (1, 2, 4, 8), count=12),)  # k and v of 6 layers, the KV record's layout
+    assert [v.data_ptr() for v in unpack_tensors(pool.buffer, kv, 256, pool.typed)] == \
+        [pool.address + 256 + i * 256 for i in range(12)]
+    with pytest.raises(MalformedRecord, match="more than the buffer holds"):
+        unpack_tensors(pool.buffer, (TensorSpec("float32", (1024,)),), 256, pool.typed)
+    with pytest.raises(MalformedRecord, match="float32 tensor at byte 6, not a multiple of its element size"):
+        unpack_tensors(pool.buffer, (TensorSpec("float16", (3,)), TensorSpec("float32", (2,))), 256, pool.typed)

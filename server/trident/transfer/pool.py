@@ -35,6 +35,7 @@ class MemoryPool:
         if register is not None:
             register(self.buffer)
         self.address = self.buffer.data_ptr()
+        self.typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype (tensors.unpack_tensors)
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size), sorted by offset
         self._used: dict[int, int] = {}  # offset -> aligned size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 
@@ -28,7 +29,7 @@ class Received:
         self._pool = pool
         self._region: Region | None = region
         self.record = record
-        self.tensors: list[torch.Tensor] = unpack_tensors(pool.view(region)[: record.nbytes], record.tensors)
+        self.tensors: list[torch.Tensor] = unpack_tensors(pool.buffer, record.tensors, region.offset, pool.typed)
 
     def release(self) -> None:
         if self._region is not None:
@@ -88,7 +89,7 @@ class TransferReceiver:
             self.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"", self.config.read_timeout_s)
             self.agent.read(record.agent, record.agent_meta, [(record.stamp, STAMP_BYTES)], local + record.nbytes,
                             lease, max(deadline - time.monotonic(), 0.001))
-            stamp = bytes(self.pool.view(region)[record.nbytes :].numpy())
+            stamp = ctypes.string_at(local + record.nbytes, STAMP_BYTES)  # (our own pool's memory, just READ)
             if stamp != lease:
                 raise ReplayedRecord(
                     f"record of lease {record.lease_id} from {record.agent} was read after its lease ended (it was "
@@ -105,8 +106,13 @@ class TransferReceiver:
         except BaseException:
             self.pool.free(region)
             raise
+        try:
+            received = Received(self.pool, region, record)
+        except BaseException:
+            self.pool.free(region)
+            raise
         self.fetched += 1
-        return Received(self.pool, region, record)
+        return received
 
     def discard(self, record: Transfer, *, claimed: bool = False) -> None:
         """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
