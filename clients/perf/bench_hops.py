@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench_scheduler import PROMPT, Serve, Stream, image_b64
+from report import write_section
 
 MODES = ("e_p_d", "ep_d")
 SECTION = "<!-- bench-hops -->"
@@ -258,24 +259,8 @@ def main() -> int:
     lines += ["", END]
     print("\n".join(lines), flush=True)
     if args.report:
-        write_section(args.report, lines)
+        write_section(args.report, lines, SECTION, END, "<!-- bench-scheduler -->")
     return 0
-
-
-def write_section(path: Path, lines: list[str]) -> None:
-    """Replace the hops section of ``path`` (between its markers), or put it before the scheduler's."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = "\n".join(lines)
-    if SECTION in text and END in text:
-        head, rest = text.split(SECTION, 1)
-        text = head + block + rest.split(END, 1)[1]
-    elif "<!-- bench-scheduler -->" in text:
-        head, rest = text.split("<!-- bench-scheduler -->", 1)
-        text = head + block + "\n\n<!-- bench-scheduler -->" + rest
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_scheduler import PROMPT, Serve, image_b64
+from report import write_section
 
 SECTION = "<!-- bench-openai -->"
 TEXT_ONLY = "Tell me a short story about a lighthouse."
@@ -222,22 +223,6 @@ def table(out: dict, args) -> list[str]:
     ]
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Put the section into ``path``: replace it where it is, else insert it before the hop table."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = "\n".join(lines)
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
-    elif "<!-- bench-hops -->" in text:
-        head, rest = text.split("<!-- bench-hops -->", 1)
-        text = head + block + "\n<!-- bench-hops -->" + rest
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-    print(f"wrote {path}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="llava", help="demo model (default: llava)")
@@ -268,7 +253,7 @@ def main() -> int:
     lines = table(out, args)
     print("\n".join(lines), flush=True)
     if args.report:
-        write_section(args.report, lines)
+        write_section(args.report, lines, SECTION, END, "<!-- bench-hops -->")
     return 0
 
 

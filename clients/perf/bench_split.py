@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench_openai import grpc_stream
 from bench_scheduler import PROMPT, Serve, image_b64
+from report import write_section
 
 MODES = ("epd", "e_pd", "e_p_d", "ep_d")
 SECTION = "<!-- bench-split -->"
@@ -154,22 +155,6 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
     return lines + [END, ""]
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Replace the section where it is, else put it before the OpenAI section (or at the end)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = "\n".join(lines)
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
-    elif "<!-- bench-openai -->" in text:
-        head, rest = text.split("<!-- bench-openai -->", 1)
-        text = head + block + "\n<!-- bench-openai -->" + rest
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-    print(f"wrote {path}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -202,7 +187,7 @@ def main() -> int:
     lines = table(results, args)
     print("\n".join(lines))
     if args.report:
-        write_section(args.report, lines)
+        write_section(args.report, lines, SECTION, END, "<!-- bench-openai -->")
     return 0
 
 
