@@ -95,6 +95,7 @@ class TransferReceiver:
                     f"record of lease {record.lease_id} from {record.agent} was read after its lease ended (it was "
                     "used by another consumer first)"
                 )
+            received = Received(self.pool, region, record)
         except TransferTimeout as e:
             if e.aborted:
                 self.pool.free(region)
@@ -103,11 +104,6 @@ class TransferReceiver:
                 log.warning("READ from %s timed out and could not be stopped; %d bytes of the receive pool "
                             "are set aside", record.agent, region.nbytes)
             raise
-        except BaseException:
-            self.pool.free(region)
-            raise
-        try:
-            received = Received(self.pool, region, record)
         except BaseException:
             self.pool.free(region)
             raise
