@@ -314,8 +314,11 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     image_ids: list[str]
     kinds: list[str] | None = None  # each item's modality; None: all images
     seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
+    first_token: int | None = None  # the prefill's greedy token (None: not sampled)
 
     def validate(self) -> None:
+        if self.first_token is not None and self.first_token < 0:
+            raise MalformedRecord("kv_meta has a negative first token")
         if len(self.token_counts) != len(self.image_ids):
             raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")
         _check_kinds(self.kinds, len(self.token_counts))

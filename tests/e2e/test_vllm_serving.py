@@ -124,6 +124,52 @@ def test_two_images_agree_across_modes(server, reference):
         assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == aggregated
 
 
+# prompts a few tokens apart in length: a prompt whose last KV block is full, or that the first token would
+# fill, is decoded the old way, and at most two of these four fall there. They are longer than
+# --local-prefill-tokens (128), so E/P/D hands their KV on.
+_LONG = "Describe the picture: its colours, its shapes, its light and what is in it. " * 3 + "Describe it"
+LENGTHS = {f"again-{k}": _LONG + " again" * k + "." for k in range(4)}
+
+
+@pytest.fixture(scope="module")
+def lengths_reference(server):
+    return build_reference(server.model_path, {case: [(224, 224, 1)] for case in LENGTHS}, NEW_TOKENS, LENGTHS)
+
+
+def _first_tokens_from_prefill(server) -> int:
+    time.sleep(0.6)  # the worker rewrites its stats file every 0.2 s
+    return server.stats()["decode"]["first_tokens_from_prefill"]
+
+
+def test_decode_continues_from_the_prefill_s_token(server, lengths_reference):
+    """E/P/D and EP/D on vLLM: the decode worker sends the token the prefill sampled before vLLM pulls the KV,
+    and vLLM continues from it; the text is still exactly what vLLM gives in one engine (EPD), and
+    model.generate()'s. Requests it does not apply to (sampled, or with stop strings) leave the first token to
+    vLLM."""
+    aggregated = {}
+    for case, c in lengths_reference.items():
+        aggregated[case] = grpc_generate(server.grpc, "epd", c["text"], c["images"], GREEDY, stream=True).text
+        # vLLM's detokenizer holds back a last token that ends inside a character; generate()'s decode shows it
+        assert aggregated[case] == c["expected"].rstrip("\ufffd") and c["num_input_tokens"] > 128
+    sent = {}
+    for mode in ("e_p_d", "ep_d"):
+        before = _first_tokens_from_prefill(server)
+        for case, c in lengths_reference.items():
+            got = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
+            assert got.text == aggregated[case], (mode, case)
+            assert got.num_output_tokens == NEW_TOKENS and got.finish_reason == "length"
+        sent[mode] = _first_tokens_from_prefill(server) - before
+    assert sent["e_p_d"] == sent["ep_d"] >= 2, sent
+
+    c = lengths_reference["again-0"]
+    before = _first_tokens_from_prefill(server)
+    for params in ({"max_tokens": 8, "temperature": 0.8, "seed": 3}, {"max_tokens": 8, "temperature": 0, "stop": ["zq"]}):
+        got = grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], params, stream=True)
+        assert got.num_output_tokens >= 1
+    assert _first_tokens_from_prefill(server) == before
+    wait_drained(server, KV_STAGES, timeout=30)
+
+
 def test_stage_records_are_small(server, reference):
     c = reference["one-image"]
     image, prompt = strings(c["images"][0]), strings(c["text"])

@@ -10,8 +10,9 @@ from .media import b64, chat_prompt, decoded_frames, make_image, media_prompt, p
 PROMPT = "Describe the picture in detail, please."
 
 
-def build_reference(model_path: str, specs_by_case: dict, new_tokens: int) -> dict:
-    """The prompt, images and model.generate() text of each case (image specs ``(w, h, seed)``)."""
+def build_reference(model_path: str, specs_by_case: dict, new_tokens: int, prompts: dict | None = None) -> dict:
+    """The prompt, images and model.generate() text of each case (image specs ``(w, h, seed)``; the user's
+    text is ``prompts[case]``, or :data:`PROMPT`)."""
     from transformers import AutoProcessor
 
     from trident.engines.hf.model import load_model
@@ -20,7 +21,7 @@ def build_reference(model_path: str, specs_by_case: dict, new_tokens: int) -> di
     cases = {}
     for case, specs in specs_by_case.items():
         images = [make_image(*s) for s in specs]
-        text = chat_prompt(processor.tokenizer, len(images), PROMPT)
+        text = chat_prompt(processor.tokenizer, len(images), (prompts or {}).get(case, PROMPT))
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)

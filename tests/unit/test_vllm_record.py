@@ -96,3 +96,57 @@ def test_decode_gives_vllm_each_clip_s_seconds_per_temporal_patch(demo_models):
     assert mm["video"]["second_per_grid_ts"].tolist() == [1.0]
     assert mm["video"]["video_embeds"].shape == (30, 8) and mm["video"]["video_grid_thw"].tolist() == [[5, 4, 6]]
     assert "second_per_grid_ts" not in mm["image"]
+
+
+def _first_token_side(model_path: str, block_size: int = 16) -> VLLMStageEngine:
+    engine = _decode_side(model_path)
+    engine._first_token_rules(block_size, None)
+    return engine
+
+
+def _in_context(engine: VLLMStageEngine, ids: list[int], token: int) -> str:
+    """The token's text as vLLM's detokenizer gives it after the prompt's ids."""
+    whole = engine.processor.tokenizer.decode([*ids, token], skip_special_tokens=True)
+    return whole[len(engine.processor.tokenizer.decode(ids, skip_special_tokens=True)):]
+
+
+def test_decode_starts_from_the_prefill_s_token_only_where_vllm_would_continue_the_same(demo_models):
+    """The prefill's token is sent first, and vLLM continues from it, only for a greedy request that goes on
+    past it, with no stop strings, whose prompt leaves room in its last block, and whose token is a whole
+    piece of text that is not a special one; otherwise (None) vLLM samples the first token itself."""
+    from trident.processor import SamplingParams
+
+    engine = _first_token_side(demo_models["llava"])
+    text = "USER: <image>\nWhat is it? ASSISTANT:"
+    prompt = {"prompt_token_ids": engine.processor.tokenizer(text)["input_ids"]}
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    word = engine.processor.tokenizer(" house", add_special_tokens=False)["input_ids"][0]
+    event = engine._first_event(prompt, 37, word, greedy)
+    assert event is not None and event.token_ids == [word] and event.num_output_tokens == 1
+    assert event.finish_reason is None and event.text == _in_context(engine, prompt["prompt_token_ids"], word)
+    assert event.text.strip() and event.text.strip() in " house"
+
+    partial = engine.processor.tokenizer("日", add_special_tokens=False)["input_ids"]
+    assert len(partial) > 1  # the vocabulary splits the character: its first token ends inside it
+    eos = min(engine.stop_ids)
+    for length, token, params in [
+        (37, None, greedy),  # an older record: no token
+        (37, word, SamplingParams(max_tokens=8, temperature=0.7, seed=1)),
+        (37, word, SamplingParams(max_tokens=8, temperature=0, stop=["zz"])),
+        (37, word, SamplingParams(max_tokens=1, temperature=0)),
+        (37, eos, greedy),
+        (37, engine.processor.image_token_id, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
+        (37, engine.vocab_size, greedy),
+        (32, word, greedy), (47, word, greedy),  # the last block full, or this token would fill it
+        (engine.processor.max_model_len - 1, word, greedy),
+        (37, partial[0], greedy),
+    ]:
+        assert engine._first_event(prompt, length, token, params) is None, (length, token, params)
+    assert engine._first_event(prompt, 33, word, greedy) is not None
+    assert engine._first_event(prompt, 46, word, greedy) is not None
+
+
+def test_kv_record_carries_the_first_token():
+    assert decode_record(_record(first_token=17).encode(), VLLMKVRecord).first_token == 17
+    with pytest.raises(MalformedRecord, match="negative first token"):
+        decode_record(_record(first_token=-1).encode(), VLLMKVRecord)

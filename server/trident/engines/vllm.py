@@ -15,6 +15,13 @@ result against the prefill's prompt length and digest. It hands vLLM zero-filled
 right shapes under the images' content ids: the KV of those positions comes from the prefill worker, the
 shapes give Qwen2-VL its M-RoPE positions, and the ids keep vLLM's prefix cache keyed by image content.
 vLLM computes the prompt's last position on the decode side, so that position must not be an image token.
+
+First token first: the prefill samples the first token greedily and ``kv_meta`` carries it. For a greedy
+request that goes on past it, the decode side sends that token at once and gives vLLM the prompt plus that
+token, so vLLM continues from it (the token's own position is computed on the decode side, as the prompt's last
+position is otherwise) instead of sampling it again after the KV pull, which under load takes the decode
+engine several steps. :meth:`VLLMStageEngine._first_event` lists when this applies; otherwise vLLM samples
+the first token itself, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
+import tokenizers
 import torch
 
 from .. import signing, timings
@@ -110,6 +118,12 @@ class _EngineStats:
         return _Logger(vllm_config, engine_index)
 
 
+def _token_ids(value: int | list[int] | None) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    return frozenset([value] if isinstance(value, int) else value)
+
+
 def _sampling(params: SamplingParams, **overrides):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -151,6 +165,7 @@ class VLLMStageEngine:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
         self._used_kv = signing.SingleUse()  # the kv_meta records this decode has taken
         self._stats = _EngineStats()
+        self._first_tokens_sent = 0  # decodes that started from the prefill's token
 
         _environment(config, threads)
         cpu = current_platform.is_cpu()
@@ -177,6 +192,23 @@ class VLLMStageEngine:
         )
         log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, self.kv_role, self.embeddings_in)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+        self._first_token_rules(
+            self.llm.vllm_config.cache_config.block_size,
+            self.llm.model_config.try_get_generation_config().get("eos_token_id"),
+        )
+
+    def _first_token_rules(self, block_size: int, generation_eos: int | list[int] | None) -> None:
+        """What :meth:`_first_event` checks a prefill's token against."""
+        text_config = getattr(self.processor.config, "text_config", self.processor.config)
+        self.vocab_size: int = text_config.vocab_size
+        self.block_size = block_size
+        # what ends a request at a token in vLLM: the tokenizer's and config's EOS and generation_config's
+        self.stop_ids = self.processor.eos_token_ids | _token_ids(generation_eos)
+        self._detokenizer = getattr(self.processor.tokenizer, "backend_tokenizer", None)  # vLLM's, when fast
+        # tokens a prompt is not continued from: special and added ones (media placeholders among them)
+        self._added_ids = frozenset(self.processor.token_ids.values()) | frozenset(
+            self._detokenizer.get_added_tokens_decoder() if self._detokenizer is not None else ()
+        )
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _prompt(
@@ -288,10 +320,12 @@ class VLLMStageEngine:
         if final is None or not final.kv_transfer_params:
             raise RuntimeError("vLLM's prefill returned no kv_transfer_params (is the NixlConnector configured?)")
         digest = prompt_digest(prompt["prompt_token_ids"])
+        sampled = final.outputs[0].token_ids if final.outputs else []
         return VLLMKVRecord(
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
             token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
             kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
+            first_token=sampled[0] if sampled else None,
         ).encode()
 
     async def generate(
@@ -304,7 +338,16 @@ class VLLMStageEngine:
             # vLLM frees the prefill's blocks once read: a second read would find other requests' KV there
             self._used_kv.claim(bytes(kv_meta[-signing.MAC_BYTES:]), time.time() + KV_RECORD_LIFE_S,
                                 "this kv_meta")
-            sampling = _sampling(params, extra_args={"kv_transfer_params": record.kv_transfer_params})
+            extra = {"kv_transfer_params": record.kv_transfer_params}
+            t0 = time.monotonic_ns()
+            first = self._first_event(prompt, length, record.first_token, params)
+            if first is not None:
+                timings.mark("first_token", t0)
+                self._first_tokens_sent += 1
+                prompt = dict(prompt, prompt_token_ids=[*prompt["prompt_token_ids"], first.token_ids[0]])
+                sampling = _sampling(params, max_tokens=params.max_tokens - 1, extra_args=extra)
+                return Generation(length, self._events(prompt, sampling, first))
+            sampling = _sampling(params, extra_args=extra)
         else:
             prompt, length, *_ = await self._inputs(text, list(media), embedding_meta)
             sampling = _sampling(params)
@@ -321,8 +364,42 @@ class VLLMStageEngine:
         finally:
             await stream.aclose()  # aborts the request in vLLM if it has not finished
 
-    async def _events(self, prompt: dict, sampling):
+    def _first_event(
+        self, prompt: dict, length: int, token: int | None, params: SamplingParams
+    ) -> DecodeEvent | None:
+        """The event of the prefill's token when the decode can start from it (see the module docstring), or
+        None when vLLM must sample the first token itself:
+
+        - the request is not greedy (the prefill sampled greedily), or has stop strings (vLLM finds them in its
+          own output text, which would not hold this token's);
+        - the token ends the request (EOS, ``max_tokens`` 1, the context window): vLLM then reads the KV, which
+          frees the prefill's blocks at once;
+        - the prompt's last block is full, or this token fills it: vLLM would allocate a block the prefill did
+          not fill, or cache a full block before this token's position in it is computed;
+        - the token is a special or added one (a media placeholder would be taken for media);
+        - the token ends inside a character (its text depends on the next token, so vLLM's detokenizer,
+          primed with the prompt and this token, would join them differently), or the tokenizer is not a fast
+          one (vLLM's detokenizer then works otherwise).
+        """
+        if (
+            token is None or self._detokenizer is None or not params.greedy or params.stop or params.max_tokens < 2
+            or not 0 <= token < self.vocab_size or token in self._added_ids
+            or (token in self.stop_ids and not params.ignore_eos)
+            or length + 1 >= self.processor.max_model_len or not 0 < length % self.block_size < self.block_size - 1
+        ):
+            return None
+        stream = tokenizers.decoders.DecodeStream(ids=prompt["prompt_token_ids"], skip_special_tokens=True)
+        text = stream.step(self._detokenizer, token)
+        if text is None:
+            return None
+        return DecodeEvent(token_ids=[token], text=text, num_output_tokens=1)
+
+    async def _events(self, prompt: dict, sampling, first: DecodeEvent | None = None):
+        """vLLM's outputs as events, after ``first`` (the prefill's token) when given."""
         count = 0
+        if first is not None:
+            yield first
+            count = first.num_output_tokens
         async for output in self._run(prompt, sampling):
             completion = output.outputs[0]
             count += len(completion.token_ids)
@@ -342,6 +419,8 @@ class VLLMStageEngine:
             kv_cache_usage=self._stats.kv_cache_usage, vllm_running=self._stats.running,
             vllm_waiting=self._stats.waiting,
         )
+        if self.kv_role == "kv_consumer":
+            out["first_tokens_from_prefill"] = self._first_tokens_sent
         return out
 
     def close(self) -> None:
