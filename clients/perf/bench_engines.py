@@ -21,6 +21,7 @@ import base64
 import io
 import os
 import shutil
+import shlex
 import signal
 import statistics
 import subprocess
@@ -179,6 +180,7 @@ def bench_trident(args, model: str, backend: str, mode: str) -> dict:
                "--served-model-name", "demo", "--default-mode", mode]
         if backend == "vllm":
             cmd += ["--worker-python", args.vllm_python]
+        cmd += shlex.split(args.serve_args)
         server = Process(cmd)
         try:
             while not any(line.startswith("[trident] ready") for line in server.lines):
@@ -215,6 +217,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of --requests per server (new images each round)")
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--backends", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
+    p.add_argument("--serve-args", default="", help="more `trident serve` options, e.g. '--vllm-prefill-calls 2'")
     p.add_argument("--report", help="also write the table to this Markdown file")
     args = p.parse_args()
     if args.model is None:
@@ -244,7 +247,7 @@ def main() -> int:
     table += [" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     caption = (f"{args.rounds} rounds of {args.requests} streaming chat requests at concurrency {args.concurrency}, "
                f"one new 224 px image each, {args.max_tokens} new tokens (greedy, ignore_eos), model {Path(args.model).name}; "
-               f"{os.cpu_count()} CPU cores")
+               f"{os.cpu_count()} CPU cores" + (f"; trident serve {args.serve_args}" if args.serve_args else ""))
     print(caption)
     print("\n".join(table))
     if args.report:

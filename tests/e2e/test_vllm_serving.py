@@ -255,6 +255,34 @@ def test_a_cancelled_stream_frees_its_kv_blocks_within_a_second(server, referenc
     assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
 
 
+@pytest.mark.parametrize("mode", ["e_p_d", "ep_d"])
+def test_a_stream_cancelled_at_its_first_token_frees_the_prefill_s_blocks(server, lengths_reference, mode):
+    """The decode sends the prefill's token before vLLM pulls the KV; a client that cancels right after it
+    still has its request aborted in vLLM, which frees the prefill's blocks at once (not at vLLM's 30 s
+    lease)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from support.clients import _grpc_inputs, entry_inputs
+
+    wait_drained(server, KV_STAGES, timeout=30)
+    before = _first_tokens_from_prefill(server)
+    c = lengths_reference["again-1"]
+    params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(c["text"], c["images"], params, True)})
+    client.async_stream_infer(mode, inputs)
+    result, error = q.get(timeout=120)
+    assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert _first_tokens_from_prefill(server) == before + 1
+    wait_drained(server, KV_STAGES, timeout=5)
+
+
 VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images"]
 
 

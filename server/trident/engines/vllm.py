@@ -395,7 +395,9 @@ class VLLMStageEngine:
         return DecodeEvent(token_ids=[token], text=text, num_output_tokens=1)
 
     async def _events(self, prompt: dict, sampling, first: DecodeEvent | None = None):
-        """vLLM's outputs as events, after ``first`` (the prefill's token) when given."""
+        """vLLM's outputs as events, after ``first`` (the prefill's token) when given: vLLM takes the request
+        once ``first`` is out and the next event is asked for. (A generation closed right after ``first``
+        never reaches vLLM; the prefill side frees its blocks at vLLM's KV lease, 30 s.)"""
         count = 0
         if first is not None:
             yield first
