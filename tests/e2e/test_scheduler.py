@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from support import build_reference, grpc_generate, http_generate, serving
+from support import build_reference, cancellable_stream, grpc_generate, http_generate, serving
 
 pytestmark = pytest.mark.slow
 
@@ -244,26 +244,13 @@ def test_local_encode_runs_few_images_on_a_worker_that_encodes_and_prefills(serv
 
 
 def test_a_cancelled_stream_stops_its_decode_within_a_second(server, ref):
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    from support.clients import _grpc_inputs, entry_inputs
-
     c = ref["one-image"]
     params = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-    q: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(c["text"], c["images"], params, True)})
-    client.async_stream_infer("e_p_d", inputs)
-    for _ in range(3):
-        result, error = q.get(timeout=60)
-        assert error is None
-    assert _settled(server, "decode", "decode_active", 1)["decode_active"] == 1
+    with cancellable_stream(server.grpc, "e_p_d", c["text"], c["images"], params, timeout=60) as next_response:
+        for _ in range(3):
+            next_response()
+        assert _settled(server, "decode", "decode_active", 1)["decode_active"] == 1
     start = time.monotonic()
-    client.stop_stream(cancel_requests=True)
-    client.close()
     stats = _settled(server, "decode", "decode_active", 0, timeout=5)
     assert stats["decode_active"] == 0 and time.monotonic() - start < 1.0
     assert _generate(server, c) == c["expected"]

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from support import (
-    MODES, Server, audio_bytes, b64, bad_request, build_reference, descendants, drain_kv, grpc_generate, http_generate,
-    make_frames, make_wave, media_prompt, stage_output, strings, video_bytes, vllm_python, wait_drained,
+    MODES, Server, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
+    grpc_generate, http_generate, make_frames, make_wave, media_prompt, stage_output, strings, video_bytes,
+    vllm_python, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -224,29 +225,16 @@ def test_an_idle_server_leaves_the_cores_free(server, reference):
 def test_a_cancelled_stream_frees_its_kv_blocks_within_a_second(server, reference, mode):
     """A client that cancels its gRPC stream mid-answer: the decode engine stops the request within 1 s, and
     then no stage holds a KV block, a lease or a pool region for it."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    from support.clients import _grpc_inputs, entry_inputs
-
     c = reference["one-image"]
     params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    q: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(c["text"], c["images"], params, True)})
-    client.async_stream_infer(mode, inputs)
-    for _ in range(3):
-        result, error = q.get(timeout=120)
-        assert error is None, error
-    deadline = time.monotonic() + 10
-    while server.stats()["decode"].get("vllm_running") != 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.stats()["decode"]["vllm_running"] == 1
+    with cancellable_stream(server.grpc, mode, c["text"], c["images"], params) as next_response:
+        for _ in range(3):
+            next_response()
+        deadline = time.monotonic() + 10
+        while server.stats()["decode"].get("vllm_running") != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats()["decode"]["vllm_running"] == 1
     start = time.monotonic()
-    client.stop_stream(cancel_requests=True)
-    client.close()
     while server.stats()["decode"].get("vllm_running") and time.monotonic() - start < 5:
         time.sleep(0.05)
     stopped = time.monotonic() - start
@@ -260,25 +248,12 @@ def test_a_stream_cancelled_at_its_first_token_frees_the_prefill_s_blocks(server
     """The decode sends the prefill's token before vLLM pulls the KV; a client that cancels right after it
     still has its request aborted in vLLM, which frees the prefill's blocks at once (not at vLLM's 30 s
     lease)."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    from support.clients import _grpc_inputs, entry_inputs
-
     wait_drained(server, KV_STAGES, timeout=30)
     before = _first_tokens_from_prefill(server)
     c = lengths_reference["again-1"]
     params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    q: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(c["text"], c["images"], params, True)})
-    client.async_stream_infer(mode, inputs)
-    result, error = q.get(timeout=120)
-    assert error is None, error
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    with cancellable_stream(server.grpc, mode, c["text"], c["images"], params) as next_response:
+        next_response()
     assert _first_tokens_from_prefill(server) == before + 1
     wait_drained(server, KV_STAGES, timeout=5)
 

@@ -6,7 +6,7 @@
 - :mod:`.reference`: transformers' ``generate()`` references
 """
 
-from .clients import Result, drain_kv, grpc_generate, http_generate, stage_output, strings
+from .clients import Result, cancellable_stream, drain_kv, grpc_generate, http_generate, stage_output, strings
 from .media import (
     audio_bytes, b64, chat_prompt, frameless_video, long_header_video, make_frames, make_image, make_wave, media_prompt,
     png_bytes, video_bytes,
@@ -43,6 +43,6 @@ IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300,
 __all__ = [
     "MEDIA_CASES", "vllm_python", "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
     "media_prompt", "video_bytes",
-    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "chat_prompt", "descendants", "drain_kv",
+    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,30 @@ def http_generate(url: str, model: str, text: str, images, params, timeout: floa
         body["sampling_parameters"] = params if isinstance(params, str) else json.dumps(params)
     r = requests.post(f"http://{url}/v2/models/{model}/generate", json=body, timeout=timeout)
     return r.status_code, r.json()
+
+
+@contextmanager
+def cancellable_stream(url: str, model: str, text: str, images, params, timeout: float = 120):
+    """A streaming gRPC request; yields a function that waits for its next response (which must not be an
+    error). Leaving the block cancels the request and closes the client."""
+    import tritonclient.grpc as grpcclient
+
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(text, images, params, True)})
+
+    def next_response():
+        result, error = q.get(timeout=timeout)
+        assert error is None, error
+        return result
+
+    try:
+        client.async_stream_infer(model, inputs)
+        yield next_response
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
 
 
 def _grpc_inputs(grpcclient, inputs: dict) -> list:
