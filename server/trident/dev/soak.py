@@ -50,7 +50,7 @@ TEXTS = [
     "List three colors of the sea at dawn.",
 ]
 IMAGE_QUESTION = "Describe the picture in detail, please."
-EXPECTED_503 = ("exited", "no live stage instances", "Unavailable", "retry later")
+EXPECTED_503 = ("exited", "no live stage instances", "Unavailable", "retry later", "is not running")
 SECTION, END = "<!-- soak -->", "<!-- /soak -->"
 
 
