@@ -77,7 +77,7 @@ def test_a_repeated_clip_is_a_cache_hit_and_a_new_one_is_encoded_once(server, re
         return grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text
 
     assert run() == c["expected"]
-    before = encode_stats(lambda s: s["leases"] == 0)
+    before = server.stats(settled=True)["encode"]
     for mode in ("e_p_d", "e_pd"):
         assert run(mode) == c["expected"]
     after = encode_stats(lambda s: s["published"] == before["published"] + 2)

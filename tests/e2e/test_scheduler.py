@@ -55,7 +55,7 @@ def ref(server):
 
 
 def _encode(server) -> dict:
-    return server.stats()["encode"]
+    return server.stats(settled=True)["encode"]
 
 
 def _settled(server, name: str, key: str, want, timeout: float = 5.0) -> dict:
@@ -257,7 +257,7 @@ def test_a_cancelled_stream_stops_its_decode_within_a_second(server, ref):
 
 
 def _published(server) -> dict[str, int]:
-    stats = server.stats()
+    stats = server.stats(settled=True)
     return {name: stats[name]["published"] for name in ("prefill", "prefill-2") if name in stats}
 
 

@@ -138,8 +138,7 @@ def lengths_reference(server):
 
 
 def _first_tokens_from_prefill(server) -> int:
-    time.sleep(0.6)  # the worker rewrites its stats file every 0.2 s
-    return server.stats()["decode"]["first_tokens_from_prefill"]
+    return server.stats(settled=True)["decode"]["first_tokens_from_prefill"]
 
 
 def test_decode_continues_from_the_prefill_s_token(server, lengths_reference):

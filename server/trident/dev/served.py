@@ -109,8 +109,18 @@ class Server:
             for sample in family.samples
         }
 
-    def stats(self) -> dict[str, dict]:
-        return {p.stem: json.loads(p.read_text()) for p in (self.workspace / "stats").glob("*.json")}
+    def stats(self, settled: bool = False) -> dict[str, dict]:
+        """Each worker's counters, from the file it rewrites every 0.2 s. ``settled`` waits (up to 5 s) until
+        two reads 0.3 s apart agree, so that a snapshot taken right after a request includes it."""
+        read = lambda: {p.stem: json.loads(p.read_text()) for p in (self.workspace / "stats").glob("*.json")}
+        now = read()
+        deadline = time.monotonic() + 5
+        while settled and time.monotonic() < deadline:
+            time.sleep(0.3)
+            now, last = read(), now
+            if now == last:
+                break
+        return now
 
     def stop(self) -> int:
         if self.proc.poll() is None:
