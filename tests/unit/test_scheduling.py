@@ -263,3 +263,83 @@ def test_a_requests_metric_updates_wait_for_apply():
     assert _FakeMetricFamily.log[-1] == ("trident_routed_total", "decode", 1)
     held.apply()  # again: nothing twice
     assert len(_FakeMetricFamily.log) == 5
+
+
+# -- finished BLS streams (scheduler/bls_streams.py) ------------------------------------------------------
+class _StubIterator:
+    """Like the stub's ResponseIterator: ``__iter__`` on a finished one starts over; ``__next__`` does not."""
+
+    def __init__(self, n: int) -> None:
+        self.items, self.idx, self.reads = list(range(n)), 0, 0
+
+    def __iter__(self):
+        if self.idx >= len(self.items):
+            self.idx = 0
+        return self
+
+    def __next__(self):
+        if self.idx >= len(self.items):
+            raise StopIteration
+        self.reads += 1
+        self.idx += 1
+        return self.items[self.idx - 1]
+
+
+class _Request:
+    def __init__(self, answers, during=None) -> None:
+        self.answers, self.during, self.asked = list(answers), during, 0
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        if self.during is not None:
+            self.during()
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_drain_reads_a_stream_to_its_end_and_a_finished_one_not_again():
+    from trident.scheduler.bls_streams import drain
+
+    stream = _StubIterator(3)
+    next(stream)
+    drain(stream)
+    assert stream.reads == 3
+    for _ in stream:  # what a for loop would do to the finished iterator
+        pass
+    assert stream.reads == 6
+    drain(stream)
+    assert stream.reads == 6
+
+
+def test_finished_streams_are_let_go_only_after_a_cancel_check_made_the_round_trip():
+    import gc
+    import weakref
+
+    from trident.scheduler.bls_streams import StreamKeeper
+
+    keeper = StreamKeeper()
+    first, second = _StubIterator(1), _StubIterator(1)
+    gone = [weakref.ref(first), weakref.ref(second)]
+    keeper.keep(first)
+    keeper.keep(second)
+    del first, second
+    # True may be a cached answer (no round trip): nothing is let go; nor when the check fails
+    assert keeper.is_cancelled(_Request([True])) is True
+    with pytest.raises(RuntimeError):
+        keeper.is_cancelled(_Request([RuntimeError("the stub is stopping")]))
+    gc.collect()
+    assert len(keeper) == 2 and all(ref() is not None for ref in gone)
+    # a stream kept while a check is under way was finished after that check began: it stays
+    late = _StubIterator(1)
+    request = _Request([False], during=lambda: keeper.keep(late))
+    assert keeper.is_cancelled(request) is False and request.asked == 1
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+    assert len(keeper) == 1
+    assert keeper.is_cancelled(_Request([False])) is False and len(keeper) == 0
+    assert keeper.is_cancelled(_Request([False])) is False  # nothing kept: still asks (it is the cancel check)
+    keeper.keep(_StubIterator(1))
+    keeper.clear()
+    assert len(keeper) == 0

@@ -36,6 +36,7 @@ from ..protocol import (
     CANCEL, ENCODE_REPORT, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
     instance_name, parse_instance,
 )
+from .bls_streams import StreamKeeper, drain
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
 from .routing import Router, prefix_keys
@@ -82,6 +83,7 @@ class TritonPythonModel:
         self.live: dict[str, list[str]] = {s: [] for s in self.stages}
         self._refreshed = 0.0
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
+        self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
         self._processor = None
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             from ..processor import Processor
@@ -299,12 +301,14 @@ class TritonPythonModel:
             call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
             t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
-            outcome = await asyncio.get_running_loop().run_in_executor(
+            loop = asyncio.get_running_loop()
+            outcome = await loop.run_in_executor(
                 self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0, held
             )
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, stream, request_id)
                 self._cancelled(sender)
+                await loop.run_in_executor(self._streams, self._finish, stream)
         finally:
             self.router.end(instance)
 
@@ -318,12 +322,31 @@ class TritonPythonModel:
         passed on only if the client did). A stream that ends without one was cut off (its stage model was
         unloaded while the request was in it): with nothing sent yet the instance counts as gone (the request
         is planned again), after some tokens the client's stream ends with a 503.
+
+        Unless cancelled (the caller then stops the stage first), the stream is read to its end and handed to
+        :meth:`_finish` here.
         """
+        outcome = None
+        try:
+            outcome = self._relay(stream, instance, request, sender, wants_reason, step, t0, held)
+            return outcome
+        finally:
+            if outcome != "cancelled":
+                self._finish(stream)
+
+    def _finish(self, stream) -> None:
+        """Read a stage stream to its end; the cancel checks of later requests let go of it (only once the stub
+        has: see :mod:`.bls_streams`)."""
+        drain(stream)
+        self._finished.keep(stream)
+
+    def _relay(self, stream, instance: str, request, sender, wants_reason: bool, step: str, t0: int, held) -> str:
+        """:meth:`_forward`'s loop."""
         pb = self.pb
         sent, finished, check_at = 0, False, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:
             if time.monotonic() >= check_at:
-                if request.is_cancelled():
+                if self._finished.is_cancelled(request):
                     return "cancelled"
                 check_at = time.monotonic() + _CANCEL_CHECK_S
             response, reason = self._carried_error(response)
@@ -347,6 +370,8 @@ class TritonPythonModel:
                     timings.mark("first_send", t1)
                     if held is not None:  # the first response is out: now the metric updates (an IPC each),
                         held.loop.call_soon_threadsafe(held.apply)  # from the model's event loop, as before
+                    if self._finished and self._finished.is_cancelled(request):  # lets earlier streams go: each
+                        return "cancelled"  # request makes one such check while it is open, however short
                 sent += 1
         if not finished:
             if not sent:
@@ -386,7 +411,7 @@ class TritonPythonModel:
         )
         try:
             responses = await call.async_exec(decoupled=True)
-            await asyncio.get_running_loop().run_in_executor(self._streams, lambda: [r for r in responses])
+            await asyncio.get_running_loop().run_in_executor(self._streams, self._finish, responses)
         except Exception as e:  # the stream still ends with its max_tokens
             self.logger.log_warn(f"[trident] {self.mode}: could not cancel a {stage} stream on {instance}: {e}")
 
@@ -399,6 +424,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._streams.shutdown(wait=False, cancel_futures=True)
+        self._finished.clear()
 
 
 def _flag(tensor) -> bool:
