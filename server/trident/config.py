@@ -50,9 +50,8 @@ class VLLMConfig(_Settings):
         "core lists such as '0-3' pin the engine's threads"
     )
     prefill_calls: int = Field(
-        1, ge=1, le=16, description="prefill requests a vLLM prefill engine (E/P/D's prefill, EP/D's encode_prefill) "
-        "takes at once, to batch them; each is a python-backend stub in Triton (~75 MiB). Above 1, a stub that "
-        "starts slowly on a busy machine can miss PyTriton's hand-shake and fail the worker's start-up"
+        2, ge=1, le=16, description="prefill requests a vLLM prefill engine (E/P/D's prefill, EP/D's encode_prefill) "
+        "takes at once, to batch a burst's prefills; each is a python-backend stub in Triton (~75 MiB)"
     )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
     nixl_threads: int = Field(1, ge=1, description="UCX worker threads of the NixlConnector's NIXL agent")
