@@ -71,7 +71,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
     vllm = VLLMConfig(
         dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
         enforce_eager=args.vllm_eager, cpu_bind=args.vllm_cpu_bind, nixl_progress_thread=args.vllm_nixl_progress_thread,
-        prefill_calls=args.vllm_prefill_calls,
+        prefill_calls=args.vllm_prefill_calls, executor=args.vllm_executor,
     )
     transfer = TransferConfig(
         send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB, lease_s=args.lease_s,
@@ -168,6 +168,7 @@ def _add_serve(sub) -> None:
     _opt(g, "--vllm-eager", VLLMConfig, "enforce_eager", action=argparse.BooleanOptionalAction)
     _opt(g, "--vllm-cpu-bind", VLLMConfig, "cpu_bind")
     _opt(g, "--vllm-prefill-calls", VLLMConfig, "prefill_calls", type=int)
+    _opt(g, "--vllm-executor", VLLMConfig, "executor", choices=["uni", "mp"])
     _opt(g, "--vllm-nixl-progress-thread", VLLMConfig, "nixl_progress_thread", action=argparse.BooleanOptionalAction)
     _opt(sv, "--warm-up", ServeSettings, "warm_up", action=argparse.BooleanOptionalAction)
     _opt(sv, "--trace-dir", ServeSettings, "trace_dir", metavar="DIR", shown="off")

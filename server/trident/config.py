@@ -53,6 +53,10 @@ class VLLMConfig(_Settings):
         2, ge=1, le=16, description="prefill requests a vLLM prefill engine (E/P/D's prefill, EP/D's encode_prefill) "
         "takes at once, to batch a burst's prefills; each is a python-backend stub in Triton (~75 MiB)"
     )
+    executor: Literal["uni", "mp"] = Field(
+        "uni", description="where an engine runs its model on a CPU: 'uni' in its engine-core process, 'mp' in a "
+        "worker process of its own (vLLM's CPU default: one more process per engine to start and to hand each step to)"
+    )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
     nixl_threads: int = Field(1, ge=1, description="UCX worker threads of the NixlConnector's NIXL agent")
     nixl_progress_thread: bool = Field(

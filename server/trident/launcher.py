@@ -84,7 +84,7 @@ class Launcher:
         missing = {m: s for m in (self.s.load or ()) for s in MODES[m] if s not in stages_for(self.s.modes)}
         if missing:
             raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
-        probe = self._probe_backend()  # (seconds: the vLLM environment's Python imports torch as it starts)
+        probe = self._probe_backend()  # answered while the model folder is found
         if self.model_path is None:
             from .dev.demo import default_demo_model
 
@@ -94,15 +94,19 @@ class Launcher:
             f"{self.s.scheduler} scheduler" + (f" ({self.s.scheduling.routing} routing)" if self.s.scheduler == "bls" else "")
         )
         self.out(f"[trident] repository-API access token: {self.token}")
-        self._start_triton()
-        if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
-            frontend = self._spawn_frontend()
+        self._set_environment()
         self._check_backend(probe)
         names = [
             instance_name(stage, i) for stage in stages_for(self.s.modes) for i in range(1, self.s.instances.get(stage, 1) + 1)
         ]
+        # The workers start first: they take the longest (their engines load), and bind once Triton answers.
+        # Triton's workspace is made before them, as they write their stage models into its repository.
+        self._make_triton_workspace()
         for name in names:
             self._start_worker(name)
+        self._start_triton()
+        if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
+            frontend = self._spawn_frontend()
         # Every entry model goes into the repository, so any mode whose stages run can be loaded later
         # through the repository API; the chosen ones are loaded now. A BLS scheduler finds its stage
         # instances as they come (it answers 503 until then), so it loads while the workers start; an
@@ -149,16 +153,28 @@ class Launcher:
                 "`make install-vllm` and pass --worker-python .venv-vllm/bin/python (or set TRIDENT_WORKER_PYTHON)"
             )
 
-    def _start_triton(self) -> None:
-        from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
-        from pytriton.utils.workspace import Workspace
-
+    def _set_environment(self) -> None:
+        """What Triton, its stubs, the workers and the frontend inherit."""
         _server_environment()
         os.environ[signing.ENV] = self.transfer_secret
         os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
         if self.s.trace_dir:  # Triton's stubs (the schedulers, the stage proxies) and the workers inherit it
             os.environ[timings.ENV] = str(Path(self.s.trace_dir).resolve())
             self.out(f"[trident] writing step timings of every request to {os.environ[timings.ENV]}")
+
+    @property
+    def model_store(self) -> Path:
+        """Triton's model repository (PyTriton's, in the workspace)."""
+        return self.workspace / "triton" / "model-store"
+
+    def _make_triton_workspace(self) -> None:
+        from pytriton.utils.workspace import Workspace
+
+        self._triton_workspace = Workspace(self.workspace / "triton")
+
+    def _start_triton(self) -> None:
+        from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+
         self.out(
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
@@ -170,14 +186,13 @@ class Launcher:
         )
         self.triton = Triton(
             config=config,
-            workspace=Workspace(self.workspace / "triton"),
+            workspace=self._triton_workspace,
             # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards.
             security_config=TritonSecurityConfig(
                 access_token=self.token, restricted_endpoints=["model-repository", "shared-memory", "trace", "logging"]
             ),
         )
         self.triton.run()
-        self.model_store = self.workspace / "triton" / "model-store"
 
     def worker_settings(self, name: str) -> WorkerSettings:
         """What the worker bound as model ``name`` (``<stage>`` or ``<stage>-<n>``) gets, whole, as JSON."""

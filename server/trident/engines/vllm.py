@@ -89,6 +89,18 @@ def _environment(config: VLLMConfig, threads: int) -> None:
         os.environ.setdefault(key, value)
 
 
+def _executor(config: VLLMConfig, cpu: bool) -> dict:
+    """The engine's executor argument. On a CPU, vLLM turns its single-process default ("uni") into "mp"
+    (a worker process beside the engine core, so that it can set OpenMP's environment before torch starts);
+    the workers here set that environment before vLLM starts, so "uni" is passed as the class, which vLLM
+    takes as given."""
+    if not cpu or config.executor == "mp":
+        return {}
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return {"distributed_executor_backend": UniProcExecutor}
+
+
 class _EngineStats:
     """Keeps the latest scheduler counters of an engine (a vLLM stat logger)."""
 
@@ -189,6 +201,7 @@ class VLLMStageEngine:
             kv_transfer_config=kv_transfer,
             disable_log_stats=False,
             seed=0,
+            **_executor(config, cpu),
         )
         log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, self.kv_role, self.embeddings_in)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])

@@ -39,6 +39,7 @@ from ..protocol import (
 from .bls_streams import StreamKeeper, drain
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
+from .prompt_length import PromptLength
 from .routing import Router, prefix_keys
 
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
@@ -84,11 +85,9 @@ class TritonPythonModel:
         self._refreshed = 0.0
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
         self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
-        self._processor = None
+        self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
-            from ..processor import Processor
-
-            self._processor = Processor(self.model_path)  # measures prompts for local prefill
+            self._measure = PromptLength(self.model_path)
         self._refresh(force=True)
 
     # -- stage instances -------------------------------------------------------------------------------
@@ -225,12 +224,9 @@ class TritonPythonModel:
     def _prompt_length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
         """The prompt's token count with media expanded; None when it cannot be told here (the stage that
         prefills will name the problem)."""
-        if self._processor is None or (kinds and not token_counts):
+        if self._measure is None or (kinds and not token_counts):
             return None
-        try:
-            return len(self._processor.prompt_ids(text, token_counts, kinds))
-        except Exception:
-            return None
+        return self._measure.length(text, token_counts, kinds)
 
     def _request(
         self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None, outputs: list[str],

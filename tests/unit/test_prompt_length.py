@@ -1,0 +1,80 @@
+"""The BLS's prompt measure (``tokenizers`` on the checkpoint's tokenizer.json) against the Processor's
+(transformers) expanded prompt, on every demo model."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from trident.dev.demo import ARCHS
+from trident.processor import Processor
+from trident.scheduler.prompt_length import PromptLength
+
+TEXTS = [
+    "{0}\nWhat is in the picture?",
+    "  leading spaces, {0} in the middle, and a trailing newline\n",
+    "Ünïcödé — 日本語のテキスト {0} émojis 🎉🎉 and tabs\tand\r\nCRLF",
+    "{0}{0} two items back to back",
+    "<s> a literal BOS-like string, {0}, </s> and [INST] brackets [/INST]",
+    "",
+]
+
+
+def _cases(family):
+    for template in TEXTS:
+        for kind, placeholder in family.placeholders.items():
+            items = template.count("{0}")
+            yield template.format(placeholder.text), [7 + 3 * i for i in range(items)], [kind] * items
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_measure_matches_the_processors_expanded_prompt(demo_models, arch):
+    processor, measure = Processor(demo_models[arch]), PromptLength(demo_models[arch])
+    checked = 0
+    for text, counts, kinds in _cases(processor.family):
+        try:
+            expected = len(processor.prompt_ids(text, counts, kinds))
+        except Exception:  # an empty prompt: the Processor refuses it, the stage names it
+            continue
+        assert measure.length(text, counts, kinds) == expected, (arch, text, counts)
+        checked += 1
+    assert checked >= len(TEXTS) - 1
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2vl"])
+def test_a_prompt_without_one_placeholder_per_item_is_not_measured(demo_models, arch):
+    measure = PromptLength(demo_models[arch])
+    text = Processor(demo_models[arch]).family.placeholders["image"].text
+    assert measure.length(f"{text}\nhi", [5, 5], ["image", "image"]) is None  # one placeholder, two items
+    assert measure.length(f"{text}{text}\nhi", [5], ["image"]) is None  # two placeholders, one item
+    assert measure.length("hi", [5], ["audio"]) is None  # a kind the family does not take
+    assert measure.length(f"{text}\nhi", [5, 6], ["image"]) is None  # counts and kinds disagree
+    assert measure.length(f"{text}\nhi", [5], ["image"]) is not None
+
+
+def test_a_checkpoint_without_tokenizer_json_is_measured_by_the_processor(demo_models, tmp_path, monkeypatch):
+    import trident.processor
+
+    folder = tmp_path / "llava"
+    shutil.copytree(demo_models["llava"], folder)
+    (folder / "tokenizer.json").unlink()
+    # transformers here cannot load a tokenizer without tokenizer.json (no sentencepiece): the fallback gets the
+    # original checkpoint's Processor, and must be the path taken
+    loaded = []
+    monkeypatch.setattr(trident.processor, "Processor", lambda path: loaded.append(path) or Processor(demo_models["llava"]))
+    text = "<image>\nWhat is this?"
+    assert PromptLength(folder).length(text, [9], ["image"]) == len(Processor(demo_models["llava"]).prompt_ids(text, [9], ["image"]))
+    assert loaded == [folder]
+
+
+def test_measuring_does_not_import_transformers_or_torch(demo_models):
+    code = (
+        "import sys; from trident.scheduler.prompt_length import PromptLength; "
+        f"m = PromptLength({demo_models['llava']!r}); assert m.length('<image> hi', [4], ['image']) > 4; "
+        "print(sorted(k for k in ('torch', 'transformers') if k in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
