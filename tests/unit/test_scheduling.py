@@ -265,28 +265,6 @@ def test_a_requests_metric_updates_wait_for_apply():
     assert len(_FakeMetricFamily.log) == 5
 
 
-def test_closed_metrics_are_released_and_later_updates_dropped():
-    import gc
-    import weakref
-    from types import SimpleNamespace
-
-    from trident.scheduler.metrics import SchedulerMetrics
-
-    _FakeMetricFamily.log = []
-    metrics = SchedulerMetrics("e_p_d", SimpleNamespace(MetricFamily=_FakeMetricFamily))
-    metrics.add("trident_routed_total", stage="encode", instance="encode")
-    held = metrics.held()  # a request's view shares the families and metrics
-    refs = [weakref.ref(m) for m in metrics._metrics.values()] + [weakref.ref(f) for f in metrics._families.values()]
-    assert len(refs) == 1 + len(metrics._families)
-    metrics.close()
-    gc.collect()
-    assert [r for r in refs if r() is not None] == []  # deleted now, not at the interpreter's exit
-    held.add("trident_routed_total", stage="decode", instance="decode")
-    held.apply()
-    metrics.set("trident_embedding_cache_bytes", 5, instance="encode")
-    assert _FakeMetricFamily.log == [("trident_routed_total", "encode", 1)]
-
-
 # -- finished BLS streams (scheduler/bls_streams.py) ------------------------------------------------------
 class _StubIterator:
     """Like the stub's ResponseIterator: ``__iter__`` on a finished one starts over; ``__next__`` does not."""

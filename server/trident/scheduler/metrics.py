@@ -63,13 +63,6 @@ class SchedulerMetrics:
         for fn, args in held or ():
             fn(*args)
 
-    def close(self) -> None:
-        """Delete every metric and family now (from the model's ``finalize``), while the stub can still tell
-        Triton. Left to the interpreter's exit, their destructors run after the stub has freed its shared
-        memory, and the stub segfaults in ``Metric::SaveToSharedMemory``. Later updates are dropped."""
-        self._metrics.clear()
-        self._families.clear()
-
     def _metric(self, name: str, **labels: str):
         family = self._families.get(name)
         if family is None:

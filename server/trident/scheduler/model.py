@@ -421,7 +421,6 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._streams.shutdown(wait=False, cancel_futures=True)
         self._finished.clear()
-        self.metrics.close()
 
 
 def _flag(tensor) -> bool:
