@@ -107,3 +107,55 @@ def test_stage_streams_are_freed_under_the_gil(demo_models, tmp_path):
         assert proc.returncode == 0 and any("Detaching" in line or "detached" in line.lower() for line in lines), lines[-10:]
         # the stub serves on after gdb has left
         assert grpc_generate(server.grpc, "e_p_d", "Count to 3.", [], params, stream=True).num_output_tokens >= 1
+
+
+EXIT_SCRIPT = """\
+set pagination off
+set confirm off
+set print thread-events off
+handle SIGPIPE SIGUSR1 SIGUSR2 SIGTERM SIGINT SIG32 SIG33 SIG34 SIG35 SIG36 nostop noprint pass
+printf "ATTACHED\\n"
+continue
+bt 6
+quit
+"""
+
+
+def test_the_entry_models_stub_exits_cleanly_when_the_server_stops(demo_models, tmp_path):
+    """The BLS's Prometheus metric families are never deleted (``scheduler.metrics._keep_past_exit``): left to the
+    interpreter's exit, their destructors ran after the stub had freed its shared memory, and every entry
+    model's stub segfaulted as the server stopped (``Metric::SaveToSharedMemory``)."""
+    gdb = shutil.which("gdb")
+    assert gdb, "this test needs gdb (`make test` installs it)"
+    script = tmp_path / "exit.gdb"
+    script.write_text(EXIT_SCRIPT)
+    with serving(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"]) as server:
+        params = {"max_tokens": 2, "temperature": 0}
+        for prompt in ("Count to 3.", "Name a colour."):  # requests create the entry model's metrics
+            assert grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True).num_output_tokens >= 1
+        stub = _entry_stub(server, "e_p_d")
+        proc = subprocess.Popen([gdb, "-p", str(stub), "-batch", "-x", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        attached = threading.Event()
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                if line.startswith("ATTACHED"):
+                    attached.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert attached.wait(60), "\n".join(lines[-20:])
+    # the server has stopped: the stub has exited (or crashed, and gdb printed where)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(10)
+        (tmp_path / "gdb.log").write_text("\n".join(lines))
+    crashed = [i for i, line in enumerate(lines) if "received signal" in line]
+    assert not crashed, "\n".join(lines[crashed[0]:crashed[0] + 8])
+    assert any(f"process {stub}) exited" in line for line in lines), "\n".join(lines[-10:])

@@ -265,6 +265,22 @@ def test_a_requests_metric_updates_wait_for_apply():
     assert len(_FakeMetricFamily.log) == 5
 
 
+def test_metric_families_outlive_their_scheduler():
+    """Never deleted: their destructors would run at the stub's exit, after its shared memory is gone."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from trident.scheduler.metrics import _FAMILIES, SchedulerMetrics
+
+    metrics = SchedulerMetrics("e_p_d", SimpleNamespace(MetricFamily=_FakeMetricFamily))
+    refs = [weakref.ref(f) for f in metrics._families.values()]
+    assert len(refs) == len(_FAMILIES)
+    del metrics
+    gc.collect()
+    assert all(r() is not None for r in refs)
+
+
 # -- finished BLS streams (scheduler/bls_streams.py) ------------------------------------------------------
 class _StubIterator:
     """Like the stub's ResponseIterator: ``__iter__`` on a finished one starts over; ``__next__`` does not."""

@@ -7,6 +7,7 @@ encode (its ``encode_report``) and are summed per encode instance.
 from __future__ import annotations
 
 import copy
+import ctypes
 from typing import Any
 
 _FAMILIES = {
@@ -24,6 +25,18 @@ _FAMILIES = {
 }
 
 
+def _keep_past_exit(family: Any) -> None:
+    """Give ``family`` a reference that is never dropped, so that it is never deleted.
+
+    A ``MetricFamily``'s destructor tells Triton through the stub's shared memory. Left to the interpreter's
+    exit, it ran after the stub had freed that memory, and every entry model's stub segfaulted as the server
+    stopped (in ``Metric::SaveToSharedMemory``). Deleting the families in ``finalize()`` instead deadlocked
+    Triton when an entry model was reloaded while serving (docs/reliability.md, "Shutdown"). Never deleted,
+    they send nothing: the stub exits cleanly, and Triton keeps the families as it did when the stub
+    crashed."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(family))
+
+
 class SchedulerMetrics:
     """Counters and gauges of one entry model; no-ops where Triton's metrics API is unavailable."""
 
@@ -36,9 +49,9 @@ class SchedulerMetrics:
         self._held: list | None = None
         if pb_utils is not None and hasattr(pb_utils, "MetricFamily"):
             for name, (kind, description) in _FAMILIES.items():
-                self._families[name] = pb_utils.MetricFamily(
-                    name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind)
-                )
+                family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
+                _keep_past_exit(family)
+                self._families[name] = family
 
     def held(self, loop=None) -> "SchedulerMetrics":
         """A view of these metrics that holds its updates (and the calls given to :meth:`later`) until
