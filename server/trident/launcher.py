@@ -164,8 +164,8 @@ class Launcher:
 
     @property
     def model_store(self) -> Path:
-        """Triton's model repository (PyTriton's, in the workspace)."""
-        return self.workspace / "triton" / "model-store"
+        """Triton's model repository (PyTriton's, in the workspace; made by :meth:`_make_triton_workspace`)."""
+        return self._triton_workspace.model_store_path
 
     def _make_triton_workspace(self) -> None:
         from pytriton.utils.workspace import Workspace
