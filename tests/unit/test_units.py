@@ -63,6 +63,27 @@ def test_decode_base64_image_forms_and_errors():
         decode_base64_image("data:image/png,rawbytes")
 
 
+@pytest.mark.parametrize("text", ["YWJjZA==", "YWJjZA=", "YWJjZA===", "YWJjZA", "YWJj\nZA==", "YW Jj", "YWJj!A==",
+                                  "YWJjZA==YWJj", "=YWJj", "YQ", "YR==", "Y", "", "éèà"])
+def test_base64_is_accepted_as_binascii_strict_mode_accepts_it(text):
+    """The SIMD decoder takes what binascii's strict mode takes, and a refusal gives binascii's reason."""
+    import binascii
+
+    from trident.media import decode_base64
+
+    try:
+        expected = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as e:
+        expected = e
+    if isinstance(expected, bytes) and expected:
+        assert decode_base64(text) == expected
+        return
+    with pytest.raises(InvalidRequest) as refused:
+        decode_base64(text)
+    reason = "is empty" if isinstance(expected, bytes) or not text.strip() else str(expected)
+    assert reason in str(refused.value)
+
+
 def test_repository_is_in_step_with_protocol(tmp_path):
     """model_repository/ is what `python -m trident.repository` renders from the protocol, file for file."""
     written = write_repository(tmp_path)
