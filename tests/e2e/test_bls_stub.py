@@ -40,6 +40,37 @@ quit
 """
 
 
+class _Gdb:
+    """gdb attached to a process in batch mode (``script``); its output is collected by a thread."""
+
+    def __init__(self, gdb: str, pid: int, script: Path) -> None:
+        self.proc = subprocess.Popen([gdb, "-p", str(pid), "-batch", "-x", str(script)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._attached = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("ATTACHED"):  # the script prints it once it has attached
+                self._attached.set()
+
+    def wait_attached(self) -> None:
+        assert self._attached.wait(60), "\n".join(self.lines[-20:])
+
+    def finish(self, log: Path) -> None:
+        """Wait for gdb to end (killed after 60 s), and keep its output in ``log``."""
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(10)
+        log.write_text("\n".join(self.lines))
+
+
 def _entry_stub(server, mode: str) -> int:
     for pid in descendants(server.proc.pid):
         try:
@@ -57,21 +88,8 @@ def test_stage_streams_are_freed_under_the_gil(demo_models, tmp_path):
     with serving(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"]) as server:
         script = tmp_path / "dtor.gdb"
         script.write_text(GDB_SCRIPT)
-        proc = subprocess.Popen(
-            [gdb, "-p", str(_entry_stub(server, "e_p_d")), "-batch", "-x", str(script)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        lines: list[str] = []
-        attached = threading.Event()
-
-        def read() -> None:
-            for line in proc.stdout:
-                lines.append(line.rstrip("\n"))
-                if line.startswith("ATTACHED"):
-                    attached.set()
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        gdb_run = _Gdb(gdb, _entry_stub(server, "e_p_d"), script)
+        proc, lines = gdb_run.proc, gdb_run.lines
         params = {"max_tokens": 4, "temperature": 0}
 
         def stream(i: int) -> int:
@@ -83,18 +101,12 @@ def test_stage_streams_are_freed_under_the_gil(demo_models, tmp_path):
                 return -1
 
         try:
-            assert attached.wait(60), "\n".join(lines[-20:])
+            gdb_run.wait_attached()
             with ThreadPoolExecutor(8) as pool:
                 counts = list(pool.map(stream, range(160)))
         finally:
             proc.send_signal(signal.SIGINT)  # stops the stub; the script then detaches
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            reader.join(10)
-            (tmp_path / "gdb.log").write_text("\n".join(lines))
+            gdb_run.finish(tmp_path / "gdb.log")
         crashed = [i for i, line in enumerate(lines) if "received signal" in line and "SIGINT" not in line]
         assert not crashed, "\n".join(lines[crashed[0]:crashed[0] + 12])
         destroyed = [i for i, line in enumerate(lines) if line.startswith("DTOR gil=")]
@@ -134,28 +146,11 @@ def test_the_entry_models_stub_exits_cleanly_when_the_server_stops(demo_models, 
         for prompt in ("Count to 3.", "Name a colour."):  # requests create the entry model's metrics
             assert grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True).num_output_tokens >= 1
         stub = _entry_stub(server, "e_p_d")
-        proc = subprocess.Popen([gdb, "-p", str(stub), "-batch", "-x", str(script)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: list[str] = []
-        attached = threading.Event()
-
-        def read() -> None:
-            for line in proc.stdout:
-                lines.append(line.rstrip("\n"))
-                if line.startswith("ATTACHED"):
-                    attached.set()
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert attached.wait(60), "\n".join(lines[-20:])
+        gdb_run = _Gdb(gdb, stub, script)
+        gdb_run.wait_attached()
     # the server has stopped: the stub has exited (or crashed, and gdb printed where)
-    try:
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join(10)
-        (tmp_path / "gdb.log").write_text("\n".join(lines))
+    gdb_run.finish(tmp_path / "gdb.log")
+    lines = gdb_run.lines
     crashed = [i for i, line in enumerate(lines) if "received signal" in line]
     assert not crashed, "\n".join(lines[crashed[0]:crashed[0] + 8])
     assert any(f"process {stub}) exited" in line for line in lines), "\n".join(lines[-10:])
