@@ -44,6 +44,10 @@ def _gap(a: int | None, b: int | None) -> float | None:
     return (b - a) / 1e6 if a is not None and b is not None else None
 
 
+def _p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[8] if len(values) > 1 else values[0]
+
+
 def _first(steps: Steps, key: str, end: bool = False) -> int | None:
     spans = steps.get(key)
     return (spans[0][1] if end else spans[0][0]) if spans else None
@@ -217,7 +221,8 @@ def main() -> int:
     lines = [SECTION, f"## Where TTFT goes: one request at a time ({args.arch} demo, hf engine)", "",
              "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve --trace-dir`, one "
              f"gRPC stream (tritonclient) kept open for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
-             "tokens, one at a time; the median of each hop in ms, from the step timings the BLS, the stage stubs "
+             "tokens, one at a time; the median (p50) and 90th percentile (p90) of each hop in ms over the requests, "
+             "from the step timings the BLS, the stage stubs "
              "and the workers write on one clock. In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
     in_rows = []
@@ -236,9 +241,10 @@ def main() -> int:
                     order.append(label)
                 if value is not None:
                     table.setdefault(label, {}).setdefault(mode, []).append(value)
-    lines += ["| hop | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
+    lines += ["| hop | " + " | ".join(f"{m} p50 | {m} p90" for m in MODES) + " |", "|---|" + "---|" * 2 * len(MODES)]
     for label in order:
-        cells = [f"{statistics.median(table[label][m]):.2f}" if m in table.get(label, {}) else "" for m in MODES]
+        cells = [f"{statistics.median(table[label][m]):.2f} | {_p90(table[label][m]):.2f}" if m in table.get(label, {})
+                 else " | " for m in MODES]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "| in-process (generate engine) | ms |", "|---|---|"]
     for key in (*COMPUTE, "decode_admit", "TTFT", "TTFT - compute"):
