@@ -98,11 +98,17 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
     rows = [("client -> Triton -> BLS", _gap(clock["send"], execute)),
             ("BLS: read inputs (hash images)", _dur(steps, "bls/inputs"))]
     last = _first(steps, "bls/inputs", end=True)
-    for stage in stages:
+    sent = _first(steps, "bls/first_send")
+    decode_call = _first(steps, f"bls/call:{stages[-1]}")
+    # the first text came in the prefill's kv_meta: sent before the decode call (not a part of TTFT)
+    early = sent is not None and decode_call is not None and sent < decode_call
+    for stage in stages[:-1] if early else stages:
         t0 = _first(steps, f"bls/call:{stage}")
         rows.append((f"BLS between calls (before {stage})", _gap(last, t0)))
         rows += stage_rows(steps, stage, streamed=stage == "decode")
         last = _first(steps, f"bls/call:{stage}", end=True)
+    if early:
+        rows.append(("BLS: kv_meta's first text read", _gap(last, sent)))
     rows.append(("BLS: first response sent", _dur(steps, "bls/first_send")))
     rows.append(("BLS -> Triton -> client", _gap(_first(steps, "bls/first_send", end=True), clock["first"])))
     ttft = _gap(clock["send"], clock["first"])

@@ -109,6 +109,14 @@ class RequestOutput:
         return DecodeEvent([], "", "abort", self.generated)
 
 
+def early_text(first: DecodeEvent | None) -> str | None:
+    """What a kv record's ``first_text`` carries for the decode's ``first`` event (None when the decode side
+    will not start from the prefill's token): its text, when that response is neither empty nor the last."""
+    if first is None or not first.text or first.finish_reason is not None:
+        return None
+    return first.text
+
+
 # -- the entry interface's responses ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class OutputOptions:

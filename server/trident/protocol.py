@@ -176,7 +176,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 5
+RECORD_VERSION = 6  # 6: kv records carry first_text
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 MAX_TENSOR_RANK = 8
 
@@ -286,13 +286,20 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
 
 
 class HFKVRecord(_Record, tag=f"hf_kv/{RECORD_VERSION}"):
-    """``kv_meta`` of the hf engine: the prompt's KV cache (per layer k, v) and how to continue it."""
+    """``kv_meta`` of the hf engine: the prompt's KV cache (per layer k, v) and how to continue it.
+
+    ``first_text`` (here and in :class:`VLLMKVRecord`): the text of the first response the decode side will
+    send, when the prefill can tell it (the decode's first event, by the same rules from the same token, prompt
+    and parameters) and that response is neither empty nor the last. A streaming entry model sends it as soon
+    as the prefill returns, instead of after the decode call's round trip, and drops the decode's copy of it.
+    None: the decode side's first response is the first one."""
 
     transfer: Transfer
     prompt_len: int
     first_token: int  # sampled by the prefill
     rope_delta: int = 0  # Qwen2-VL: decode position = cache length + rope_delta
     seed: int = 0  # sampling seed the decode side continues with
+    first_text: str | None = None  # the decode's first response text (see above)
 
     def validate(self) -> None:
         self.transfer.validate()
@@ -315,6 +322,7 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     kinds: list[str] | None = None  # each item's modality; None: all images
     seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
     first_token: int | None = None  # the prefill's greedy token (None: not sampled)
+    first_text: str | None = None  # as in HFKVRecord
 
     def validate(self) -> None:
         if self.first_token is not None and self.first_token < 0:

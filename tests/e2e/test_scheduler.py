@@ -35,6 +35,7 @@ CASES = {
     **{f"unique-{i}": [(224, 224, 100 + i)] for i in range(UNIQUE)},
     **{f"spread-{i}": [(224, 224, 200 + i)] for i in range(4)},
     "traced": [(224, 224, 300)],
+    "early": [(224, 224, 400)],
 }
 
 
@@ -144,8 +145,54 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
         assert call[0] <= work[0] <= work[1] <= call[1], stage
     assert one["bls-e_p_d/call:encode"][1] <= one["bls-e_p_d/call:prefill"][0]
     assert one["bls-e_p_d/call:prefill"][1] <= one["decode/infer"][0] <= one["decode/infer_first"][1]
-    assert one["decode/infer_first"][1] <= one["bls-e_p_d/first_send"][0]
+    if _first_text(server, c):  # sent as soon as the prefill returned, before the decode call
+        assert one["bls-e_p_d/call:prefill"][1] <= one["bls-e_p_d/first_send"][0]
+        assert one["bls-e_p_d/first_send"][1] <= one["bls-e_p_d/call:decode"][0]
+    else:
+        assert one["decode/infer_first"][1] <= one["bls-e_p_d/first_send"][0]
     assert one["encode/vision_tower"][0] >= one["encode/infer"][0] and one["encode/vision_tower"][1] <= one["encode/infer"][1]
+
+
+def _first_text(server, c) -> str:
+    """The text of the reference's first token alone (empty: held back until the next one)."""
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(server.model_path).decode(c["ids"][:1], skip_special_tokens=True)
+    return "" if text.endswith("\ufffd") else text
+
+
+def _responses(server, c) -> int:
+    """How many responses a stream of the reference's tokens has: one per token that adds text, and the last."""
+    from transformers import AutoTokenizer
+
+    from trident.output import TextStream
+
+    stream = TextStream(AutoTokenizer.from_pretrained(server.model_path), [])
+    deltas = [stream.push(token) for token in c["ids"]]
+    return sum(1 for d in deltas[:-1] if d) + 1
+
+
+def test_first_response_leaves_with_the_prefill(server, ref):
+    """E/P/D, streamed: the prefill's kv_meta carries the first token's text, and the entry model sends it as
+    soon as the prefill returns, not after the decode call's round trip. The client gets every token's text
+    once, in as many responses as the decode alone sends. Not streamed, or with a first token whose text a stop
+    string holds back, the decode's own first response is the first."""
+    c = ref["early"]
+    assert _first_text(server, c), "the reference's first token has no text of its own: pick another case"
+    early = {"decision": "first_text_from_prefill", "mode": "e_p_d"}
+    before = _metric(server, "trident_decisions_total", **early)
+    streamed = grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True)
+    assert streamed.text == c["expected"]
+    assert streamed.responses == _responses(server, c)
+    assert (streamed.finish_reason, streamed.num_output_tokens) == ("length", NEW_TOKENS)
+    time.sleep(0.3)
+    assert _metric(server, "trident_decisions_total", **early) == before + 1
+
+    assert _generate(server, c, stream=False) == c["expected"]
+    held = {**GREEDY, "stop": [_first_text(server, c) + "\u0000"]}  # never matched, but the first text may start it
+    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], held, stream=True).text == c["expected"]
+    time.sleep(0.3)
+    assert _metric(server, "trident_decisions_total", **early) == before + 1
 
 
 def test_text_only_skips_the_vision_tower(server, ref):

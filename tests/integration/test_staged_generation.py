@@ -3,6 +3,7 @@ equal model.generate() (the same engines and hand-offs a stage worker serves, wi
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import time
 
@@ -11,6 +12,7 @@ import torch
 
 from support import IMAGE_CASES as CASES
 from support import build_reference, chat_prompt, make_image, png_bytes
+from trident.protocol import HFKVRecord, decode_record
 
 NEW_TOKENS = 24
 GREEDY = '{"max_tokens": %d, "temperature": 0}' % NEW_TOKENS
@@ -31,12 +33,13 @@ def _stage(conn, stage: str, model_path: str) -> None:
 
     async def decode(kv: bytes, params: SamplingParams):
         generation = await engine.generate(None, params, kv_meta=kv)
-        tokens, text, reason = [], "", None
+        tokens, text, reason, events = [], "", None, []
         async for event in generation.events:
             tokens += event.token_ids
             text += event.text
             reason = event.finish_reason
-        return tokens, text, reason
+            events.append((event.text, event.finish_reason))
+        return tokens, text, reason, events
 
     async def first_only(kv: bytes, params: SamplingParams):
         """A client that goes away after the first token: the stream is closed there."""
@@ -60,6 +63,8 @@ def _stage(conn, stage: str, model_path: str) -> None:
             elif cmd == "decode_first":
                 kv, params = arg
                 out = asyncio.run(first_only(kv, SamplingParams.from_json(params)))
+            elif cmd == "decode_text":
+                out = engine.processor.tokenizer.decode(arg, skip_special_tokens=True)
             elif cmd == "stats":
                 out = engine.stats()
             elif cmd == "exit":
@@ -131,11 +136,32 @@ def test_three_processes_equal_generate(pipeline, references, case):
         assert len(emb) < 1024
     kv = stages["prefill"]("prefill", (c["text"], emb, GREEDY))
     assert len(kv) < 1024
-    tokens, out_text, reason = stages["decode"]("decode", (kv, GREEDY))
+    tokens, out_text, reason, events = stages["decode"]("decode", (kv, GREEDY))
 
     assert tokens == c["ids"]
     assert reason == "length"
     assert out_text == c["expected"]
+    # the record tells the decode's first streamed response (the entry model sends it early) exactly
+    first_text, first_reason = events[0]
+    announced = decode_record(kv, HFKVRecord).first_text
+    assert announced == (first_text if first_text and first_reason is None else None)
+    _assert_pools_drained(stages)
+
+
+def test_a_first_token_held_back_is_not_announced(pipeline, references):
+    """A stop string that may start in the first token's text holds that text back: the decode's first event
+    is empty, and the record announces no first text (the entry model then waits for the decode)."""
+    _, _, stages = pipeline
+    c = references["one-image"]
+    first = stages["decode"]("decode_text", c["ids"][:1])
+    assert first, "the reference's first token has no text of its own: pick another case"
+    params = json.dumps({"max_tokens": 4, "temperature": 0, "stop": [first + "\u0000never"]})
+    emb = stages["encode"]("encode", c["pngs"])
+    kv = stages["prefill"]("prefill", (c["text"], emb, params))
+    assert decode_record(kv, HFKVRecord).first_text is None
+    tokens, out_text, _, events = stages["decode"]("decode", (kv, params))
+    assert events[0][0] == "" and tokens == c["ids"][:4]
+    assert out_text == stages["decode"]("decode_text", c["ids"][:4])
     _assert_pools_drained(stages)
 
 
@@ -160,7 +186,8 @@ def test_a_request_ending_at_its_first_token_reads_no_kv(pipeline, references):
     emb = stages["encode"]("encode", c["pngs"])
     kv = stages["prefill"]("prefill", (c["text"], emb, one))
     fetched = stages["decode"]("stats")["fetched"]
-    tokens, _, reason = stages["decode"]("decode", (kv, one))
+    assert decode_record(kv, HFKVRecord).first_text is None  # the first response is the last: not sent early
+    tokens, _, reason, _ = stages["decode"]("decode", (kv, one))
     assert tokens == c["ids"][:1]
     assert reason == "length"
     assert stages["decode"]("stats")["fetched"] == fetched

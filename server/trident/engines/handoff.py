@@ -83,10 +83,11 @@ def receive_embeddings(
 
 
 # -- KV cache -------------------------------------------------------------------------------------------
-def publish_kv(endpoint: TransferEndpoint, result: PrefillResult) -> HFKVRecord:
+def publish_kv(endpoint: TransferEndpoint, result: PrefillResult, first_text: str | None = None) -> HFKVRecord:
+    """Copy a prefill's KV cache into the send pool; its record (``first_text``: see :class:`HFKVRecord`)."""
     return HFKVRecord(
         transfer=endpoint.publish([t for kv in result.kv for t in kv]), prompt_len=result.prompt_len,
-        first_token=result.first_token, rope_delta=result.rope_delta, seed=result.seed,
+        first_token=result.first_token, rope_delta=result.rope_delta, seed=result.seed, first_text=first_text,
     )
 
 

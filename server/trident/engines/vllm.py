@@ -44,7 +44,7 @@ from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
 from ..media import counts as media_counts
 from ..media.image import image_digest
-from ..output import DecodeEvent, Generation
+from ..output import DecodeEvent, Generation, early_text
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from . import handoff
@@ -334,11 +334,12 @@ class VLLMStageEngine:
             raise RuntimeError("vLLM's prefill returned no kv_transfer_params (is the NixlConnector configured?)")
         digest = prompt_digest(prompt["prompt_token_ids"])
         sampled = final.outputs[0].token_ids if final.outputs else []
+        first_token = sampled[0] if sampled else None
         return VLLMKVRecord(
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
             token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
             kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
-            first_token=sampled[0] if sampled else None,
+            first_token=first_token, first_text=early_text(self._first_event(prompt, length, first_token, params)),
         ).encode()
 
     async def generate(

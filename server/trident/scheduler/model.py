@@ -33,8 +33,8 @@ from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
-    CANCEL, ENCODE_REPORT, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, decode_record,
-    instance_name, parse_instance,
+    CANCEL, ENCODE_REPORT, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
+    VLLMKVRecord, decode_record, instance_name, parse_instance,
 )
 from .bls_streams import StreamKeeper, drain
 from .metrics import SchedulerMetrics
@@ -45,6 +45,7 @@ from .routing import Router, prefix_keys
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
 _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _GONE = ("unknown model", "is not ready", "no available versions", "is not found")  # Triton's words for it
+KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
 
 
@@ -294,12 +295,14 @@ class TritonPythonModel:
         wants_reason = _flag(inputs.get("return_finish_reason"))
         inputs = {**inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
         try:
+            early = self._send_early(record, inputs, sender, held)
             call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
             t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
             loop = asyncio.get_running_loop()
             outcome = await loop.run_in_executor(
-                self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0, held
+                self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0,
+                held, early,
             )
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, stream, request_id)
@@ -308,8 +311,28 @@ class TritonPythonModel:
         finally:
             self.router.end(instance)
 
+    def _send_early(self, record: tuple[str, bytes] | None, inputs: dict, sender, held) -> bytes | None:
+        """Send a streaming client the first response now when the prefill told its text (the ``first_text``
+        of ``kv_meta``: see :class:`~trident.protocol.HFKVRecord`), rather than after the decode call's round
+        trip. Returns the text sent (the decode's first response, which :meth:`_relay` then drops), or None."""
+        if record is None or record[0] != RECORD_TENSOR["kv"] or not _flag(inputs.get("stream")):
+            return None
+        try:
+            first_text = decode_record(record[1], KV_RECORDS).first_text
+        except TridentError:  # not ours to refuse: the decode stage names the problem
+            return None
+        if first_text is None:
+            return None
+        text = first_text.encode("utf-8")
+        t1 = time.monotonic_ns()
+        sender.send(self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("text_output", np.array([text], dtype=np.object_))]))
+        timings.mark("first_send", t1)
+        held.add("trident_decisions_total", decision="first_text_from_prefill")
+        held.apply()
+        return text
+
     def _forward(self, stream, instance: str, request, sender, wants_reason: bool, step: str = "stream",
-                 t0: int = 0, held=None) -> str:
+                 t0: int = 0, held=None, early: bytes | None = None) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
         looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled". The call (from
         ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``.
@@ -319,12 +342,15 @@ class TritonPythonModel:
         unloaded while the request was in it): with nothing sent yet the instance counts as gone (the request
         is planned again), after some tokens the client's stream ends with a 503.
 
+        ``early``: the text already sent as the first response (:meth:`_send_early`); the stage's first response,
+        the same text, is not sent again.
+
         Unless cancelled (the caller then stops the stage first), the stream is read to its end and handed to
         :meth:`_finish` here.
         """
         outcome = None
         try:
-            outcome = self._relay(stream, instance, request, sender, wants_reason, step, t0, held)
+            outcome = self._relay(stream, instance, request, sender, wants_reason, step, t0, held, early)
             return outcome
         finally:
             if outcome != "cancelled":
@@ -336,10 +362,11 @@ class TritonPythonModel:
         drain(stream)
         self._finished.keep(stream)
 
-    def _relay(self, stream, instance: str, request, sender, wants_reason: bool, step: str, t0: int, held) -> str:
+    def _relay(self, stream, instance: str, request, sender, wants_reason: bool, step: str, t0: int, held,
+               early: bytes | None = None) -> str:
         """:meth:`_forward`'s loop."""
         pb = self.pb
-        sent, finished, check_at = 0, False, time.monotonic() + _CANCEL_CHECK_S
+        sent, finished, check_at = int(early is not None), False, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:
             if time.monotonic() >= check_at:
                 if self._finished.is_cancelled(request):
@@ -354,6 +381,11 @@ class TritonPythonModel:
                     return "done"
                 self._check(response, instance)
             tensors = response.output_tensors()
+            if early is not None:  # the stage's first response: the one already sent
+                tensors, early = self._not_again(tensors, early, reason), None
+                timings.mark(step, t0)
+                if self._finished and self._finished.is_cancelled(request):  # as after a first send, below
+                    return "cancelled"
             if reason is not None:
                 finished = True
                 if not wants_reason:
@@ -377,6 +409,15 @@ class TritonPythonModel:
             sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return "done"
+
+    def _not_again(self, tensors: list, early: bytes, reason: bytes | None) -> list:
+        """The stage's first response's tensors less what :meth:`_send_early` sent already."""
+        text = next((t.as_numpy().reshape(-1) for t in tensors if t.name() == "text_output"), None)
+        if reason is None and len(tensors) == 1 and text is not None and text.size == 1 and text[0] == early:
+            return []
+        self.logger.log_error(f"[trident] {self.mode}: the decode's first response is not the text its kv_meta "
+                              f"announced (sent {early[:40]!r}); passed on as it is")
+        return tensors
 
     def _carried_error(self, response):
         """``(response, its finish_reason or None)``. A stage's failure after other responses comes in its last

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from ... import timings
 from ...config import TransferConfig
 from ...media import MediaItem, counts
-from ...output import DecodeEvent, Generation, RequestOutput
+from ...output import DecodeEvent, Generation, RequestOutput, early_text
 from ...processor import SamplingParams
 from ...protocol import StageSpec
 from ...transfer import TransferEndpoint
@@ -175,8 +175,9 @@ class HFStageEngine:
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
         result = await self._run(self._prefill, text, params, list(media), embedding_meta)
+        first = RequestOutput(self.processor, params).push(result.first_token, result.prompt_len)  # as the decode's
         with timings.step("publish"):
-            record = handoff.publish_kv(self.endpoint, result)
+            record = handoff.publish_kv(self.endpoint, result, early_text(first))
         with timings.step("record_encode"):
             return record.encode()
 
