@@ -108,7 +108,7 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
         rows += stage_rows(steps, stage, streamed=stage == "decode")
         last = _first(steps, f"bls/call:{stage}", end=True)
     if early:
-        rows.append(("BLS: kv_meta's first text read", _gap(last, sent)))
+        rows.append((EARLY, _gap(last, sent)))
     rows.append(("BLS: first response sent", _dur(steps, "bls/first_send")))
     rows.append(("BLS -> Triton -> client", _gap(_first(steps, "bls/first_send", end=True), clock["first"])))
     ttft = _gap(clock["send"], clock["first"])
@@ -118,6 +118,7 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
     return rows
 
 
+EARLY = "BLS: kv_meta's first text read"
 COMPUTE = ("media_decode", "image_preprocess", "vision_tower", "prefill")  # the same work in-process
 
 
@@ -252,6 +253,10 @@ def main() -> int:
         cells = [f"{statistics.median(table[label][m]):.2f} | {_p90(table[label][m]):.2f}" if m in table.get(label, {})
                  else " | " for m in MODES]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    early = {m: sum(any(label == EARLY for label, _ in breakdown(window(steps, c), c, m)) for c in clocks[m]) for m in MODES}
+    lines += ["", "Requests whose first text came with the prefill's `kv_meta` (sent before the decode call; the "
+              "decode rows are those of the others, whose first token had no text of its own): "
+              + ", ".join(f"{m} {early[m]} of {len(clocks[m])}" for m in MODES) + "."]
     lines += ["", "| in-process (generate engine) | ms |", "|---|---|"]
     for key in (*COMPUTE, "decode_admit", "TTFT", "TTFT - compute"):
         values = [r[key] for r in in_rows if r[key] is not None]

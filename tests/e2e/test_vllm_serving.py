@@ -141,32 +141,44 @@ def _first_tokens_from_prefill(server) -> int:
     return server.stats(settled=True)["decode"]["first_tokens_from_prefill"]
 
 
+def _early_texts(server, mode: str) -> float:
+    """Requests whose first text the entry model sent from the prefill's kv_meta, before the decode call."""
+    return sum(v for (name, labels), v in server.metrics().items() if name == "trident_decisions_total"
+               and dict(labels) == {"mode": mode, "decision": "first_text_from_prefill"})
+
+
 def test_decode_continues_from_the_prefill_s_token(server, lengths_reference):
     """E/P/D and EP/D on vLLM: the decode worker sends the token the prefill sampled before vLLM pulls the KV,
     and vLLM continues from it; the text is still exactly what vLLM gives in one engine (EPD), and
-    model.generate()'s. Requests it does not apply to (sampled, or with stop strings) leave the first token to
-    vLLM."""
+    model.generate()'s. The entry model sends that token's text as soon as the prefill returns (kv_meta's
+    first_text), for every such request whose first token has text of its own. Requests it does not apply to
+    (sampled, or with stop strings) leave the first token to vLLM."""
     aggregated = {}
     for case, c in lengths_reference.items():
         aggregated[case] = grpc_generate(server.grpc, "epd", c["text"], c["images"], GREEDY, stream=True).text
         # vLLM's detokenizer holds back a last token that ends inside a character; generate()'s decode shows it
         assert aggregated[case] == c["expected"].rstrip("\ufffd") and c["num_input_tokens"] > 128
-    sent = {}
+    sent, early = {}, {}
     for mode in ("e_p_d", "ep_d"):
-        before = _first_tokens_from_prefill(server)
+        before, early_before = _first_tokens_from_prefill(server), _early_texts(server, mode)
         for case, c in lengths_reference.items():
             got = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
             assert got.text == aggregated[case], (mode, case)
             assert got.num_output_tokens == NEW_TOKENS and got.finish_reason == "length"
         sent[mode] = _first_tokens_from_prefill(server) - before
+        time.sleep(0.3)
+        early[mode] = _early_texts(server, mode) - early_before
     assert sent["e_p_d"] == sent["ep_d"] >= 2, sent
+    assert early["e_p_d"] == early["ep_d"] == sent["e_p_d"], (early, sent)
 
     c = lengths_reference["again-0"]
-    before = _first_tokens_from_prefill(server)
+    before, early_before = _first_tokens_from_prefill(server), _early_texts(server, "e_p_d")
     for params in ({"max_tokens": 8, "temperature": 0.8, "seed": 3}, {"max_tokens": 8, "temperature": 0, "stop": ["zq"]}):
         got = grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], params, stream=True)
         assert got.num_output_tokens >= 1
     assert _first_tokens_from_prefill(server) == before
+    time.sleep(0.3)
+    assert _early_texts(server, "e_p_d") == early_before
     wait_drained(server, KV_STAGES, timeout=30)
 
 

@@ -6,7 +6,8 @@ Per request it:
    encode on a prefill worker for few images, or a fallback mode when a stage has no live instance;
 3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records;
    a short prompt is prefilled on the decode worker (no prefill hop, no KV transfer);
-4. streams the last stage's responses through, stopping when the client cancels.
+4. streams the last stage's responses through, stopping when the client cancels; a streaming client gets its
+   first text as soon as the prefill's ``kv_meta`` tells it (``first_text``), before the decode call.
 
 Stage instances are the Triton models ``<stage>`` and ``<stage>-<n>`` that are ready; the scheduler looks
 again every ``refresh_s`` and whenever a call finds an instance gone, so workers can join and leave a
@@ -45,7 +46,7 @@ from .routing import Router, prefix_keys
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
 _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _GONE = ("unknown model", "is not ready", "no available versions", "is not found")  # Triton's words for it
-KV_RECORDS = (HFKVRecord, VLLMKVRecord)
+_KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
 
 
@@ -295,7 +296,8 @@ class TritonPythonModel:
         wants_reason = _flag(inputs.get("return_finish_reason"))
         inputs = {**inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
         try:
-            early = self._send_early(record, inputs, sender, held)
+            early = self._send_early(record, inputs, sender, held)  # the decode is called even if the client
+            # cancels now: the relay's cancel then reaches the decode stage, which frees the prefill's KV at once
             call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
             t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
@@ -318,7 +320,7 @@ class TritonPythonModel:
         if record is None or record[0] != RECORD_TENSOR["kv"] or not _flag(inputs.get("stream")):
             return None
         try:
-            first_text = decode_record(record[1], KV_RECORDS).first_text
+            first_text = decode_record(record[1], _KV_RECORDS).first_text
         except TridentError:  # not ours to refuse: the decode stage names the problem
             return None
         if first_text is None:
