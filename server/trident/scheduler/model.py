@@ -25,6 +25,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,13 @@ _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _GONE = ("unknown model", "is not ready", "no available versions", "is not found")  # Triton's words for it
 _KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
+
+
+@dataclass
+class _Answer:
+    """What a request's client has had, over the attempts of :meth:`TritonPythonModel._run`."""
+
+    early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
 
 
 class StageGone(Exception):
@@ -151,22 +159,30 @@ class TritonPythonModel:
         timings.mark("execute", time.monotonic_ns())
         sender = request.get_response_sender()
         held = self.metrics.held(asyncio.get_running_loop())  # this request's metric updates, sent after its first response
+        answer = _Answer()
         try:
-            await self._run(request, sender, held)
+            await self._run(request, sender, held, answer)
         except (StageError, TridentError) as e:
             code = e.code if isinstance(e, StageError) else getattr(pb.TritonError, e.triton_code, pb.TritonError.INTERNAL)
             message = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
             self.metrics.add("trident_scheduler_errors_total", code=str(code))
-            sender.send(pb.InferenceResponse(error=pb.TritonError(message, code)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._end_with_error(sender, pb.TritonError(message, code), answer)
         except Exception as e:  # a bug here must not leave the client waiting
             self.logger.log_error(f"[trident] {self.mode}: scheduler failed: {type(e).__name__}: {e}")
             self.metrics.add("trident_scheduler_errors_total", code="INTERNAL")
-            sender.send(
-                pb.InferenceResponse(error=pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL)),
-                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-            )
+            self._end_with_error(sender, pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL), answer)
         finally:
             held.apply()
+
+    def _end_with_error(self, sender, error, answer: "_Answer") -> None:
+        """The request's last response: ``error``; after a first text, as a response of its own (an error on the
+        final response after others is dropped)."""
+        pb = self.pb
+        if answer.early is None:
+            sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            sender.send(pb.InferenceResponse(error=error))
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _inputs(self, request) -> dict:
         inputs = {}
@@ -176,7 +192,7 @@ class TritonPythonModel:
                 inputs[name] = tensor
         return inputs
 
-    async def _run(self, request, sender, held) -> None:
+    async def _run(self, request, sender, held, answer: "_Answer") -> None:
         with timings.step("inputs"):
             inputs = self._inputs(request)
             text = _text(inputs.get("text_input"))
@@ -185,7 +201,7 @@ class TritonPythonModel:
         while True:
             p = self._plan(len(image_ids))
             try:
-                await self._follow(p, request, sender, inputs, text, image_ids, kinds, held)
+                await self._follow(p, request, sender, inputs, text, image_ids, kinds, held, answer)
                 return
             except StageGone as gone:
                 retries -= 1
@@ -195,7 +211,8 @@ class TritonPythonModel:
                 self._refresh(force=True)
 
     async def _follow(
-        self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str], kinds: list[str], held
+        self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str], kinds: list[str], held,
+        answer: "_Answer",
     ) -> None:
         records: dict[str, bytes] = {}
         stages = list(p.stages)
@@ -219,9 +236,7 @@ class TritonPythonModel:
             out = RECORD_TENSOR[STAGES[stage].hands_on]
             outputs = await self._call(stage, keys, inputs, records, [out], held)
             records[out] = outputs[out]
-        if request.is_cancelled():
-            return self._cancelled(sender)
-        await self._stream(stages[-1], keys, request, sender, inputs, records, p, held)
+        await self._stream(stages[-1], keys, request, sender, inputs, records, p, held, answer)
 
     def _prompt_length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
         """The prompt's token count with media expanded; None when it cannot be told here (the stage that
@@ -286,8 +301,12 @@ class TritonPythonModel:
             code = error.code() if hasattr(error, "code") else self.pb.TritonError.INTERNAL
             raise StageError(message, code)
 
-    async def _stream(self, stage: str, keys, request, sender, inputs: dict, records: dict, p: Plan, held) -> None:
-        """Call the stage that hands on tokens and pass its responses to the client as they come."""
+    async def _stream(
+        self, stage: str, keys, request, sender, inputs: dict, records: dict, p: Plan, held, answer: "_Answer"
+    ) -> None:
+        """Call the stage that hands on tokens and pass its responses to the client as they come; the first text
+        goes out before the call when the prefill's record tells it (once per request: an attempt after a stage
+        instance went away finds it sent)."""
         record = self._record_for(stage, records, p.local_prefill)  # a decode stage prefilling gets the embeddings
         instance = self._route(stage, keys, held)
         request_id = uuid.uuid4().hex
@@ -296,8 +315,14 @@ class TritonPythonModel:
         wants_reason = _flag(inputs.get("return_finish_reason"))
         inputs = {**inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
         try:
-            early = self._send_early(record, inputs, sender, held)  # the decode is called even if the client
-            # cancels now: the relay's cancel then reaches the decode stage, which frees the prefill's KV at once
+            if answer.early is None:
+                answer.early = self._send_early(record, inputs, sender, held)
+            early = answer.early
+            # with the first text out, the decode is called even if the client has gone (a check here would be an
+            # IPC round trip before that text): the relay's cancel check at the decode's first response then
+            # stops the decode stage, which frees the prefill's KV at once
+            if early is None and request.is_cancelled():
+                return self._cancelled(sender)
             call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
             t0 = time.monotonic_ns()
             stream = await call.async_exec(decoupled=True)
@@ -345,7 +370,9 @@ class TritonPythonModel:
         is planned again), after some tokens the client's stream ends with a 503.
 
         ``early``: the text already sent as the first response (:meth:`_send_early`); the stage's first response,
-        the same text, is not sent again.
+        the same text, is not sent again. A stage gone before it sent anything else is gone as above (the next
+        attempt's first response must begin with the same text); a first response that does not (a retry that
+        sampled again) ends the client's stream with a 503.
 
         Unless cancelled (the caller then stops the stage first), the stream is read to its end and handed to
         :meth:`_finish` here.
@@ -368,7 +395,8 @@ class TritonPythonModel:
                early: bytes | None = None) -> str:
         """:meth:`_forward`'s loop."""
         pb = self.pb
-        sent, finished, check_at = int(early is not None), False, time.monotonic() + _CANCEL_CHECK_S
+        before = int(early is not None)  # responses the client had before this stage's
+        sent, finished, check_at = before, False, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:
             if time.monotonic() >= check_at:
                 if self._finished.is_cancelled(request):
@@ -376,7 +404,7 @@ class TritonPythonModel:
                 check_at = time.monotonic() + _CANCEL_CHECK_S
             response, reason = self._carried_error(response)
             if response.has_error():
-                if sent:  # the client has a partial answer: end it with the stage's error
+                if sent > before:  # the client has a partial answer: end it with the stage's error
                     # (as a response of its own: an error on the final response after others is dropped)
                     sender.send(pb.InferenceResponse(error=response.error()))
                     sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -384,9 +412,15 @@ class TritonPythonModel:
                 self._check(response, instance)
             tensors = response.output_tensors()
             if early is not None:  # the stage's first response: the one already sent
-                tensors, early = self._not_again(tensors, early, reason), None
+                tensors, early = self._not_again(tensors, early, reason, instance), None
                 timings.mark(step, t0)
-                if self._finished and self._finished.is_cancelled(request):  # as after a first send, below
+                if tensors is None:
+                    error = Unavailable(f"the answer was cut off after its first text: a stage instance went away, and "
+                                        f"the retry on {instance} began differently (it sampled again); retry the request")
+                    sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
+                    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    return "done"
+                if self._finished.is_cancelled(request):  # (see _stream)
                     return "cancelled"
             if reason is not None:
                 finished = True
@@ -404,7 +438,7 @@ class TritonPythonModel:
                         return "cancelled"  # request makes one such check while it is open, however short
                 sent += 1
         if not finished:
-            if not sent:
+            if sent == before:
                 raise StageGone(instance)
             error = Unavailable(f"stage instance {instance} stopped before the end of the answer (its worker exited "
                                 "or its model was unloaded)")
@@ -412,14 +446,19 @@ class TritonPythonModel:
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return "done"
 
-    def _not_again(self, tensors: list, early: bytes, reason: bytes | None) -> list:
-        """The stage's first response's tensors less what :meth:`_send_early` sent already."""
+    def _not_again(self, tensors: list, early: bytes, reason: bytes | None, instance: str) -> list | None:
+        """The stage's first response's tensors less what :meth:`_send_early` sent already; None when that response
+        does not begin with it."""
         text = next((t.as_numpy().reshape(-1) for t in tensors if t.name() == "text_output"), None)
-        if reason is None and len(tensors) == 1 and text is not None and text.size == 1 and text[0] == early:
+        first = text[0] if text is not None and text.size == 1 and isinstance(text[0], bytes) else None
+        if first == early and reason is None and len(tensors) == 1:
             return []
-        self.logger.log_error(f"[trident] {self.mode}: the decode's first response is not the text its kv_meta "
-                              f"announced (sent {early[:40]!r}); passed on as it is")
-        return tensors
+        if first is not None and first.startswith(early):  # the rest of it (the same first token, then more)
+            return [self.pb.Tensor("text_output", np.array([first[len(early):]], dtype=np.object_)),
+                    *(t for t in tensors if t.name() != "text_output")]
+        self.logger.log_error(f"[trident] {self.mode}: {instance}'s first response does not begin with the first text "
+                              f"already sent ({early[:40]!r})")
+        return None
 
     def _carried_error(self, response):
         """``(response, its finish_reason or None)``. A stage's failure after other responses comes in its last

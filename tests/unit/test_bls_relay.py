@@ -1,0 +1,154 @@
+"""The BLS entry model's relay of a decode stream after it sent the first text itself (from the prefill's
+``kv_meta``): the decode's copy of that text is dropped, a decode gone before anything else is retried, and a
+retry that begins differently ends the client's stream with a 503. The python backend's ``pb_utils`` is faked
+(the relay is plain Python around it); the real path is in tests/e2e/test_scheduler.py and test_soak.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trident.scheduler.bls_streams import StreamKeeper
+from trident.scheduler.model import StageGone, TritonPythonModel
+
+FINAL = 1
+
+
+class Tensor:
+    def __init__(self, name: str, value: np.ndarray) -> None:
+        self._name, self._value = name, value
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._value
+
+
+class Error:
+    UNAVAILABLE, INTERNAL = "UNAVAILABLE", "INTERNAL"
+
+    def __init__(self, message: str, code: str = "INTERNAL") -> None:
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> str:
+        return self._code
+
+
+class Response:
+    def __init__(self, output_tensors: list | None = None, error: Error | None = None) -> None:
+        self.tensors, self._error = output_tensors or [], error
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> Error:
+        return self._error
+
+    def output_tensors(self) -> list:
+        return self.tensors
+
+
+class Pb:
+    Tensor, TritonError, InferenceResponse = Tensor, Error, Response
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+
+    @staticmethod
+    def get_output_tensor_by_name(response: Response, name: str):
+        return next((t for t in response.tensors if t.name() == name), None)
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Response | None, int]] = []
+
+    def send(self, response: Response | None = None, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+
+
+class Request:
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class Logger:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def log_error(self, message: str) -> None:
+        self.errors.append(message)
+
+
+def _text(value: bytes, reason: bytes | None = None) -> Response:
+    tensors = [Tensor("text_output", np.array([value], dtype=np.object_))]
+    if reason is not None:
+        tensors.append(Tensor("finish_reason", np.array([reason], dtype=np.object_)))
+    return Response(tensors)
+
+
+@pytest.fixture
+def bls() -> TritonPythonModel:
+    model = TritonPythonModel.__new__(TritonPythonModel)  # what initialize() would set that the relay uses
+    model.pb, model.mode, model.logger, model._finished = Pb, "e_p_d", Logger(), StreamKeeper()
+    return model
+
+
+def _relay(bls, stream: list[Response], early: bytes | None) -> tuple[str, list]:
+    sender = Sender()
+    outcome = bls._relay(iter(stream), "decode", Request(), sender, False, "call:decode", 0, None, early)
+    return outcome, sender.sent
+
+
+def _texts(sent: list) -> list[bytes | None]:
+    return [r.output_tensors()[0].as_numpy()[0] if r is not None and not r.has_error() else None for r, _ in sent]
+
+
+def test_the_decode_s_copy_of_the_first_text_is_not_sent_again(bls):
+    outcome, sent = _relay(bls, [_text(b" a"), _text(b" b"), _text(b" c", b"length")], early=b" a")
+    assert outcome == "done"
+    assert _texts(sent) == [b" b", b" c", None] and sent[-1] == (None, FINAL)
+    assert [t.name() for t in sent[1][0].output_tensors()] == ["text_output"]  # finish_reason: not asked for
+    assert not bls.logger.errors
+
+
+def test_a_first_response_that_goes_on_past_the_first_text_sends_the_rest(bls):
+    _, sent = _relay(bls, [_text(b" a b"), _text(b" c", b"length")], early=b" a")
+    assert _texts(sent) == [b" b", b" c", None]
+
+
+def test_a_decode_gone_before_anything_else_is_retried(bls):
+    gone = Response(error=Error("Failed for execute the inference request. Model 'decode' is not ready."))
+    with pytest.raises(StageGone):
+        _relay(bls, [gone], early=b" a")
+    with pytest.raises(StageGone):  # a stream cut off right after the copy of the first text
+        _relay(bls, [_text(b" a")], early=b" a")
+
+
+def test_a_retry_that_begins_differently_ends_with_a_503(bls):
+    outcome, sent = _relay(bls, [_text(b" z"), _text(b" y", b"length")], early=b" a")
+    assert outcome == "done"
+    (error, flags), final = sent
+    assert error.has_error() and error.error().code() == Error.UNAVAILABLE and flags == 0
+    assert "began differently" in error.error().message()
+    assert final == (None, FINAL)
+    assert bls.logger.errors
+
+
+def test_an_error_after_the_first_text_is_a_response_of_its_own(bls):
+    failed = Response(error=Error("InvalidRequest: kv_meta was refused", "INVALID_ARG"))
+    with pytest.raises(Exception, match="kv_meta was refused"):  # nothing from the stage yet: the caller ends it
+        _relay(bls, [failed], early=b" a")
+    outcome, sent = _relay(bls, [_text(b" a"), _text(b" b"), failed], early=b" a")
+    assert outcome == "done" and _texts(sent) == [b" b", None, None]
+    assert sent[1][0].has_error() and sent[1][1] == 0 and sent[2] == (None, FINAL)
+
+
+def test_without_an_early_text_the_first_response_is_sent(bls):
+    outcome, sent = _relay(bls, [_text(b" a"), _text(b" b", b"length")], early=None)
+    assert _texts(sent) == [b" a", b" b", None]
+    gone = Response(error=Error("Model 'decode' is not ready."))
+    with pytest.raises(StageGone):
+        _relay(bls, [gone], early=None)
