@@ -13,7 +13,7 @@ from typing import Any
 _FAMILIES = {
     # name: (kind, description)
     "trident_requests_total": ("COUNTER", "requests per entry model (mode) and the path they took"),
-    "trident_decisions_total": ("COUNTER", "scheduling decisions: skip_encode, local_prefill, local_encode, fallback:<mode>"),
+    "trident_decisions_total": ("COUNTER", "scheduling decisions: skip_encode, local_prefill, local_encode, fallback:<mode>, first_text_from_prefill"),
     "trident_fallbacks_total": ("COUNTER", "requests served by another mode because a stage had no live instance"),
     "trident_routed_total": ("COUNTER", "stage calls per stage instance"),
     "trident_embedding_cache_hits_total": ("COUNTER", "images whose embeddings came from an encode worker's cache"),
