@@ -99,9 +99,7 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
             ("BLS: read inputs (hash images)", _dur(steps, "bls/inputs"))]
     last = _first(steps, "bls/inputs", end=True)
     sent = _first(steps, "bls/first_send")
-    decode_call = _first(steps, f"bls/call:{stages[-1]}")
-    # the first text came in the prefill's kv_meta: sent before the decode call (not a part of TTFT)
-    early = sent is not None and decode_call is not None and sent < decode_call
+    early = sent_early(steps)
     for stage in stages[:-1] if early else stages:
         t0 = _first(steps, f"bls/call:{stage}")
         rows.append((f"BLS between calls (before {stage})", _gap(last, t0)))
@@ -121,18 +119,23 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
 EARLY = "BLS: kv_meta's first text read"
 
 
-def early_pair(steps: Steps, clock: dict, mode: str) -> tuple[float, float] | None:
+def sent_early(steps: Steps) -> bool:
+    """The first text came in the prefill's kv_meta: the BLS sent it before the decode call (which is then not a
+    part of TTFT)."""
+    sent, decode_call = _first(steps, "bls/first_send"), _first(steps, "bls/call:decode")
+    return sent is not None and decode_call is not None and sent < decode_call
+
+
+def early_pair(steps: Steps, clock: dict) -> tuple[float, float] | None:
     """For a request whose first text the BLS sent early: (its TTFT, the TTFT it would have had sent on the decode's
     first response: that response's arrival at the BLS (the end of the BLS's ``call:decode`` step) plus the same
     send and way out), in ms; None for the others."""
-    if not any(label == EARLY for label, _ in breakdown(steps, clock, mode)):
-        return None
-    decode_first = _first(steps, "bls/call:decode", end=True)
-    sent = _first(steps, "bls/first_send")
-    if decode_first is None or sent is None:
+    if not sent_early(steps):
         return None
     ttft = _gap(clock["send"], clock["first"])
-    return ttft, ttft + (decode_first - sent) / 1e6
+    return ttft, ttft + (_first(steps, "bls/call:decode", end=True) - _first(steps, "bls/first_send")) / 1e6
+
+
 COMPUTE = ("media_decode", "image_preprocess", "vision_tower", "prefill")  # the same work in-process
 
 
@@ -274,7 +277,7 @@ def main() -> int:
               "| mode | requests with an early first text | TTFT p50 ms | waiting for the decode, p50 ms | saved p50 ms |",
               "|---|---|---|---|---|"]
     for mode in MODES:
-        pairs = [p for p in (early_pair(window(steps, c), c, mode) for c in clocks[mode]) if p is not None]
+        pairs = [p for p in (early_pair(window(steps, c), c) for c in clocks[mode]) if p is not None]
         if pairs:
             now, waited = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
             lines.append(f"| {mode} | {len(pairs)} of {len(clocks[mode])} | {now:.1f} | {waited:.1f} | {waited - now:.1f} |")
