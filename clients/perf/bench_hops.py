@@ -63,11 +63,13 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
     stub_back = _first(steps, f"proxy-{stage}/first_response" if streamed else f"proxy-{stage}/execute", end=True)
     infer = steps.get(f"{stage}/infer_first" if streamed else f"{stage}/infer")
     infer_t0, infer_t1 = (infer[0] if infer else (None, None))
-    rows = [
-        (f"{stage}: BLS -> Triton -> stage stub", _gap(call_t0, stub)),
-        (f"{stage}: stub -> PyTriton -> worker", _gap(stub, infer_t0)),
-        (f"{stage}: worker, request inputs", _dur(steps, f"{stage}/inputs")),
-    ]
+    direct = stub is None  # called straight at its worker (--stage-calls direct): no stub in between
+    if direct:
+        rows = [(f"{stage}: BLS -> worker (direct)", _gap(call_t0, infer_t0))]
+    else:
+        rows = [(f"{stage}: BLS -> Triton -> stage stub", _gap(call_t0, stub)),
+                (f"{stage}: stub -> PyTriton -> worker", _gap(stub, infer_t0))]
+    rows.append((f"{stage}: worker, request inputs", _dur(steps, f"{stage}/inputs")))
     listed = 0.0
     for step in ("record_decode", "tokenize", "nixl_read", "media_decode", "image_preprocess", "vision_tower",
                  "prefill", "publish", "record_encode", "first_token"):
@@ -86,8 +88,11 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
     if infer_t0 is not None:
         inputs = _dur(steps, f"{stage}/inputs") or 0.0
         rows.append((f"{stage}: worker, between those (event loop, thread hops)", (infer_t1 - infer_t0) / 1e6 - inputs - listed))
-    rows.append((f"{stage}: worker -> PyTriton -> stub", _gap(infer_t1, stub_back)))
-    rows.append((f"{stage}: stub -> Triton -> BLS", _gap(stub_back, call_t1)))
+    if direct:
+        rows.append((f"{stage}: worker -> BLS (direct)", _gap(infer_t1, call_t1)))
+    else:
+        rows.append((f"{stage}: worker -> PyTriton -> stub", _gap(infer_t1, stub_back)))
+        rows.append((f"{stage}: stub -> Triton -> BLS", _gap(stub_back, call_t1)))
     rows.append((f"{stage}: whole call, from the BLS", _gap(call_t0, call_t1)))
     return rows
 
@@ -199,26 +204,15 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
         engine.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="llava", help="demo model (default: llava)")
-    ap.add_argument("--requests", type=int, default=20, help="requests per mode (default: 20)")
-    ap.add_argument("--max-tokens", type=int, default=4, help="tokens per request (default: 4)")
-    ap.add_argument("--report", type=Path, help="markdown file to put the table into (its hops section)")
-    args = ap.parse_args()
+CALLS = {"direct": "record stages called direct", "triton": "through Triton"}  # --stage-calls, in the order run
 
-    from transformers import AutoTokenizer
 
-    from trident.dev.demo import default_demo_model
-
-    model = str(default_demo_model(args.arch, log=None))
-    tok = AutoTokenizer.from_pretrained(model)
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
-                                   tokenize=False, add_generation_prompt=True)
-    trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
-    print(f"[bench-hops] starting the server (steps in {trace_dir})", flush=True)
+def serve_requests(model: str, text: str, args, trace_dir: Path, stage_calls: str):
+    """``args.requests`` requests per mode, one at a time, into a server whose scheduler calls the record stages
+    ``stage_calls``: (the clocks per mode, every process's steps)."""
+    print(f"[bench-hops] starting the server, --stage-calls {stage_calls} (steps in {trace_dir})", flush=True)
     # every request takes its mode's full path (no prefill on the decode side for short prompts)
-    server = Serve(model, ["--trace-dir", str(trace_dir / "server"), "--local-prefill-tokens", "0"],
+    server = Serve(model, ["--trace-dir", str(trace_dir), "--local-prefill-tokens", "0", "--stage-calls", stage_calls],
                    modes=(*MODES, "epd"))
     clocks: dict[str, list[dict]] = {}
     try:
@@ -237,9 +231,40 @@ def main() -> int:
         (trace_dir / "clocks.json").write_text(json.dumps(clocks))  # with the steps: every request's hops, again
     finally:
         server.stop()
+    return clocks, read_steps(trace_dir)
+
+
+def added_ttft(clocks: dict[str, list[dict]], steps) -> dict[str, tuple[float, float]]:
+    """Per mode: (TTFT p50, p50 of TTFT less the model's own work) in ms."""
+    out = {}
+    for mode in MODES:
+        rows = [dict(breakdown(window(steps, c), c, mode)) for c in clocks[mode]]
+        out[mode] = (statistics.median(r["TTFT"] for r in rows),
+                     statistics.median(r["TTFT - compute: what the split costs"] for r in rows))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="llava", help="demo model (default: llava)")
+    ap.add_argument("--requests", type=int, default=20, help="requests per mode (default: 20)")
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens per request (default: 4)")
+    ap.add_argument("--report", type=Path, help="markdown file to put the table into (its hops section)")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from trident.dev.demo import default_demo_model
+
+    model = str(default_demo_model(args.arch, log=None))
+    tok = AutoTokenizer.from_pretrained(model)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
+    runs = {calls: serve_requests(model, text, args, trace_dir / calls, calls) for calls in CALLS}
     images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
-    steps = read_steps(trace_dir / "server")
+    clocks, steps = runs["direct"]
     local_steps = read_steps(trace_dir / "local")
 
     lines = [SECTION, f"## Where TTFT goes: one request at a time ({args.arch} demo, hf engine)", "",
@@ -247,7 +272,8 @@ def main() -> int:
              f"gRPC stream (tritonclient) kept open for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
              "tokens, one at a time; the median (p50) and 90th percentile (p90) of each hop in ms over the requests, "
              "from the step timings the BLS, the stage stubs "
-             "and the workers write on one clock. In-process: the same requests through the `generate` stage "
+             "and the workers write on one clock. The scheduler calls the record stages straight at their workers "
+             "(`--stage-calls direct`, the default). In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
     in_rows = []
     for c in local:
@@ -292,12 +318,15 @@ def main() -> int:
               "prefill, which vary by some ms between runs), against the same in-process.", "",
               "| mode | TTFT p50 ms | in-process p50 ms | TTFT - compute | in-process TTFT - compute | added ms | target |",
               "|---|---|---|---|---|---|---|"]
-    for mode in MODES:
-        ttft = statistics.median(table["TTFT"][mode])
-        rest = statistics.median(table["TTFT - compute: what the split costs"][mode])
-        lines.append(f"| {mode} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
-                     f"{rest - local_rest:+.1f} | <= +5 |")
-    lines += ["", END]
+    for calls in CALLS:
+        added = added_ttft(*runs[calls])
+        for mode in MODES:
+            ttft, rest = added[mode]
+            lines.append(f"| {mode}, {CALLS[calls]} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
+                         f"{rest - local_rest:+.1f} | <= +5 |")
+    lines += ["", "The same run, the same requests, one server after the other: the scheduler's record-stage calls "
+              "straight at the workers (`--stage-calls direct`), then through Triton (`--stage-calls triton`).",
+              "", END]
     print("\n".join(lines), flush=True)
     if args.report:
         write_section(args.report, lines, SECTION, END, "<!-- bench-scheduler -->")

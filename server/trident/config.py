@@ -142,6 +142,11 @@ class SchedulerConfig(_Settings):
         "encode (encode_prefill, generate) when one runs (0: never)"
     )
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
+    stage_calls: Literal["direct", "triton"] = Field(
+        "direct", description="how the scheduler calls the stages that answer with a record (encode, prefill, "
+        "encode_prefill): direct (straight to a local instance's worker, on its socket) or triton (through Triton, "
+        "as any client would)"
+    )
 
 
 class WorkerSettings(_Settings):

@@ -7,6 +7,7 @@ is ready. Stopping (Ctrl-C / SIGTERM) stops the workers (they unbind), then Trit
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -22,7 +23,7 @@ from pathlib import Path
 from . import signing, timings
 from .config import MEDIA_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
 from .netutil import listen_ports
-from .protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
+from .protocol import MODES, NAME_TAKEN_EXIT, STAGES, WORKER_FILE, instance_name, parse_instance, stages_for
 from .repository import install_entry_model
 
 log = logging.getLogger("trident.launcher")
@@ -346,6 +347,7 @@ class Launcher:
 
     def _worker_exited(self, name: str, code: int) -> None:
         self._coming_back.discard(name)
+        _remove_direct_socket(self.model_store / name)
         if name == "frontend":  # Triton's own endpoints serve on meanwhile
             self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
         elif code == NAME_TAKEN_EXIT:  # its stage model is another worker's now: leave it loaded
@@ -416,6 +418,7 @@ class Launcher:
             left = _kill_left([*trees[stage], *descendants(proc.pid)])
             if left:
                 self.out(f"[trident] worker {stage} left {left} process(es) running; killed them")
+            _remove_direct_socket(self.model_store / stage)
         if self.triton is not None:
             stubs = [pid for pid in descendants(os.getpid()) if _is_stub(pid)]
             self.triton.stop()
@@ -430,6 +433,19 @@ class Launcher:
         worker: they hang on their way out) are killed, so that a stopped server leaves no process behind."""
         if killed := _kill_left(stubs, grace_s, running=_is_stub):
             self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
+
+
+def _remove_direct_socket(model_dir: Path) -> None:
+    """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could
+    not remove itself."""
+    from .workers.channel import DIRECT_DIR_PREFIX, DIRECT_SOCKET
+
+    try:
+        path = Path(json.loads((model_dir / "1" / WORKER_FILE).read_text())["direct"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if path.name == DIRECT_SOCKET and path.parent.name.startswith(DIRECT_DIR_PREFIX):
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def descendants(pid: int) -> list[int]:

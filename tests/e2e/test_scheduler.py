@@ -114,7 +114,8 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
 
 def test_trace_dir_times_every_hop_of_one_request(server, ref):
     """``--trace-dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
-    nested as the calls are (what ``make bench-hops`` reads)."""
+    nested as the calls are (what ``make bench-hops`` reads). The record stages are called straight at their
+    workers: their stubs see nothing of the request."""
     c = ref["traced"]
     folder = server.trace_dir.resolve()
     assert any(line.endswith(f"writing step timings of every request to {folder}") for line in server.log)
@@ -131,13 +132,14 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
                 steps.setdefault(f"{process}/{rec['step']}", []).append((rec["t0"], rec["t1"]))
     want = {
         "bls-e_p_d": ["execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
-        "proxy-encode": ["execute"], "proxy-decode": ["execute"],
+        "proxy-decode": ["execute"],
         "encode": ["inputs", "media_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "infer"],
         "prefill": ["inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
         "decode": ["inputs", "record_decode", "nixl_read", "decode_admit", "decode_step", "infer_first", "infer"],
     }
     missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in steps]
     assert not missing, f"steps not written: {missing}; written: {sorted(steps)}"
+    assert not [k for k in steps if k.startswith(("proxy-encode", "proxy-prefill"))], sorted(steps)
     one = {k: v[0] for k, v in steps.items()}
     # each stage's work lies inside the BLS's call of it, and the calls follow each other
     for stage in ("encode", "prefill"):
@@ -193,6 +195,19 @@ def test_first_response_leaves_with_the_prefill(server, ref):
     assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], held, stream=True).text == c["expected"]
     time.sleep(0.3)
     assert _metric(server, "trident_decisions_total", **early) == before + 1
+
+
+def test_record_stages_are_called_straight_at_their_workers(server, ref):
+    """The BLS calls encode and prefill on their workers' own sockets, not through Triton (one count per call
+    on the metrics port), with the same answer."""
+    c = ref["one-image"]
+    before = {s: _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=s) for s in ("encode", "prefill")}
+    routed = _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill")
+    assert _generate(server, c) == c["expected"]
+    time.sleep(0.3)
+    assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage="encode") == before["encode"] + 1
+    assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage="prefill") == before["prefill"] + 1
+    assert _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill") == routed + 1
 
 
 def test_text_only_skips_the_vision_tower(server, ref):
@@ -357,7 +372,8 @@ def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref):
 
 def test_a_worker_that_joins_later_gets_traffic(server, ref):
     """It joins while the supervisor has the killed prefill-2 coming back: it takes the next free name, and
-    the restarted prefill-2, the joiner and prefill all serve."""
+    the restarted prefill-2, the joiner and prefill all serve. The restarted prefill-2 is called on its new
+    direct socket; the joiner (bound from "elsewhere": no worker file in the server's store) through Triton."""
     import tritonclient.http as httpclient
 
     admin = httpclient.InferenceServerClient(server.http)
@@ -377,6 +393,7 @@ def test_a_worker_that_joins_later_gets_traffic(server, ref):
             time.sleep(0.2)
         time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
         before = _published(server)
+        direct = {n: _metric(server, "trident_direct_calls_total", instance=n) for n in ("prefill-2", "prefill-3")}
         cases = [ref[f"unique-{i}"] for i in range(1, 7)]  # prefixes it has not seen on any live instance
         for c in cases:
             assert _generate(server, c) == c["expected"]
@@ -384,6 +401,10 @@ def test_a_worker_that_joins_later_gets_traffic(server, ref):
         assert joined.get("published", 0) > 0 and joined["pid"] == joiner.pid
         after = _published(server)
         assert after["prefill-2"] > before["prefill-2"] and server.stats()["prefill-2"]["pid"] != joiner.pid
+        time.sleep(0.3)
+        assert _metric(server, "trident_direct_calls_total", instance="prefill-2") > direct["prefill-2"]
+        assert _metric(server, "trident_direct_calls_total", instance="prefill-3") == direct["prefill-3"] == 0
+        assert _metric(server, "trident_routed_total", instance="prefill-3") > 0
     finally:
         joiner.send_signal(signal.SIGTERM)
         assert joiner.wait(60) == 0

@@ -4,8 +4,9 @@ Per request it:
 1. reads the entry tensors (the vLLM backend's interface) and the images' content ids;
 2. plans the path (:mod:`.plan`): its mode's chain, without ``encode`` for a text-only request, with the
    encode on a prefill worker for few images, or a fallback mode when a stage has no live instance;
-3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records;
-   a short prompt is prefilled on the decode worker (no prefill hop, no KV transfer);
+3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records (the
+   stages that answer with a record straight at their worker, :mod:`.direct`); a short prompt is prefilled on
+   the decode worker (no prefill hop, no KV transfer);
 4. streams the last stage's responses through, stopping when the client cancels; a streaming client gets its
    first text as soon as the prefill's ``kv_meta`` tells it (``first_text``), before the decode call.
 
@@ -39,6 +40,7 @@ from ..protocol import (
     VLLMKVRecord, decode_record, instance_name, parse_instance,
 )
 from .bls_streams import StreamKeeper, drain
+from .direct import DirectCalls
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
 from .prompt_length import PromptLength
@@ -95,6 +97,7 @@ class TritonPythonModel:
         self._refreshed = 0.0
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
         self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
+        self._direct = DirectCalls(self.store) if self.cfg.stage_calls == "direct" else None
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             self._measure = PromptLength(self.model_path)
@@ -276,20 +279,44 @@ class TritonPythonModel:
     async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str], held) -> dict:
         """One non-streaming stage call; its outputs as bytes."""
         instance = self._route(stage, keys, held)
+        record = self._record_for(stage, records)
         self.router.begin(instance)
         try:
             with timings.step(f"call:{stage}"):
-                response = await self._request(stage, instance, inputs, self._record_for(stage, records), outputs).async_exec()
+                arrays = await self._direct_call(stage, instance, inputs, record, outputs, held)
+                if arrays is None:
+                    response = await self._request(stage, instance, inputs, record, outputs).async_exec()
         finally:
             self.router.end(instance)
-        self._check(response, instance)
+        if arrays is None:
+            self._check(response, instance)
+            arrays = {}
+            for name in outputs:
+                tensor = self.pb.get_output_tensor_by_name(response, name)
+                if tensor is not None:
+                    arrays[name] = tensor.as_numpy()
         result = {}
         for name in outputs:
-            tensor = self.pb.get_output_tensor_by_name(response, name)
-            value = tensor.as_numpy().reshape(-1)[0] if tensor is not None else b""
+            value = arrays[name].reshape(-1)[0] if name in arrays else b""
             result[name] = value if isinstance(value, bytes) else str(value).encode()
         if stage == "encode" and result.get(ENCODE_REPORT):
             held.encode_report(instance, json.loads(result[ENCODE_REPORT]))
+        return result
+
+    async def _direct_call(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None,
+                           outputs: list[str], held) -> dict | None:
+        """The call's outputs from the worker's direct socket (:mod:`.direct`); None to call it through Triton."""
+        if self._direct is None:
+            return None
+        arrays = {}
+        for name in STAGES[stage].input_names:
+            if record is not None and name == record[0]:
+                arrays[name] = np.array([record[1]], dtype=np.object_)
+            elif name in inputs:
+                arrays[name] = inputs[name].as_numpy()
+        result = await self._direct.call(instance, arrays, outputs)
+        if result is not None:
+            held.add("trident_direct_calls_total", stage=stage, instance=instance)
         return result
 
     def _check(self, response, instance: str) -> None:
@@ -501,6 +528,8 @@ class TritonPythonModel:
         )
 
     def finalize(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         self._streams.shutdown(wait=False, cancel_futures=True)
         self._finished.clear()
 

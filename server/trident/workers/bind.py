@@ -8,6 +8,7 @@ into a Triton error with the class's code, so Triton's endpoints answer with the
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -87,8 +88,12 @@ def _install_proxy_model() -> None:
         original(self, model_repository)
         version_dir = Path(model_repository) / self.model_name / str(self.model_version)
         shutil.copy(_PROXY_MODEL, version_dir / "model.py")
-        # the stub watches this process: requests waiting on a worker that died fail at once (503)
-        (version_dir / WORKER_FILE).write_text(json.dumps({"pid": os.getpid(), "name": self.model_name}))
+        # the stub watches this process: requests waiting on a worker that died fail at once (503); the
+        # scheduler calls the worker on its direct socket (:mod:`trident.scheduler.direct`)
+        info = {"pid": os.getpid(), "name": self.model_name}
+        if channel.enabled():
+            info["direct"] = channel.direct_path()
+        (version_dir / WORKER_FILE).write_text(json.dumps(info))
 
     def get_proxy_model_files(self) -> dict[str, bytes]:
         # no worker file here: the server may be on another host, where this pid names another process
@@ -114,6 +119,22 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
     if model_store:
         triton._model_manager._model_store_path = Path(model_store)  # pytriton 0.7: where bind() writes
     return triton
+
+
+def _at_most(infer, count: int):
+    """``infer`` with at most ``count`` calls running at once (on the loop it runs on). Triton hands a one-answer
+    stage's ``count`` instances one request each; the scheduler's direct calls (:mod:`.channel`) come beside
+    those, and the engine is built for ``count`` (``calls_at_once``)."""
+    slots: asyncio.Semaphore | None = None
+
+    @functools.wraps(infer)
+    async def limited(requests):
+        nonlocal slots
+        slots = slots or asyncio.Semaphore(count)
+        async with slots:
+            return await infer(requests)
+
+    return limited
 
 
 def _instances(infer, count: int):
@@ -209,7 +230,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
                 model_name=name,
-                infer_func=_instances(infer, engine.calls_at_once),
+                infer_func=_instances(infer if spec.decoupled else _at_most(infer, engine.calls_at_once),
+                                      engine.calls_at_once),
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),

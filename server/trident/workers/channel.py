@@ -21,6 +21,11 @@ an error :func:`trident.errors.to_wire`'s envelope. The socket is a file of the 
 (``<instance>-stage.sock``), made by the stub; the worker connects when PyTriton sets the model up. The
 tensors have been checked by Triton against the model's config before they reach the stub.
 
+The worker also takes calls straight from the scheduler (:mod:`trident.scheduler.direct`), on a socket of its
+own (:func:`direct_path`, named in the worker file of its stage model's folder): the same messages, served the
+same way, without the round trip through Triton and the stub. That socket is a file in a folder only this
+user can open, not a port.
+
 ``TRIDENT_STAGE_WIRE=pytriton`` keeps PyTriton's own transport (with the inline tensors), for side-by-side
 benchmarks (:func:`.wire.mode`).
 """
@@ -28,22 +33,28 @@ benchmarks (:func:`.wire.mode`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
 import queue
 import socket
+import shutil
 import struct
+import tempfile
 import threading
 import time
 from typing import Callable
 
 from . import wire
 
-EOS, ERROR = 1, 2  # response flags
+EOS, ERROR, GONE = 1, 2, 4  # response flags (GONE: a direct call the stopping worker did not take)
 HEADER = struct.Struct("!IIB")  # payload bytes, call id, flags
 SEND_TIMEOUT_S = 10.0  # a call that no worker takes within this is refused (503)
 CONNECT_TIMEOUT_S = 60.0  # how long a worker waits for its stub's socket
+DIRECT_SOCKET = "calls.sock"
+DIRECT_DIR_PREFIX = "trident-calls-"
+DRAIN_S = 60.0  # how long a stopping worker lets the direct calls it took finish
 
 log = logging.getLogger("trident.worker")
 
@@ -60,6 +71,18 @@ def enabled() -> bool:
 def socket_path(requests_url: str) -> str:
     """The channel's socket file from PyTriton's requests-server URL of the instance (``ipc://...-server.sock``)."""
     return requests_url.removeprefix("ipc://").removesuffix("-server.sock") + "-stage.sock"
+
+
+def direct_path() -> str:
+    """This worker process's direct socket, in a folder of its own made on first use (mode 0700)."""
+    if "path" not in _direct:
+        folder = tempfile.mkdtemp(prefix=DIRECT_DIR_PREFIX)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _direct["path"] = os.path.join(folder, DIRECT_SOCKET)
+    return _direct["path"]
+
+
+_direct: dict = {}  # this worker's direct socket: {"path": ..., "host": the WorkerChannel serving it}
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytearray | None:
@@ -220,6 +243,8 @@ class WorkerChannel(threading.Thread):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._closed = False
+        self._stopping = False  # no more direct calls
+        self._direct_calls: set[asyncio.Task] = set()
 
     def attach(self, model_callable: Callable, validator, decoupled: bool) -> None:
         from pytriton.proxy.inference import _AsyncGenForCallableAdapter
@@ -248,16 +273,60 @@ class WorkerChannel(threading.Thread):
         self._writer = writer
         if self._closed:
             writer.close()
+        direct = await self._offer_direct()
+        try:
+            await self._read_calls(reader, writer)
+        finally:
+            if direct is not None:
+                await self._stop_direct(direct)
+
+    async def _stop_direct(self, direct: asyncio.AbstractServer) -> None:
+        """The stub has gone (the stage model was unloaded: the worker is stopping). Triton let the calls it had
+        in the stage finish; so do the direct calls taken, and later ones are answered :data:`GONE` (the
+        scheduler then asks Triton, which says the instance is not there)."""
+        self._stopping = True
+        direct.close()
+        _direct.pop("host", None)
+        try:
+            os.unlink(_direct["path"])  # (its folder goes at the process's exit)
+        except OSError:
+            pass
+        if self._direct_calls:
+            await asyncio.wait(set(self._direct_calls), timeout=DRAIN_S)
+
+    async def _offer_direct(self) -> asyncio.AbstractServer | None:
+        """The direct socket, served on this channel's loop (that of the engine when the stage has one instance)
+        by the first channel of the worker, when :func:`direct_path` was asked for (a worker bound into a
+        server on this host)."""
+        path = _direct.get("path")
+        if path is None or self._closed or _direct.setdefault("host", self) is not self:
+            return None
+        if os.path.exists(path):
+            os.unlink(path)
+        return await asyncio.start_unix_server(self._read_direct, path=path)
+
+    async def _read_direct(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._read_calls(reader, writer, direct=True)
+
+    async def _read_calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direct: bool = False) -> None:
+        """Serve the calls of one connection (the stub's, or a scheduler's direct one) until it closes; the calls
+        still running then are cancelled."""
         tasks: set[asyncio.Task] = set()
         try:
             while True:
                 size, rid, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
                 payload = await reader.readexactly(size) if size else b""
+                if direct and self._stopping:
+                    await self._write(writer, rid, EOS | GONE, b"")
+                    continue
                 task = asyncio.ensure_future(self._handle(writer, rid, payload))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                if direct:
+                    self._direct_calls.add(task)
+                    task.add_done_callback(self._direct_calls.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the stub went away, or close()
+            pass  # the other end went away, or close()
         finally:
             for task in list(tasks):
                 task.cancel()

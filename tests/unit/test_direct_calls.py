@@ -1,0 +1,192 @@
+"""The scheduler's direct calls (:mod:`trident.scheduler.direct`) against a real worker channel
+(:class:`trident.workers.channel.WorkerChannel`) on real Unix sockets, in one process: the stage's answer, its
+error, an instance with no direct socket, a stopping worker, a worker lost mid-call, and the limit on calls at
+once that keeps the engine's ``calls_at_once``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trident.errors import InvalidRequest, Unavailable
+from trident.protocol import WORKER_FILE
+from trident.scheduler.direct import DirectCalls
+from trident.workers import channel
+from trident.workers.wire import InlineSerializer
+
+
+class _Validator:
+    def validate_responses(self, requests, responses) -> None:
+        pass
+
+
+class _Stub:
+    """The stub's end, as far as the worker sees it: a socket it connects to first."""
+
+    def __init__(self, folder: Path) -> None:
+        self.url = f"ipc://{folder}/inst-server.sock"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(channel.socket_path(self.url))
+        self._listener.listen(1)
+        self.conn: socket.socket | None = None
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.conn, _ = self._listener.accept()
+
+    def leave(self) -> None:
+        """The stage model was unloaded: the stub's end closes (again: nothing)."""
+        if self.conn is not None:
+            self.conn.close()
+        self._listener.close()
+
+
+@pytest.fixture
+def worker(tmp_path, monkeypatch):
+    """A worker channel serving ``calls`` (what each call does, by the request's text) on its direct socket, and
+    the model store whose worker file names that socket for instance ``prefill``."""
+    monkeypatch.setattr(channel, "_direct", {})
+
+    async def infer(requests):
+        text = requests[0].data["text_input"][0].decode()
+        if text.startswith("sleep"):
+            await asyncio.sleep(float(text.split()[1]))
+        if text == "refuse":
+            raise InvalidRequest("text_input says refuse")
+        return [{"kv_meta": np.array([f"record of {text}".encode()], dtype=np.object_)}]
+
+    stub = _Stub(tmp_path)
+    path = channel.direct_path()
+    store = tmp_path / "store"
+    (store / "prefill" / "1").mkdir(parents=True)
+    (store / "prefill" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 123, "name": "prefill", "direct": path}))
+    chan = channel.WorkerChannel(stub.url, InlineSerializer())
+    chan.attach(infer, _Validator(), decoupled=False)
+    chan.start()
+    deadline = time.monotonic() + 5
+    while not Path(path).exists():
+        assert time.monotonic() < deadline, "the direct socket was not opened"
+        time.sleep(0.01)
+    yield {"store": store, "stub": stub, "path": path}
+    chan.close()
+    chan.join(5)
+    stub.leave()
+
+
+def _text(value: str) -> dict:
+    return {"text_input": np.array([value.encode()], dtype=np.object_)}
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_call_gets_the_stage_answer(worker):
+    async def go():
+        calls = DirectCalls(worker["store"])
+        try:
+            first = await calls.call("prefill", _text("a"), ["kv_meta"])
+            second = await calls.call("prefill", _text("b"), ["kv_meta"])  # on the same connection
+            return first, second
+        finally:
+            calls.close()
+
+    first, second = _run(go())
+    assert first["kv_meta"].tolist() == [b"record of a"] and second["kv_meta"].tolist() == [b"record of b"]
+
+
+def test_the_stage_error_is_raised_as_sent(worker):
+    async def go():
+        calls = DirectCalls(worker["store"])
+        try:
+            with pytest.raises(InvalidRequest, match="text_input says refuse"):
+                await calls.call("prefill", _text("refuse"), ["kv_meta"])
+            return await calls.call("prefill", _text("after"), ["kv_meta"])  # the connection serves on
+        finally:
+            calls.close()
+
+    assert _run(go())["kv_meta"].tolist() == [b"record of after"]
+
+
+def test_no_direct_socket_means_through_triton(worker, tmp_path):
+    (worker["store"] / "joined" / "1").mkdir(parents=True)
+    (worker["store"] / "joined" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 1, "name": "joined"}))
+    (worker["store"] / "old" / "1").mkdir(parents=True)
+    (worker["store"] / "old" / "1" / WORKER_FILE).write_text(json.dumps({"direct": str(tmp_path / "gone.sock")}))
+
+    async def go():
+        calls = DirectCalls(worker["store"])
+        return [await calls.call(name, _text("x"), ["kv_meta"]) for name in ("missing", "joined", "old")]
+
+    assert _run(go()) == [None, None, None]
+
+
+def test_a_stopping_worker_finishes_what_it_took_and_takes_no_more(worker):
+    async def go():
+        calls = DirectCalls(worker["store"])
+        try:
+            taken = asyncio.ensure_future(calls.call("prefill", _text("sleep 0.5"), ["kv_meta"]))
+            await asyncio.sleep(0.1)
+            worker["stub"].leave()  # the stage model is unloaded while the call runs
+            await asyncio.sleep(0.1)
+            later = await calls.call("prefill", _text("later"), ["kv_meta"])
+            return await taken, later
+        finally:
+            calls.close()
+
+    taken, later = _run(go())
+    assert taken["kv_meta"].tolist() == [b"record of sleep 0.5"]
+    assert later is None  # through Triton, which says whether the instance is there
+    assert not Path(worker["path"]).exists()
+
+
+def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
+    path = str(tmp_path / "w.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def take_and_die() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    threading.Thread(target=take_and_die, daemon=True).start()
+    (tmp_path / "encode" / "1").mkdir(parents=True)
+    (tmp_path / "encode" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 77, "direct": path}))
+
+    async def go():
+        with pytest.raises(Unavailable, match=r"the encode stage's worker \(pid 77\) exited; the request was lost"):
+            await DirectCalls(tmp_path).call("encode", _text("x"), ["embedding_meta"])
+
+    _run(go())
+    listener.close()
+
+
+def test_at_most_keeps_calls_at_once():
+    from trident.workers.bind import _at_most
+
+    state = {"running": 0, "most": 0}
+
+    async def infer(requests):
+        state["running"] += 1
+        state["most"] = max(state["most"], state["running"])
+        await asyncio.sleep(0.02)
+        state["running"] -= 1
+        return requests
+
+    async def go(count: int):
+        limited = _at_most(infer, count)
+        return await asyncio.gather(*(limited([i]) for i in range(6)))
+
+    assert _run(go(1)) == [[i] for i in range(6)] and state["most"] == 1
+    state["most"] = 0
+    _run(go(2))
+    assert state["most"] == 2
