@@ -143,9 +143,8 @@ class SchedulerConfig(_Settings):
     )
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
     stage_calls: Literal["direct", "triton"] = Field(
-        "direct", description="how the scheduler calls the stages that answer with a record (encode, prefill, "
-        "encode_prefill): direct (straight to a local instance's worker, on its socket) or triton (through Triton, "
-        "as any client would)"
+        "direct", description="how the scheduler calls the stage models: direct (straight to the worker of an "
+        "instance on this host, on the worker's own socket) or triton (through Triton, as any client would)"
     )
 
 

@@ -114,8 +114,8 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
 
 def test_trace_dir_times_every_hop_of_one_request(server, ref):
     """``--trace-dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
-    nested as the calls are (what ``make bench-hops`` reads). The record stages are called straight at their
-    workers: their stubs see nothing of the request."""
+    nested as the calls are (what ``make bench-hops`` reads). The stages are called straight at their workers:
+    their stubs see nothing of the request."""
     c = ref["traced"]
     folder = server.trace_dir.resolve()
     assert any(line.endswith(f"writing step timings of every request to {folder}") for line in server.log)
@@ -132,14 +132,13 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
                 steps.setdefault(f"{process}/{rec['step']}", []).append((rec["t0"], rec["t1"]))
     want = {
         "bls-e_p_d": ["execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
-        "proxy-decode": ["execute"],
         "encode": ["inputs", "media_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "infer"],
         "prefill": ["inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
         "decode": ["inputs", "record_decode", "nixl_read", "decode_admit", "decode_step", "infer_first", "infer"],
     }
     missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in steps]
     assert not missing, f"steps not written: {missing}; written: {sorted(steps)}"
-    assert not [k for k in steps if k.startswith(("proxy-encode", "proxy-prefill"))], sorted(steps)
+    assert not [k for k in steps if k.startswith("proxy-")], sorted(steps)
     one = {k: v[0] for k, v in steps.items()}
     # each stage's work lies inside the BLS's call of it, and the calls follow each other
     for stage in ("encode", "prefill"):
@@ -197,17 +196,19 @@ def test_first_response_leaves_with_the_prefill(server, ref):
     assert _metric(server, "trident_decisions_total", **early) == before + 1
 
 
-def test_record_stages_are_called_straight_at_their_workers(server, ref):
-    """The BLS calls encode and prefill on their workers' own sockets, not through Triton (one count per call
-    on the metrics port), with the same answer."""
+def test_stages_are_called_straight_at_their_workers(server, ref):
+    """The BLS calls encode, prefill and decode on their workers' own sockets, not through Triton (one count per
+    call on the metrics port), with the same answer."""
     c = ref["one-image"]
-    before = {s: _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=s) for s in ("encode", "prefill")}
+    stages = ("encode", "prefill", "decode")
+    before = {s: _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=s) for s in stages}
     routed = _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill")
     assert _generate(server, c) == c["expected"]
+    assert _generate(server, c, stream=False) == c["expected"]
     time.sleep(0.3)
-    assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage="encode") == before["encode"] + 1
-    assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage="prefill") == before["prefill"] + 1
-    assert _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill") == routed + 1
+    for stage in stages:
+        assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=stage) == before[stage] + 2, stage
+    assert _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill") == routed + 2
 
 
 def test_text_only_skips_the_vision_tower(server, ref):

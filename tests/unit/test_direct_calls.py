@@ -190,3 +190,99 @@ def test_at_most_keeps_calls_at_once():
     state["most"] = 0
     _run(go(2))
     assert state["most"] == 2
+
+
+@pytest.fixture
+def streaming(tmp_path, monkeypatch):
+    """A decoupled stage's worker channel: ``n`` tokens a call (the text's number), an error after two with
+    ``fail``, and the scheduler's cancel control call (:class:`trident.workers.infer.Streams`)."""
+    from trident.protocol import CANCEL, REQUEST_ID
+    from trident.workers.infer import Streams
+
+    monkeypatch.setattr(channel, "_direct", {})
+    streams = Streams()
+
+    async def tokens(text: str):
+        for i in range(int(text) if text.isdigit() else 3):
+            if text == "fail" and i == 2:
+                raise Unavailable("the decode ran out of KV blocks")
+            await asyncio.sleep(0.01 if text != "forever" else 0.05)
+            yield [{"text_output": np.array([f"t{i}".encode()], dtype=np.object_)}]
+        if text == "forever":
+            await asyncio.sleep(30)
+
+    async def generate(requests):
+        request = requests[0]
+        cancel = request.parameters.get(CANCEL)
+        if cancel is not None:
+            streams.cancel(cancel)
+            return
+        async for item in streams.relay(request.parameters.get(REQUEST_ID), tokens(request.data["text_input"][0].decode())):
+            yield item
+
+    stub = _Stub(tmp_path)
+    path = channel.direct_path()
+    store = tmp_path / "store"
+    (store / "decode" / "1").mkdir(parents=True)
+    (store / "decode" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 9, "direct": path}))
+    chan = channel.WorkerChannel(stub.url, InlineSerializer())
+    chan.attach(generate, _Validator(), decoupled=True)
+    chan.start()
+    deadline = time.monotonic() + 5
+    while not Path(path).exists():
+        assert time.monotonic() < deadline, "the direct socket was not opened"
+        time.sleep(0.01)
+    yield {"store": store, "streams": streams}
+    chan.close()
+    chan.join(5)
+    stub.leave()
+
+
+def _convert(flags: int, payload: bytes) -> list:
+    from trident.scheduler.direct import responses_of
+
+    return [item if isinstance(item, Exception) else item["text_output"][0] for item in responses_of(flags, payload)]
+
+
+def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = None):
+    """The stream's items as the relay thread reads them (in a thread, as the BLS does)."""
+    from trident.protocol import CANCEL, REQUEST_ID
+
+    async def go():
+        calls = DirectCalls(store)
+        try:
+            stream = await calls.stream("decode", _text(text), ["text_output"], {REQUEST_ID: request_id}, _convert)
+            items = []
+
+            def relay():
+                for item in stream:
+                    items.append(item)
+                    if stop_after is not None and len(items) == stop_after:
+                        return
+
+            await asyncio.get_running_loop().run_in_executor(None, relay)
+            if stop_after is not None:
+                await calls.cancel("decode", {CANCEL: request_id})
+                await asyncio.get_running_loop().run_in_executor(None, lambda: items.extend(stream))
+            return items
+        finally:
+            calls.close()
+
+    return _run(go())
+
+
+def test_a_stream_relays_every_response_then_ends(streaming):
+    assert _stream(streaming["store"], "4") == [b"t0", b"t1", b"t2", b"t3"]
+
+
+def test_a_stage_error_ends_the_stream_after_what_was_sent(streaming):
+    items = _stream(streaming["store"], "fail")
+    assert items[:2] == [b"t0", b"t1"] and len(items) == 3
+    assert isinstance(items[2], Unavailable) and "ran out of KV blocks" in str(items[2])
+
+
+def test_a_cancelled_stream_stops_at_the_cancel(streaming):
+    started = time.monotonic()
+    items = _stream(streaming["store"], "forever", request_id="gone", stop_after=1)
+    assert items[0] == b"t0" and len(items) < 3 and streaming["streams"].cancelled == 1
+    assert time.monotonic() - started < 10

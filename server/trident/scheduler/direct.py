@@ -19,17 +19,51 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import queue
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from pytriton.proxy.types import Request
 
-from ..errors import TridentError, Unavailable, from_wire
+from ..errors import TridentError, Unavailable, from_wire, to_wire
 from ..protocol import WORKER_FILE
 from ..workers.channel import EOS, ERROR, GONE, HEADER
 from ..workers.wire import InlineSerializer
 
 _wire = InlineSerializer()
+
+
+class DirectStream:
+    """The responses of one streamed direct call, for the thread that relays them: an iterator of what
+    ``convert(flags, payload)`` makes of each message, up to the call's end (an error ends it too)."""
+
+    def __init__(self, convert: Callable[[int, bytes], list]) -> None:
+        self._convert = convert
+        self._messages: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: deque = deque()
+        self._ended = False
+        self.first: asyncio.Future = asyncio.get_running_loop().create_future()  # the first message's flags
+
+    def put(self, flags: int, payload: bytes) -> None:
+        """A message from the worker (on the event loop)."""
+        if not self.first.done():
+            self.first.set_result(flags)
+        self._messages.put((flags, payload))
+
+    def __iter__(self) -> "DirectStream":
+        return self
+
+    def __next__(self):
+        while not self._ready:
+            if self._ended:
+                raise StopIteration
+            flags, payload = self._messages.get()
+            self._ended = bool(flags & EOS)
+            if payload or flags & ERROR:
+                self._ready.extend(self._convert(flags, payload))
+        return self._ready.popleft()
 
 
 class _Connection:
@@ -47,35 +81,49 @@ class _Connection:
 
     async def call(self, payload: bytes) -> tuple[int, bytes]:
         """``(flags, payload)`` of the call's one answer."""
-        rid = next(self._ids) % 2**32
         answer = asyncio.get_running_loop().create_future()
-        self._pending[rid] = answer
+        rid = await self._send(payload, answer)
+        try:
+            return await answer
+        finally:
+            self._pending.pop(rid, None)
+
+    async def stream(self, payload: bytes, stream: DirectStream) -> None:
+        """Send a streamed call; its messages go to ``stream`` as they come."""
+        await self._send(payload, stream)
+
+    async def _send(self, payload: bytes, target) -> int:
+        rid = next(self._ids) % 2**32
+        self._pending[rid] = target
         try:
             self._writer.write(HEADER.pack(len(payload), rid, 0) + payload)  # one write: the worker wakes once
             await self._writer.drain()
         except ConnectionError:
             self._pending.pop(rid, None)
             raise Unavailable(self._lost) from None
-        try:
-            return await answer
-        finally:
-            self._pending.pop(rid, None)
+        return rid
 
     async def _read(self) -> None:
         try:
             while True:
                 size, rid, flags = HEADER.unpack(await self._reader.readexactly(HEADER.size))
                 payload = await self._reader.readexactly(size) if size else b""
-                answer = self._pending.get(rid)
-                if answer is not None and flags & EOS and not answer.done():
-                    answer.set_result((flags, payload))
+                target = self._pending.pop(rid, None) if flags & EOS else self._pending.get(rid)
+                if isinstance(target, DirectStream):
+                    target.put(flags, payload)
+                elif target is not None and flags & EOS and not target.done():
+                    target.set_result((flags, payload))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self._writer.close()
-            for answer in self._pending.values():
-                if not answer.done():
-                    answer.set_exception(Unavailable(self._lost))
+            lost = to_wire(Unavailable(self._lost)).encode()
+            for target in self._pending.values():
+                if isinstance(target, DirectStream):
+                    target.put(EOS | ERROR, lost)
+                elif not target.done():
+                    target.set_exception(Unavailable(self._lost))
+            self._pending.clear()
 
     def close(self) -> None:
         self._writer.close()
@@ -107,6 +155,31 @@ class DirectCalls:
             raise TridentError(f"stage instance {instance} answered without outputs")
         return responses[0].data
 
+    async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters: dict,
+                     convert: Callable[[int, bytes], list]) -> DirectStream | None:
+        """A streamed call of ``instance`` (a decoupled stage), once its first message is in; None when it has no
+        direct socket to take it (call it through Triton)."""
+        connection = await self._connection(instance)
+        if connection is None:
+            return None
+        request = Request(data=inputs, parameters=parameters, requested_output_names=outputs)
+        stream = DirectStream(convert)
+        await connection.stream(_wire.serialize_requests([request]), stream)
+        if await stream.first & GONE:
+            return None
+        return stream
+
+    async def cancel(self, instance: str, parameters: dict) -> None:
+        """A control call (``parameters`` name the stream to stop), answered with nothing."""
+        connection = await self._connection(instance)
+        if connection is None:
+            raise Unavailable(f"stage instance {instance} has no direct socket any more")
+        request = Request(data={"text_input": np.array([b""], dtype=np.object_)}, parameters=parameters)
+        flags, payload = await connection.call(_wire.serialize_requests([request]))
+        if flags & ERROR:
+            raise from_wire(payload.decode("utf-8", "replace"))
+
+
     async def _connection(self, instance: str) -> _Connection | None:
         connection = self._connections.get(instance)
         if connection is not None and connection.open:
@@ -131,3 +204,11 @@ class DirectCalls:
         for connection in self._connections.values():
             connection.close()
         self._connections.clear()
+
+
+def responses_of(flags: int, payload: bytes) -> list:
+    """A streamed call's message as data: ``[error]`` (a :class:`~trident.errors.TridentError`), or the output
+    dicts (name -> array) it carries."""
+    if flags & ERROR:
+        return [from_wire(payload.decode("utf-8", "replace"))]
+    return [response.data for response in _wire.deserialize_responses(payload)]

@@ -4,9 +4,9 @@ Per request it:
 1. reads the entry tensors (the vLLM backend's interface) and the images' content ids;
 2. plans the path (:mod:`.plan`): its mode's chain, without ``encode`` for a text-only request, with the
    encode on a prefill worker for few images, or a fallback mode when a stage has no live instance;
-3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records (the
-   stages that answer with a record straight at their worker, :mod:`.direct`); a short prompt is prefilled on
-   the decode worker (no prefill hop, no KV transfer);
+3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records, straight
+   at the instance's worker when it is on this host (:mod:`.direct`); a short prompt is prefilled on the
+   decode worker (no prefill hop, no KV transfer);
 4. streams the last stage's responses through, stopping when the client cancels; a streaming client gets its
    first text as soon as the prefill's ``kv_meta`` tells it (``first_text``), before the decode call.
 
@@ -40,7 +40,7 @@ from ..protocol import (
     VLLMKVRecord, decode_record, instance_name, parse_instance,
 )
 from .bls_streams import StreamKeeper, drain
-from .direct import DirectCalls
+from .direct import DirectCalls, DirectStream, responses_of
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
 from .prompt_length import PromptLength
@@ -308,16 +308,45 @@ class TritonPythonModel:
         """The call's outputs from the worker's direct socket (:mod:`.direct`); None to call it through Triton."""
         if self._direct is None:
             return None
+        result = await self._direct.call(instance, self._arrays(stage, inputs, record), outputs)
+        if result is not None:
+            held.add("trident_direct_calls_total", stage=stage, instance=instance)
+        return result
+
+    async def _direct_stream(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None,
+                             request_id: str, held) -> DirectStream | None:
+        """The stage's responses from the worker's direct socket, as Triton's would come (``InferenceResponse``s);
+        None to call it through Triton."""
+        if self._direct is None:
+            return None
+        stream = await self._direct.stream(instance, self._arrays(stage, inputs, record), _ENTRY_OUTPUT_NAMES,
+                                           {REQUEST_ID: request_id}, self._as_responses)
+        if stream is not None:
+            held.add("trident_direct_calls_total", stage=stage, instance=instance)
+        return stream
+
+    @staticmethod
+    def _arrays(stage: str, inputs: dict, record: tuple[str, bytes] | None) -> dict:
+        """The stage's inputs as arrays (what its stub would send the worker)."""
         arrays = {}
         for name in STAGES[stage].input_names:
             if record is not None and name == record[0]:
                 arrays[name] = np.array([record[1]], dtype=np.object_)
             elif name in inputs:
                 arrays[name] = inputs[name].as_numpy()
-        result = await self._direct.call(instance, arrays, outputs)
-        if result is not None:
-            held.add("trident_direct_calls_total", stage=stage, instance=instance)
-        return result
+        return arrays
+
+    def _as_responses(self, flags: int, payload: bytes) -> list:
+        """A direct stream's message as the ``InferenceResponse``s a Triton stream would have given."""
+        pb = self.pb
+        out = []
+        for item in responses_of(flags, payload):
+            if isinstance(item, TridentError):
+                code = getattr(pb.TritonError, item.triton_code, pb.TritonError.INTERNAL)
+                out.append(pb.InferenceResponse(error=pb.TritonError(client_message(item), code)))
+            else:
+                out.append(pb.InferenceResponse(output_tensors=[pb.Tensor(n, a) for n, a in item.items()]))
+        return out
 
     def _check(self, response, instance: str) -> None:
         if response.has_error():
@@ -350,9 +379,11 @@ class TritonPythonModel:
             # stops the decode stage, which frees the prefill's KV at once
             if early is None and request.is_cancelled():
                 return self._cancelled(sender)
-            call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
             t0 = time.monotonic_ns()
-            stream = await call.async_exec(decoupled=True)
+            stream = await self._direct_stream(stage, instance, inputs, record, request_id, held)
+            if stream is None:
+                call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
+                stream = await call.async_exec(decoupled=True)
             loop = asyncio.get_running_loop()
             outcome = await loop.run_in_executor(
                 self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0,
@@ -413,10 +444,11 @@ class TritonPythonModel:
                 self._finish(stream)
 
     def _finish(self, stream) -> None:
-        """Read a stage stream to its end; the cancel checks of later requests let go of it (only once the stub
-        has: see :mod:`.bls_streams`)."""
+        """Read a stage stream to its end; the cancel checks of later requests let go of a Triton one (only once the
+        stub has: see :mod:`.bls_streams`)."""
         drain(stream)
-        self._finished.keep(stream)
+        if not isinstance(stream, DirectStream):
+            self._finished.keep(stream)
 
     def _relay(self, stream, instance: str, request, sender, wants_reason: bool, step: str, t0: int, held,
                early: bytes | None = None) -> str:
@@ -505,6 +537,12 @@ class TritonPythonModel:
 
     async def _cancel_stream(self, stage: str, instance: str, stream, request_id: str) -> None:
         """Stop a stage's stream whose client went away."""
+        if isinstance(stream, DirectStream):
+            try:
+                await self._direct.cancel(instance, {CANCEL: request_id})
+            except Exception as e:  # the stream still ends with its max_tokens
+                self.logger.log_warn(f"[trident] {self.mode}: could not cancel a {stage} stream on {instance}: {e}")
+            return
         cancel = getattr(stream, "cancel", None)  # the python backend's own, from Triton 25.04
         if cancel is not None:
             cancel()
