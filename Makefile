@@ -81,7 +81,7 @@ bench-hops: install
 
 # Each single-mode server against the same engine in-process, rounds alternating: tokens/s at concurrency 8; -> docs/benchmarks.md
 bench-split: install
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --report docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --compare-stage-calls --report docs/benchmarks.md
 
 # The OpenAI frontend's own cost: the same async client through /v1/chat/completions and at gRPC; -> docs/benchmarks.md
 bench-openai: install

@@ -87,15 +87,15 @@ def _own_cpu() -> float:
     return t.user + t.system
 
 
-async def compare(server: Serve, local: InProcess, mode: str, text: str, args, seed: int) -> list[dict]:
-    """Rounds alternating server / in-process (which goes first alternates too)."""
+async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: str, args, seed: int) -> list[dict]:
+    """Rounds going the same requests each way: every server (``"server"``: the default one; ``"triton"``: one
+    whose scheduler calls the stages through Triton) and in-process, in an order that turns each round."""
     import tritonclient.grpc.aio as grpcclient
 
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-    ways = {
-        "server": lambda im: grpc_stream(client, mode, text, [im], args.max_tokens),
-        "in-process": lambda im: local.request(text, im),
-    }
+    clients = {way: grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc}") for way, srv in servers.items()}
+    ways = {way: (lambda im, c=c: grpc_stream(c, mode, text, [im], args.max_tokens)) for way, c in clients.items()}
+    ways["in-process"] = lambda im: local.request(text, im)
+    order = list(ways)
     rounds = []
     try:
         for way in ways:  # warm each (connections, lazy set-up) with an image of no round
@@ -103,22 +103,24 @@ async def compare(server: Serve, local: InProcess, mode: str, text: str, args, s
         for r in range(args.rounds):
             images = [image_b64(seed + 1 + r * args.requests + i) for i in range(args.requests)]
             row = {}
-            for way in (("server", "in-process") if r % 2 == 0 else ("in-process", "server")):
-                cpu0, own0 = server.cpu_seconds(), _own_cpu()
+            for way in order[r % len(order):] + order[:r % len(order)]:
+                srv = servers.get(way)
+                cpu0, own0 = srv.cpu_seconds() if srv else {}, _own_cpu()
                 row[way] = await load(ways[way], images, args.concurrency)
                 row[way]["own_cpu"] = _own_cpu() - own0  # in-process: the engine; server rounds: the client
                 if way == "server":
-                    cpu1 = server.cpu_seconds()
+                    cpu1 = srv.cpu_seconds()
                     row["cpu"] = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
                 expected = args.requests * args.max_tokens
                 if row[way]["tokens"] != expected:
                     raise RuntimeError(f"{mode} {way}: {row[way]['tokens']} tokens, expected {expected}")
-            print(f"[bench] {mode} round {r}: server {row['server']['tok_s']:.1f} tok/s, in-process "
-                  f"{row['in-process']['tok_s']:.1f} tok/s, ratio {row['server']['tok_s'] / row['in-process']['tok_s']:.2f}",
-                  flush=True)
+            local_tok_s = row["in-process"]["tok_s"]
+            print(f"[bench] {mode} round {r}: " + ", ".join(f"{w} {row[w]['tok_s']:.1f} tok/s ({row[w]['tok_s'] / local_tok_s:.2f})"
+                                                          for w in ways), flush=True)
             rounds.append(row)
     finally:
-        await client.close()
+        for client in clients.values():
+            await client.close()
     return rounds
 
 
@@ -137,8 +139,13 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
         "| server CPU s per round | in-process CPU s | client CPU s | target |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    compared: list[str] = []
     for mode, rounds in results.items():
         ratios = [r["server"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
+        if "triton" in rounds[0]:
+            through = [r["triton"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
+            compared.append(f"| {mode} | **{statistics.median(ratios):.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | "
+                            f"{statistics.median(through):.2f} ({', '.join(f'{x:.2f}' for x in through)}) |")
         cpu: dict[str, float] = {}
         for r in rounds:
             for k, v in r["cpu"].items():
@@ -152,6 +159,12 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
             f"{statistics.median(r['in-process']['ttft_p50'] for r in rounds):.0f} | {cpu_text} | "
             f"{statistics.median(r['in-process']['own_cpu'] for r in rounds):.1f} | "
             f"{statistics.median(r['server']['own_cpu'] for r in rounds):.1f} | >= 0.9 |")
+    if compared:
+        lines += ["", "The same rounds, a third way: a second server whose scheduler calls the stages through Triton "
+                  "(`--stage-calls triton`; the server above calls them straight at their workers, the default), "
+                  "both up for the whole mode.", "",
+                  "| mode | direct / in-process (per round) | through Triton / in-process (per round) |", "|---|---|---|",
+                  *compared]
     return lines + [END, ""]
 
 
@@ -163,6 +176,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
+    ap.add_argument("--compare-stage-calls", action="store_true",
+                    help="also run a server whose scheduler calls the stages through Triton (--stage-calls triton)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -177,11 +192,14 @@ def main() -> int:
     results: dict[str, list[dict]] = {}
     try:
         for k, mode in enumerate(args.modes):
-            server = Serve(model, [], modes=(mode,))
+            servers = {"server": Serve(model, [], modes=(mode,))}
             try:
-                results[mode] = asyncio.run(compare(server, local, mode, text, args, seed=50_000 + 10_000 * k))
+                if args.compare_stage_calls:
+                    servers["triton"] = Serve(model, ["--stage-calls", "triton"], modes=(mode,))
+                results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
             finally:
-                server.stop()
+                for server in servers.values():
+                    server.stop()
     finally:
         local.close()
     lines = table(results, args)

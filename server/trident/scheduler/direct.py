@@ -20,6 +20,8 @@ import asyncio
 import itertools
 import json
 import queue
+import socket
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -29,7 +31,7 @@ from pytriton.proxy.types import Request
 
 from ..errors import TridentError, Unavailable, from_wire, to_wire
 from ..protocol import WORKER_FILE
-from ..workers.channel import EOS, ERROR, GONE, HEADER
+from ..workers.channel import EOS, ERROR, GONE, HEADER, recv_exact
 from ..workers.wire import InlineSerializer
 
 _wire = InlineSerializer()
@@ -44,12 +46,15 @@ class DirectStream:
         self._messages: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: deque = deque()
         self._ended = False
-        self.first: asyncio.Future = asyncio.get_running_loop().create_future()  # the first message's flags
+        self._told = False  # (the reader thread's own)
+        self._loop = asyncio.get_running_loop()
+        self.first: asyncio.Future = self._loop.create_future()  # the first message's flags, on the event loop
 
     def put(self, flags: int, payload: bytes) -> None:
-        """A message from the worker (on the event loop)."""
-        if not self.first.done():
-            self.first.set_result(flags)
+        """A message from the worker (on the connection's reader thread)."""
+        if not self._told:
+            self._told = True
+            self._loop.call_soon_threadsafe(_settle, self.first, flags)
         self._messages.put((flags, payload))
 
     def __iter__(self) -> "DirectStream":
@@ -66,67 +71,91 @@ class DirectStream:
         return self._ready.popleft()
 
 
-class _Connection:
-    """One open socket to a worker: calls written on the event loop, answers read by a task of their own."""
+def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lost: str) -> None:
-        self._reader, self._writer, self._lost = reader, writer, lost
-        self._pending: dict[int, asyncio.Future] = {}
+
+class _Connection:
+    """One open socket to a worker: calls written from the event loop, the answers read by a thread of their own
+    (a streamed call's go to its relaying thread without passing through the event loop)."""
+
+    def __init__(self, sock: socket.socket, lost: str) -> None:
+        self._sock, self._lost = sock, lost
+        self._loop = asyncio.get_running_loop()
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, asyncio.Future | DirectStream] = {}
         self._ids = itertools.count(1)
-        self._task = asyncio.ensure_future(self._read())
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="trident-bls-direct", daemon=True)
+        self._reader.start()
 
     @property
     def open(self) -> bool:
-        return not self._task.done()
+        return not self._closed
 
     async def call(self, payload: bytes) -> tuple[int, bytes]:
         """``(flags, payload)`` of the call's one answer."""
-        answer = asyncio.get_running_loop().create_future()
-        rid = await self._send(payload, answer)
+        answer = self._loop.create_future()
+        rid = self._send(payload, answer)
         try:
             return await answer
         finally:
             self._pending.pop(rid, None)
 
-    async def stream(self, payload: bytes, stream: DirectStream) -> None:
+    def stream(self, payload: bytes, stream: DirectStream) -> None:
         """Send a streamed call; its messages go to ``stream`` as they come."""
-        await self._send(payload, stream)
+        self._send(payload, stream)
 
-    async def _send(self, payload: bytes, target) -> int:
+    def _send(self, payload: bytes, target) -> int:
         rid = next(self._ids) % 2**32
         self._pending[rid] = target
         try:
-            self._writer.write(HEADER.pack(len(payload), rid, 0) + payload)  # one write: the worker wakes once
-            await self._writer.drain()
-        except ConnectionError:
+            if self._closed:
+                raise OSError("closed")
+            with self._send_lock:  # one write: the worker wakes once
+                self._sock.sendall(HEADER.pack(len(payload), rid, 0) + payload)
+        except OSError:
             self._pending.pop(rid, None)
             raise Unavailable(self._lost) from None
         return rid
 
-    async def _read(self) -> None:
+    def _read(self) -> None:
         try:
             while True:
-                size, rid, flags = HEADER.unpack(await self._reader.readexactly(HEADER.size))
-                payload = await self._reader.readexactly(size) if size else b""
+                head = recv_exact(self._sock, HEADER.size)
+                if head is None:
+                    return
+                size, rid, flags = HEADER.unpack(head)
+                payload = recv_exact(self._sock, size) if size else bytearray()
+                if payload is None:
+                    return
                 target = self._pending.pop(rid, None) if flags & EOS else self._pending.get(rid)
                 if isinstance(target, DirectStream):
-                    target.put(flags, payload)
-                elif target is not None and flags & EOS and not target.done():
-                    target.set_result((flags, payload))
-        except (asyncio.IncompleteReadError, ConnectionError):
+                    target.put(flags, bytes(payload))
+                elif target is not None and flags & EOS:
+                    self._loop.call_soon_threadsafe(_settle, target, (flags, bytes(payload)))
+        except OSError:
             pass
         finally:
-            self._writer.close()
+            self._closed = True
+            self._sock.close()
             lost = to_wire(Unavailable(self._lost)).encode()
-            for target in self._pending.values():
+            for rid in list(self._pending):
+                target = self._pending.pop(rid, None)
                 if isinstance(target, DirectStream):
                     target.put(EOS | ERROR, lost)
-                elif not target.done():
-                    target.set_exception(Unavailable(self._lost))
-            self._pending.clear()
+                elif target is not None:
+                    self._loop.call_soon_threadsafe(_settle, target, None, Unavailable(self._lost))
 
     def close(self) -> None:
-        self._writer.close()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader thread ends
+        except OSError:
+            pass
 
 
 class DirectCalls:
@@ -164,7 +193,7 @@ class DirectCalls:
             return None
         request = Request(data=inputs, parameters=parameters, requested_output_names=outputs)
         stream = DirectStream(convert)
-        await connection.stream(_wire.serialize_requests([request]), stream)
+        connection.stream(_wire.serialize_requests([request]), stream)
         if await stream.first & GONE:
             return None
         return stream
@@ -184,20 +213,17 @@ class DirectCalls:
         connection = self._connections.get(instance)
         if connection is not None and connection.open:
             return connection
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             info = json.loads((self._store / instance / "1" / WORKER_FILE).read_text())
-            path = info["direct"]
-            reader, writer = await asyncio.open_unix_connection(path)
+            sock.connect(info["direct"])  # a local socket: at once, or refused
         except (OSError, ValueError, KeyError, TypeError):
+            sock.close()
             self._connections.pop(instance, None)
             return None
-        other = self._connections.get(instance)
-        if other is not None and other.open:  # another request opened one meanwhile
-            writer.close()
-            return other
         lost = (f"the {instance} stage's worker (pid {info.get('pid')}) exited; the request was lost with it (the "
                 "server restarts the worker)")
-        connection = self._connections[instance] = _Connection(reader, writer, lost)
+        connection = self._connections[instance] = _Connection(sock, lost)
         return connection
 
     def close(self) -> None:

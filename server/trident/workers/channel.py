@@ -85,7 +85,7 @@ def direct_path() -> str:
 _direct: dict = {}  # this worker's direct socket: {"path": ..., "host": the WorkerChannel serving it}
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytearray | None:
+def recv_exact(conn: socket.socket, n: int) -> bytearray | None:
     """``n`` bytes from a blocking socket; None at its end."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
@@ -171,11 +171,11 @@ class StubChannel:
 
     def _read(self, conn: socket.socket) -> None:
         while True:
-            head = _recv_exact(conn, HEADER.size)
+            head = recv_exact(conn, HEADER.size)
             if head is None:
                 return
             size, rid, flags = HEADER.unpack(head)
-            payload = _recv_exact(conn, size) if size else bytearray()
+            payload = recv_exact(conn, size) if size else bytearray()
             if payload is None:
                 return
             handler = self._pending.pop(rid, None) if flags & EOS else self._pending.get(rid)
