@@ -204,7 +204,7 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
         engine.close()
 
 
-CALLS = {"direct": "record stages called direct", "triton": "through Triton"}  # --stage-calls, in the order run
+CALLS = {"direct": "stages called direct", "triton": "through Triton"}  # --stage-calls, in the order run
 
 
 def serve_requests(model: str, text: str, args, trace_dir: Path, stage_calls: str):
@@ -272,7 +272,7 @@ def main() -> int:
              f"gRPC stream (tritonclient) kept open for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
              "tokens, one at a time; the median (p50) and 90th percentile (p90) of each hop in ms over the requests, "
              "from the step timings the BLS, the stage stubs "
-             "and the workers write on one clock. The scheduler calls the record stages straight at their workers "
+             "and the workers write on one clock. The scheduler calls the stages straight at their workers "
              "(`--stage-calls direct`, the default). In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
     in_rows = []
@@ -324,7 +324,7 @@ def main() -> int:
             ttft, rest = added[mode]
             lines.append(f"| {mode}, {CALLS[calls]} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
                          f"{rest - local_rest:+.1f} | <= +5 |")
-    lines += ["", "The same run, the same requests, one server after the other: the scheduler's record-stage calls "
+    lines += ["", "The same run, the same requests, one server after the other: the scheduler's stage calls "
               "straight at the workers (`--stage-calls direct`), then through Triton (`--stage-calls triton`).",
               "", END]
     print("\n".join(lines), flush=True)
