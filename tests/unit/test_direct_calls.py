@@ -48,6 +48,27 @@ class _Stub:
         self._listener.close()
 
 
+def _serve(tmp_path: Path, instance: str, infer, decoupled: bool):
+    """A worker channel running ``infer``, and the model store whose worker file names its direct socket for
+    ``instance`` (pid 123); stopped after the one item it yields."""
+    stub = _Stub(tmp_path)
+    path = channel.direct_path()
+    store = tmp_path / "store"
+    (store / instance / "1").mkdir(parents=True)
+    (store / instance / "1" / WORKER_FILE).write_text(json.dumps({"pid": 123, "name": instance, "direct": path}))
+    chan = channel.WorkerChannel(stub.url, InlineSerializer())
+    chan.attach(infer, _Validator(), decoupled=decoupled)
+    chan.start()
+    deadline = time.monotonic() + 5
+    while not Path(path).exists():
+        assert time.monotonic() < deadline, "the direct socket was not opened"
+        time.sleep(0.01)
+    yield {"store": store, "stub": stub, "path": path}
+    chan.close()
+    chan.join(5)
+    stub.leave()
+
+
 @pytest.fixture
 def worker(tmp_path, monkeypatch):
     """A worker channel serving ``calls`` (what each call does, by the request's text) on its direct socket, and
@@ -62,22 +83,7 @@ def worker(tmp_path, monkeypatch):
             raise InvalidRequest("text_input says refuse")
         return [{"kv_meta": np.array([f"record of {text}".encode()], dtype=np.object_)}]
 
-    stub = _Stub(tmp_path)
-    path = channel.direct_path()
-    store = tmp_path / "store"
-    (store / "prefill" / "1").mkdir(parents=True)
-    (store / "prefill" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 123, "name": "prefill", "direct": path}))
-    chan = channel.WorkerChannel(stub.url, InlineSerializer())
-    chan.attach(infer, _Validator(), decoupled=False)
-    chan.start()
-    deadline = time.monotonic() + 5
-    while not Path(path).exists():
-        assert time.monotonic() < deadline, "the direct socket was not opened"
-        time.sleep(0.01)
-    yield {"store": store, "stub": stub, "path": path}
-    chan.close()
-    chan.join(5)
-    stub.leave()
+    yield from _serve(tmp_path, "prefill", infer, decoupled=False)
 
 
 def _text(value: str) -> dict:
@@ -220,22 +226,8 @@ def streaming(tmp_path, monkeypatch):
         async for item in streams.relay(request.parameters.get(REQUEST_ID), tokens(request.data["text_input"][0].decode())):
             yield item
 
-    stub = _Stub(tmp_path)
-    path = channel.direct_path()
-    store = tmp_path / "store"
-    (store / "decode" / "1").mkdir(parents=True)
-    (store / "decode" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 9, "direct": path}))
-    chan = channel.WorkerChannel(stub.url, InlineSerializer())
-    chan.attach(generate, _Validator(), decoupled=True)
-    chan.start()
-    deadline = time.monotonic() + 5
-    while not Path(path).exists():
-        assert time.monotonic() < deadline, "the direct socket was not opened"
-        time.sleep(0.01)
-    yield {"store": store, "streams": streams}
-    chan.close()
-    chan.join(5)
-    stub.leave()
+    for served in _serve(tmp_path, "decode", generate, decoupled=True):
+        yield {**served, "streams": streams}
 
 
 def _convert(flags: int, payload: bytes) -> list:

@@ -10,8 +10,9 @@ What does not change: the stage is still a Triton model (clients and ensembles c
 scheduler still routes among the instances Triton has ready, and the worker runs the call as it runs one from
 its stub (the same checks, admission, at most ``calls_at_once`` at a time). An instance with no such socket (a
 worker that joined from another host), one that does not answer the connect, or a stopping one (it answers
-``GONE``, and lets the calls it took finish) is called through Triton, which tells whether it is there. A
-worker that goes away during a call fails it as the stub would: 503, "the request was lost with it".
+``GONE``, and lets the calls it took finish), or one whose socket has closed before the call could be written
+is called through Triton, which tells whether it is there. A worker that goes away during a call fails it as
+the stub would: 503, "the request was lost with it".
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class DirectStream:
         return self._ready.popleft()
 
 
+class NotSent(Exception):
+    """The call could not be written (the worker's end has closed): the worker never saw it."""
+
+
 def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
     if not future.done():
         if error is not None:
@@ -120,7 +125,7 @@ class _Connection:
                 self._sock.sendall(HEADER.pack(len(payload), rid, 0) + payload)
         except OSError:
             self._pending.pop(rid, None)
-            raise Unavailable(self._lost) from None
+            raise NotSent from None
         return rid
 
     def _read(self) -> None:
@@ -174,7 +179,10 @@ class DirectCalls:
         if connection is None:
             return None
         request = Request(data=inputs, parameters={}, requested_output_names=outputs)
-        flags, payload = await connection.call(_wire.serialize_requests([request]))
+        try:
+            flags, payload = await connection.call(_wire.serialize_requests([request]))
+        except NotSent:
+            return None
         if flags & GONE:  # the worker is stopping: Triton tells what became of the instance
             return None
         if flags & ERROR:
@@ -193,7 +201,10 @@ class DirectCalls:
             return None
         request = Request(data=inputs, parameters=parameters, requested_output_names=outputs)
         stream = DirectStream(convert)
-        connection.stream(_wire.serialize_requests([request]), stream)
+        try:
+            connection.stream(_wire.serialize_requests([request]), stream)
+        except NotSent:
+            return None
         if await stream.first & GONE:
             return None
         return stream
@@ -204,7 +215,10 @@ class DirectCalls:
         if connection is None:
             raise Unavailable(f"stage instance {instance} has no direct socket any more")
         request = Request(data={"text_input": np.array([b""], dtype=np.object_)}, parameters=parameters)
-        flags, payload = await connection.call(_wire.serialize_requests([request]))
+        try:
+            flags, payload = await connection.call(_wire.serialize_requests([request]))
+        except NotSent:
+            raise Unavailable(f"the worker of stage instance {instance} has gone") from None
         if flags & ERROR:
             raise from_wire(payload.decode("utf-8", "replace"))
 
