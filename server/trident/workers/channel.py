@@ -306,7 +306,10 @@ class WorkerChannel(threading.Thread):
         return await asyncio.start_unix_server(self._read_direct, path=path)
 
     async def _read_direct(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._read_calls(reader, writer, direct=True)
+        try:
+            await self._read_calls(reader, writer, direct=True)
+        except asyncio.CancelledError:  # the loop ends (the worker stops) with the scheduler still connected;
+            pass  # asyncio's server would log the cancel of its connection's task as an error
 
     async def _read_calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direct: bool = False) -> None:
         """Serve the calls of one connection (the stub's, or a scheduler's direct one) until it closes; the calls
