@@ -50,6 +50,7 @@ from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from . import handoff
 from .base import MediaEmbeddings
 
+FIRST_OUTPUT_WAIT_S = 10.0  # how long a cancelled request may wait for vLLM's first output before it is aborted
 KV_RECORD_LIFE_S = 600.0  # how long a kv_meta is remembered as used: well beyond the life of the KV blocks it names
 # (vLLM 0.32 frees unread blocks after its kv_lease_duration, 30 s, which heartbeats extend only while a reader reads)
 
@@ -368,14 +369,29 @@ class VLLMStageEngine:
         return Generation(length, self._events(prompt, sampling))
 
     async def _run(self, prompt: dict, sampling):
-        """vLLM's outputs of one request; vLLM's input errors become :class:`InvalidRequest`."""
+        """vLLM's outputs of one request; vLLM's input errors become :class:`InvalidRequest`.
+
+        A request cancelled before vLLM's first output is aborted only once that output is in (at most
+        :data:`FIRST_OUTPUT_WAIT_S`). vLLM's ``generate`` cancelled inside its ``add_request`` neither adds the
+        request nor aborts it, so a decode request's remote KV was never pulled and the prefill's blocks waited
+        for vLLM's 30 s lease; once the first output is in, the pull is done and the abort frees everything."""
         stream = self.llm.generate(prompt, sampling, request_id=uuid.uuid4().hex)
+        first = asyncio.ensure_future(anext(stream, None))
         try:
-            async for output in stream:
+            try:
+                output = await asyncio.shield(first)
+            except asyncio.CancelledError:
+                await asyncio.wait({first}, timeout=FIRST_OUTPUT_WAIT_S)
+                raise
+            while output is not None:
                 yield output
+                output = await anext(stream, None)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()  # aborts the request in vLLM if it has not finished
 
     def _first_event(
