@@ -48,6 +48,21 @@ class _Stub:
         self._listener.close()
 
 
+def _wait_listening(path: str) -> None:
+    """Until the direct socket takes a connection (its file appears at bind, a moment before it listens)."""
+    deadline = time.monotonic() + 5
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the direct socket was not opened"
+            time.sleep(0.01)
+        finally:
+            probe.close()
+
+
 def _serve(tmp_path: Path, instance: str, infer, decoupled: bool):
     """A worker channel running ``infer``, and the model store whose worker file names its direct socket for
     ``instance`` (pid 123); stopped after the one item it yields."""
@@ -59,14 +74,12 @@ def _serve(tmp_path: Path, instance: str, infer, decoupled: bool):
     chan = channel.WorkerChannel(stub.url, InlineSerializer())
     chan.attach(infer, _Validator(), decoupled=decoupled)
     chan.start()
-    deadline = time.monotonic() + 5
-    while not Path(path).exists():
-        assert time.monotonic() < deadline, "the direct socket was not opened"
-        time.sleep(0.01)
+    _wait_listening(path)
     yield {"store": store, "stub": stub, "path": path}
     chan.close()
-    chan.join(5)
+    chan.join(10)
     stub.leave()
+    assert not chan.is_alive(), "the worker channel did not stop"
 
 
 @pytest.fixture

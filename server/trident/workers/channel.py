@@ -286,9 +286,10 @@ class WorkerChannel(threading.Thread):
         scheduler then asks Triton, which says the instance is not there)."""
         self._stopping = True
         direct.close()
-        _direct.pop("host", None)
+        if _direct.get("host") is self:
+            del _direct["host"]
         try:
-            os.unlink(_direct["path"])  # (its folder goes at the process's exit)
+            os.unlink(self._direct_path)  # (its folder goes at the process's exit)
         except OSError:
             pass
         if self._direct_calls:
@@ -303,6 +304,7 @@ class WorkerChannel(threading.Thread):
             return None
         if os.path.exists(path):
             os.unlink(path)
+        self._direct_path = path
         return await asyncio.start_unix_server(self._read_direct, path=path)
 
     async def _read_direct(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
