@@ -9,12 +9,15 @@ as bytes. The ``hf`` engine builds them from three roles (:class:`Encoder`, :cla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
 from ..output import DecodeEvent, Generation, RequestOutput
 from ..processor import SamplingParams
+
+if TYPE_CHECKING:
+    from ..transfer import Region
 
 __all__ = [
     "DecodeEvent", "DecodeRequest", "Decoder", "Encoded", "Encoder", "Generation", "MediaEmbeddings", "PrefillResult",
@@ -70,6 +73,7 @@ class PrefillResult:
     prompt_len: int
     rope_delta: int = 0  # Qwen2-VL: decode position = cache length + rope_delta
     seed: int = 0  # sampling seed the decode side continues with
+    kv_region: Region | None = None  # the send-pool region ``kv`` was computed into, back to back (handed on as it is)
 
 
 @dataclass

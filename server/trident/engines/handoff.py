@@ -84,9 +84,16 @@ def receive_embeddings(
 
 # -- KV cache -------------------------------------------------------------------------------------------
 def publish_kv(endpoint: TransferEndpoint, result: PrefillResult, first_text: str | None = None) -> HFKVRecord:
-    """Copy a prefill's KV cache into the send pool; its record (``first_text``: see :class:`HFKVRecord`)."""
+    """A prefill's KV cache in the send pool (leased where it was computed, else copied there); its record
+    (``first_text``: see :class:`HFKVRecord`). Raising, it leaves ``result.kv_region`` to the caller."""
+    tensors = [t for kv in result.kv for t in kv]
+    if result.kv_region is not None:
+        transfer = endpoint.sender.publish_in_place(result.kv_region, tensors)
+        result.kv_region = None  # the lease's now: freed when it ends
+    else:
+        transfer = endpoint.publish(tensors)
     return HFKVRecord(
-        transfer=endpoint.publish([t for kv in result.kv for t in kv]), prompt_len=result.prompt_len,
+        transfer=transfer, prompt_len=result.prompt_len,
         first_token=result.first_token, rope_delta=result.rope_delta, seed=result.seed, first_text=first_text,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -99,6 +100,13 @@ class TransferSender:
             offset += n
         return region
 
+    def reserve(self, dtype: torch.dtype, shape: tuple[int, ...], count: int) -> tuple[Region, list[torch.Tensor]]:
+        """A fresh region of the send pool as ``count`` tensors of ``shape``, back to back, for a producer that
+        computes straight into them and hands them on with :meth:`publish_in_place` (or frees the region:
+        ``pool.free``)."""
+        region = self.pool.alloc(count * math.prod(shape) * dtype.itemsize)
+        return region, list(self.pool.view(region).view(dtype).view(count, *shape).unbind(0))
+
     def lease(
         self, regions: Sequence[Region], specs, on_release: Callable[[], None], *, lease_s: float | None = None
     ) -> Transfer:
@@ -124,9 +132,21 @@ class TransferSender:
         )
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
+        """Copy ``tensors`` into a fresh region and lease it."""
         if not tensors:
             raise ValueError("nothing to publish")
         region = self.copy_in(tensors)
+        try:
+            return self.publish_in_place(region, tensors, lease_s=lease_s)
+        except BaseException:
+            self.pool.free(region)
+            raise
+
+    def publish_in_place(
+        self, region: Region, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None
+    ) -> Transfer:
+        """Lease ``region``, which holds ``tensors`` back to back (:meth:`reserve`); it is freed when the lease
+        ends. Raising, it leaves the region to the caller."""
         return self.lease([region], specs_for(list(tensors)), lambda: self.pool.free(region), lease_s=lease_s)
 
     @property

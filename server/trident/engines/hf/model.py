@@ -11,9 +11,11 @@ import threading
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ... import timings
 from ...errors import InvalidRequest, MalformedRecord
+from ...heap import keep_freed_memory
 from ...processor import Processor, SamplingParams
 from ...protocol import HFKVRecord, TensorSpec
 from ..base import MediaEmbeddings, PrefillResult
@@ -30,6 +32,7 @@ class HFModel:
     """A loaded checkpoint: processor + model, shared by the roles one worker serves."""
 
     def __init__(self, model_path: str | Path) -> None:
+        keep_freed_memory()  # every request makes and drops tensors of some MiB (see :mod:`trident.heap`)
         self.processor = Processor(model_path)
         self.family = self.processor.family
         self.model = load_model(model_path, self.processor)
@@ -96,11 +99,18 @@ class HFPrefiller:
 
     def __init__(self, model: HFModel) -> None:
         self.m = model
+        # whether transformers' cache for this model is plain full-attention layers, which can be computed in place
+        layers = DynamicCache(config=model.model.config).layers
+        self._full_attention = len(layers) == model.num_layers and all(type(x) is DynamicLayer for x in layers)
 
     @torch.inference_mode()
     def prefill(
-        self, prompt_ids: list[int], media: MediaEmbeddings | None, params: SamplingParams, seed: int
+        self, prompt_ids: list[int], media: MediaEmbeddings | None, params: SamplingParams, seed: int,
+        kv_into: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> PrefillResult:
+        """``kv_into``: per layer, the (k, v) tensors the prompt's KV cache is to be computed into (a region of
+        the send pool, :meth:`kv_shape`); the result's ``kv`` is them when the model wrote there (check with
+        ``is``), else tensors of its own."""
         self.m.processor.check_length(len(prompt_ids))
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         kwargs: dict = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
@@ -112,6 +122,8 @@ class HFPrefiller:
                     raise InvalidRequest(
                         f"the prompt has {expected} {kind} tokens but the embeddings cover {sum(r.shape[0] for r in rows)}"
                     )
+        if kv_into is not None and self._full_attention and len(kv_into) == self.m.num_layers:
+            kwargs["past_key_values"] = _cache_into(kv_into)
         with self.m.lock, timings.step("prefill"):
             family.reset(self.m.model)
             if media is not None and media.token_counts:
@@ -122,3 +134,33 @@ class HFPrefiller:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         first = sample(out.logits[0, -1], params, seed, step=0)
         return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed)
+
+    def kv_shape(self, prompt_len: int) -> tuple[int, ...]:
+        """The shape of each of a prompt's ``2 * num_layers`` KV tensors (what :meth:`HFModel.check_kv` wants)."""
+        return (1, self.m.kv_heads, prompt_len, self.m.head_dim)
+
+
+class _IntoLayer(DynamicLayer):
+    """A cache layer whose prefill writes its keys and values into given tensors (where transformers' own
+    layer concatenates them into new ones: the same one copy, into memory the stage then hands on as it is);
+    later updates grow it as usual."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self._into: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        into, self._into = self._into, None
+        if self.is_initialized or into is None or into[0].shape != key_states.shape or into[1].shape != value_states.shape:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = into[0].copy_(key_states), into[1].copy_(value_states)
+        return self.keys, self.values
+
+
+def _cache_into(kv_into: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """The cache transformers builds for a model of full-attention layers, with those layers writing into
+    ``kv_into``."""
+    cache = DynamicCache()
+    cache.layers = [_IntoLayer(k, v) for k, v in kv_into]
+    return cache

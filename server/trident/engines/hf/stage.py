@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ... import timings
 from ...config import TransferConfig
 from ...media import MediaItem, counts
@@ -175,9 +177,14 @@ class HFStageEngine:
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
         result = await self._run(self._prefill, text, params, list(media), embedding_meta)
-        first = RequestOutput(self.processor, params).push(result.first_token, result.prompt_len)  # as the decode's
-        with timings.step("publish"):
-            record = handoff.publish_kv(self.endpoint, result, early_text(first))
+        try:
+            first = RequestOutput(self.processor, params).push(result.first_token, result.prompt_len)  # as the decode's
+            with timings.step("publish"):
+                record = handoff.publish_kv(self.endpoint, result, early_text(first))
+        except BaseException:
+            if result.kv_region is not None:
+                self.endpoint.sender.pool.free(result.kv_region)
+            raise
         with timings.step("record_encode"):
             return record.encode()
 
@@ -190,14 +197,33 @@ class HFStageEngine:
                 decoded = [(item.kind, self.processor.open(item)) for item in media]
             emb = self.encoder.encode(decoded)
             prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds)
-            return self.prefiller.prefill(prompt, emb, params, seed)
+            return self._prefill_prompt(prompt, emb, params, seed)
         if embedding_meta is None:
-            return self.prefiller.prefill(handoff.prepare_prompt(self.processor, text, []), None, params, seed)
+            return self._prefill_prompt(handoff.prepare_prompt(self.processor, text, []), None, params, seed)
         prompt, emb, _, release = handoff.receive_embeddings(self.endpoint, self.processor, text, embedding_meta)
         try:
-            return self.prefiller.prefill(prompt, emb, params, seed)
+            return self._prefill_prompt(prompt, emb, params, seed)
         finally:
             release()
+
+    def _prefill_prompt(self, prompt: list[int], emb, params: SamplingParams, seed: int) -> PrefillResult:
+        """Prefill; a stage that hands the KV cache on computes it straight into a region of its send pool (no
+        copy at publish: ``kv_region``), a decode stage prefilling a short prompt into tensors of its own."""
+        if self.spec.hands_on != "kv":
+            return self.prefiller.prefill(prompt, emb, params, seed)
+        shape = self.prefiller.kv_shape(len(prompt))
+        region, views = self.endpoint.sender.reserve(torch.float32, shape, 2 * self.model.num_layers)
+        try:
+            into = list(zip(views[0::2], views[1::2]))
+            result = self.prefiller.prefill(prompt, emb, params, seed, kv_into=into)
+        except BaseException:
+            self.endpoint.sender.pool.free(region)
+            raise
+        if all(k is ki and v is vi for (k, v), (ki, vi) in zip(result.kv, into)):
+            result.kv_region = region
+        else:  # the model kept tensors of its own: publish copies them
+            self.endpoint.sender.pool.free(region)
+        return result
 
     async def generate(
         self, text: str | None, params: SamplingParams, *, media: list = (),
