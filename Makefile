@@ -78,6 +78,7 @@ bench: bench-tools
 # Where one request's TTFT goes in E/P/D and EP/D, hop by hop, against in-process; -> docs/benchmarks.md
 bench-hops: install
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hops.py --report docs/benchmarks.md
+	$(PY) clients/perf/bench_direct_call.py --report docs/benchmarks.md
 
 # Each single-mode server against the same engine in-process, rounds alternating: tokens/s at concurrency 8; -> docs/benchmarks.md
 bench-split: install

@@ -180,13 +180,11 @@ class DirectCalls:
             return None
         request = Request(data=inputs, parameters={}, requested_output_names=outputs)
         try:
-            flags, payload = await connection.call(_wire.serialize_requests([request]))
+            flags, payload = await self._answer(connection, request)
         except NotSent:
             return None
         if flags & GONE:  # the worker is stopping: Triton tells what became of the instance
             return None
-        if flags & ERROR:
-            raise from_wire(payload.decode("utf-8", "replace"))
         responses = _wire.deserialize_responses(payload)
         if not responses:
             raise TridentError(f"stage instance {instance} answered without outputs")
@@ -216,12 +214,17 @@ class DirectCalls:
             raise Unavailable(f"stage instance {instance} has no direct socket any more")
         request = Request(data={"text_input": np.array([b""], dtype=np.object_)}, parameters=parameters)
         try:
-            flags, payload = await connection.call(_wire.serialize_requests([request]))
+            await self._answer(connection, request)
         except NotSent:
             raise Unavailable(f"the worker of stage instance {instance} has gone") from None
+
+    @staticmethod
+    async def _answer(connection: _Connection, request: Request) -> tuple[int, bytes]:
+        """``(flags, payload)`` of a one-answer call; the stage's error raised as it sent it; :class:`NotSent`."""
+        flags, payload = await connection.call(_wire.serialize_requests([request]))
         if flags & ERROR:
             raise from_wire(payload.decode("utf-8", "replace"))
-
+        return flags, payload
 
     async def _connection(self, instance: str) -> _Connection | None:
         connection = self._connections.get(instance)

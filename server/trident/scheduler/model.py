@@ -252,12 +252,8 @@ class TritonPythonModel:
         self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None, outputs: list[str],
         parameters: dict | None = None,
     ):
-        pb, tensors = self.pb, []
-        for name in STAGES[stage].input_names:
-            if record is not None and name == record[0]:
-                tensors.append(pb.Tensor(name, np.array([record[1]], dtype=np.object_)))
-            elif name in inputs:
-                tensors.append(inputs[name])
+        pb = self.pb
+        tensors = [pb.Tensor(name, v) if isinstance(v, np.ndarray) else v for name, v in _stage_inputs(stage, inputs, record)]
         kwargs = {"parameters": parameters} if parameters else {}
         return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs, **kwargs)
 
@@ -328,13 +324,7 @@ class TritonPythonModel:
     @staticmethod
     def _arrays(stage: str, inputs: dict, record: tuple[str, bytes] | None) -> dict:
         """The stage's inputs as arrays (what its stub would send the worker)."""
-        arrays = {}
-        for name in STAGES[stage].input_names:
-            if record is not None and name == record[0]:
-                arrays[name] = np.array([record[1]], dtype=np.object_)
-            elif name in inputs:
-                arrays[name] = inputs[name].as_numpy()
-        return arrays
+        return {name: v if isinstance(v, np.ndarray) else v.as_numpy() for name, v in _stage_inputs(stage, inputs, record)}
 
     def _as_responses(self, flags: int, payload: bytes) -> list:
         """A direct stream's message as the ``InferenceResponse``s a Triton stream would have given."""
@@ -570,6 +560,16 @@ class TritonPythonModel:
             self._direct.close()
         self._streams.shutdown(wait=False, cancel_futures=True)
         self._finished.clear()
+
+
+def _stage_inputs(stage: str, inputs: dict, record: tuple[str, bytes] | None):
+    """``(name, value)`` of each input ``stage`` takes, in its order: the record it takes (a STRING[1] array), else
+    the entry's tensor of that name as it came."""
+    for name in STAGES[stage].input_names:
+        if record is not None and name == record[0]:
+            yield name, np.array([record[1]], dtype=np.object_)
+        elif name in inputs:
+            yield name, inputs[name]
 
 
 def _flag(tensor) -> bool:
