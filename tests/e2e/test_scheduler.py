@@ -319,6 +319,30 @@ def test_a_cancelled_stream_stops_its_decode_within_a_second(server, ref):
     assert _generate(server, c) == c["expected"]
 
 
+def test_a_request_cancelled_during_its_prefill_frees_the_prefill_s_kv_at_once(server, ref):
+    """A client gone while its prefill runs, on a request with no early text (not streamed): the BLS still calls
+    the decode with the prefill's record, and the decode's stop frees the prefill's region at once, rather than
+    the record being dropped and the region waiting for its lease (60 s)."""
+    from support.reference import PROMPT
+
+    c = ref["one-image"]
+    text = c["text"].replace(PROMPT, "Describe the picture in great detail, every part of it. " * 220)  # ~3k tokens
+    before, encoded = _published(server), _encode(server)["published"]
+    with cancellable_stream(server.grpc, "e_p_d", text, c["images"], GREEDY, timeout=60, stream=False):
+        _settled(server, "encode", "published", encoded + 1, timeout=30)  # the prefill (~0.5 s for this prompt) runs
+    deadline = time.monotonic() + 30
+    while sum(_published(server).values()) == sum(before.values()):  # the prefill ran and published its KV
+        assert time.monotonic() < deadline, "the prefill never published (the cancel came before it)"
+        time.sleep(0.05)
+    after = _published(server)
+    (name,) = [n for n in after if after[n] != before.get(n)]
+    start = time.monotonic()
+    stats = _settled(server, name, "send_regions_in_use", 0, timeout=5)
+    assert stats["send_regions_in_use"] == 0 and stats["leases"] == 0, stats
+    assert time.monotonic() - start < 2.0 and stats["expired"] == 0
+    assert _generate(server, c) == c["expected"]
+
+
 def _published(server) -> dict[str, int]:
     stats = server.stats(settled=True)
     return {name: stats[name]["published"] for name in ("prefill", "prefill-2") if name in stats}

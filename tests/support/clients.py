@@ -97,15 +97,16 @@ def http_generate(url: str, model: str, text: str, images, params, timeout: floa
 
 
 @contextmanager
-def cancellable_stream(url: str, model: str, text: str, images, params, timeout: float = 120):
-    """A streaming gRPC request; yields a function that waits for its next response (which must not be an
-    error). Leaving the block cancels the request and closes the client."""
+def cancellable_stream(url: str, model: str, text: str, images, params, timeout: float = 120, stream: bool = True):
+    """A gRPC request on a stream (``stream``: the entry's flag, whether it answers token by token); yields a
+    function that waits for its next response (which must not be an error). Leaving the block cancels the
+    request and closes the client."""
     import tritonclient.grpc as grpcclient
 
     q: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(text, images, params, True)})
+    inputs = _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in entry_inputs(text, images, params, stream)})
 
     def next_response():
         result, error = q.get(timeout=timeout)

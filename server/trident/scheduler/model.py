@@ -364,10 +364,12 @@ class TritonPythonModel:
             if answer.early is None:
                 answer.early = self._send_early(record, inputs, sender, held)
             early = answer.early
-            # with the first text out, the decode is called even if the client has gone (a check here would be an
-            # IPC round trip before that text): the relay's cancel check at the decode's first response then
-            # stops the decode stage, which frees the prefill's KV at once
-            if early is None and request.is_cancelled():
+            # with the first text out, or a prefill's KV in hand, the decode is called even if the client has gone
+            # (a check here would be an IPC round trip before that text; dropped, the KV would wait for its lease):
+            # the relay's cancel check at the decode's first response then stops the decode stage, which frees
+            # the prefill's KV at once
+            holds_kv = record is not None and record[0] == RECORD_TENSOR["kv"]
+            if early is None and not holds_kv and request.is_cancelled():
                 return self._cancelled(sender)
             t0 = time.monotonic_ns()
             stream = await self._direct_stream(stage, instance, inputs, record, request_id, held)
