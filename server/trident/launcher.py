@@ -505,12 +505,17 @@ def _say(line: str) -> None:
 def serve(settings: ServeSettings) -> int:
     launcher = Launcher(settings)
 
+    interrupted: list[int] = []
+
     def _during_start_up(signum, _frame):
+        interrupted.append(signum)
         raise KeyboardInterrupt  # stop what has started (below), not exit with workers left running
 
     signal.signal(signal.SIGTERM, _during_start_up)
     try:
         launcher.start()
+        if interrupted:  # raised where Python ignores exceptions (logging's at-fork hook as a worker started): lost
+            raise KeyboardInterrupt
         launcher.supervise()
     except KeyboardInterrupt:
         launcher.out("[trident] interrupted during start-up; shutting down")
