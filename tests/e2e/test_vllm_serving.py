@@ -7,6 +7,9 @@ test`` sets it)."""
 from __future__ import annotations
 
 import os
+import re
+import stat
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,10 +28,25 @@ NEW_TOKENS = 24
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 CASES = {"one-image": [(224, 224, 1)], "text-only": [], "two-images": [(224, 224, 1), (300, 200, 2)]}
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _ipc_sockets_in_tmp() -> set[str]:
+    """Socket files in the system's temporary folder named as vLLM names its ZeroMQ IPC sockets (a uuid4)."""
+    folder = tempfile.gettempdir()
+    found = set()
+    for name in os.listdir(folder):
+        try:
+            if _UUID.fullmatch(name) and stat.S_ISSOCK(os.lstat(os.path.join(folder, name)).st_mode):
+                found.add(name)
+        except OSError:
+            pass
+    return found
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def server(request, demo_models, tmp_path_factory):
+    sockets_before = _ipc_sockets_in_tmp()
     srv = Server(
         demo_models[request.param], tmp_path_factory.mktemp("serve-vllm") / "ws",
         extra=["--backend", "vllm", "--worker-python", vllm_python()],
@@ -49,6 +67,9 @@ def server(request, demo_models, tmp_path_factory):
         while (alive := [pid for pid in tree if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive, f"processes left behind: {alive}"
+        # vLLM's engines put their IPC sockets in each worker's own folder, which goes with the worker
+        left = _ipc_sockets_in_tmp() - sockets_before
+        assert not left, f"socket files left in {tempfile.gettempdir()}: {sorted(left)[:5]} ({len(left)})"
 
 
 @pytest.fixture(scope="module")

@@ -203,6 +203,13 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     pytriton.proxy.inference.traceback = _WireErrors()
     _install_proxy_model()
     spec = STAGES[settings.stage]
+    if settings.backend == "vllm":
+        # vLLM's engine processes talk over ZeroMQ IPC socket files in VLLM_RPC_BASE_PATH (default: the system's
+        # temporary folder, where they stayed after the server stopped): this worker's own folder, which goes
+        # when the worker stops (the server removes it when the worker was killed)
+        from . import channel
+
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.dirname(channel.direct_path()))
     engine = build_engine(settings)
     name = _claim_name(settings, access_token)
     if name is None:
