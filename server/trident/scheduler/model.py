@@ -354,6 +354,9 @@ class TritonPythonModel:
         goes out before the call when the prefill's record tells it (once per request: an attempt after a stage
         instance went away finds it sent)."""
         record = self._record_for(stage, records, p.local_prefill)  # a decode stage prefilling gets the embeddings
+        if answer.early is None:  # before anything else: this text is the client's first token
+            answer.early = self._send_early(record, inputs, sender, held)
+        early = answer.early
         instance = self._route(stage, keys, held)
         request_id = uuid.uuid4().hex
         self.router.begin(instance)
@@ -361,9 +364,6 @@ class TritonPythonModel:
         wants_reason = _flag(inputs.get("return_finish_reason"))
         inputs = {**inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
         try:
-            if answer.early is None:
-                answer.early = self._send_early(record, inputs, sender, held)
-            early = answer.early
             # with the first text out, or a prefill's KV in hand, the decode is called even if the client has gone
             # (a check here would be an IPC round trip before that text; dropped, the KV would wait for its lease):
             # the relay's cancel check at the decode's first response then stops the decode stage, which frees

@@ -18,18 +18,24 @@ from ...errors import InvalidRequest, MalformedRecord
 from ...heap import keep_freed_memory
 from ...processor import Processor, SamplingParams
 from ...protocol import HFKVRecord, TensorSpec
+from ...transfer.tensors import dtype_name
 from ..base import MediaEmbeddings, PrefillResult
 from .sampling import sample
+
+
+DTYPE = torch.float32  # what the hf engine computes in, and so the dtype of every KV cache it hands on
 
 
 def load_model(model_path: str | Path, processor: Processor | None = None):
     """A checkpoint's transformers model in fp32 with SDPA attention, in eval mode."""
     family = (processor or Processor(model_path)).family
-    return family.load_model(model_path, torch.float32).eval()
+    return family.load_model(model_path, DTYPE).eval()
 
 
 class HFModel:
     """A loaded checkpoint: processor + model, shared by the roles one worker serves."""
+
+    dtype = DTYPE
 
     def __init__(self, model_path: str | Path) -> None:
         keep_freed_memory()  # every request makes and drops tensors of some MiB (see :mod:`trident.heap`)
@@ -43,13 +49,17 @@ class HFModel:
         self.vocab_size: int = self.model.get_output_embeddings().out_features
         self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
 
+    def kv_spec(self, prompt_len: int) -> TensorSpec:
+        """A prompt's KV cache as it is handed on: ``2 * num_layers`` tensors (keys, values of each layer)."""
+        return TensorSpec(dtype_name(self.dtype), (1, self.kv_heads, prompt_len, self.head_dim), 2 * self.num_layers)
+
     def check_kv(self, record: HFKVRecord) -> None:
         """A ``kv_meta`` must describe this model's KV cache of its prompt and a continuation it can run:
         refused before anything is read or allocated, so that one bad record fails only its own request."""
         max_len = self.processor.max_model_len
         if record.prompt_len >= max_len:
             raise MalformedRecord(f"kv record prompt_len {record.prompt_len} is not below the context window {max_len}")
-        want = TensorSpec("float32", (1, self.kv_heads, record.prompt_len, self.head_dim), 2 * self.num_layers)
+        want = self.kv_spec(record.prompt_len)
         if record.transfer.tensors != (want,):
             got = ", ".join(f"{s.count} x {s.dtype}{list(s.shape)}" for s in record.transfer.tensors)
             raise MalformedRecord(
@@ -109,7 +119,7 @@ class HFPrefiller:
         kv_into: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> PrefillResult:
         """``kv_into``: per layer, the (k, v) tensors the prompt's KV cache is to be computed into (a region of
-        the send pool, :meth:`kv_shape`); the result's ``kv`` is them when the model wrote there (check with
+        the send pool, :meth:`HFModel.kv_spec`); the result's ``kv`` is them when the model wrote there (check with
         ``is``), else tensors of its own."""
         self.m.processor.check_length(len(prompt_ids))
         ids = torch.tensor([prompt_ids], dtype=torch.long)
@@ -134,10 +144,6 @@ class HFPrefiller:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         first = sample(out.logits[0, -1], params, seed, step=0)
         return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed)
-
-    def kv_shape(self, prompt_len: int) -> tuple[int, ...]:
-        """The shape of each of a prompt's ``2 * num_layers`` KV tensors (what :meth:`HFModel.check_kv` wants)."""
-        return (1, self.m.kv_heads, prompt_len, self.m.head_dim)
 
 
 class _IntoLayer(DynamicLayer):

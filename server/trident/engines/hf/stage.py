@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 from ... import timings
 from ...config import TransferConfig
@@ -211,8 +210,8 @@ class HFStageEngine:
         copy at publish: ``kv_region``), a decode stage prefilling a short prompt into tensors of its own."""
         if self.spec.hands_on != "kv":
             return self.prefiller.prefill(prompt, emb, params, seed)
-        shape = self.prefiller.kv_shape(len(prompt))
-        region, views = self.endpoint.sender.reserve(torch.float32, shape, 2 * self.model.num_layers)
+        spec = self.model.kv_spec(len(prompt))
+        region, views = self.endpoint.sender.reserve(self.model.dtype, spec.shape, spec.count)
         try:
             into = list(zip(views[0::2], views[1::2]))
             result = self.prefiller.prefill(prompt, emb, params, seed, kv_into=into)
