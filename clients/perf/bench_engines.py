@@ -161,13 +161,15 @@ def bench_vllm_server(args, model: str) -> dict:
     port = free_ports(1)[0]
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--served-model-name", "demo"]
-    server = Process(cmd, VLLM_ENV)
+    ipc = tempfile.mkdtemp(prefix="bench-vllm-ipc-")  # vLLM leaves its ZeroMQ IPC socket files behind
+    server = Process(cmd, dict(VLLM_ENV, VLLM_RPC_BASE_PATH=ipc))
     try:
         startup, startup_cpu = server.wait_http(f"http://127.0.0.1:{port}/v1/models")
         result = asyncio.run(load(f"http://127.0.0.1:{port}/v1", "demo", args.requests, args.concurrency,
                                   args.max_tokens, args.rounds))
     finally:
         server.stop()
+        shutil.rmtree(ipc, ignore_errors=True)
     return dict(result, startup=startup, startup_cpu=startup_cpu)
 
 
