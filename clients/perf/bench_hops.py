@@ -53,8 +53,9 @@ def _first(steps: Steps, key: str, end: bool = False) -> int | None:
     return (spans[0][1] if end else spans[0][0]) if spans else None
 
 
-def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, float | None]]:
-    """One stage call seen from the BLS: the hops to the worker and back, and the worker's own steps."""
+def stage_rows(steps: Steps, stage: str, streamed: bool, handed: bool = False) -> list[tuple[str, float | None]]:
+    """One stage call seen from the BLS: the hops to the worker and back, and the worker's own steps. ``handed``:
+    a call posted ahead, whose record the encode worker handed it (from then on)."""
     call = steps.get(f"bls/call:{stage}")
     call_t0, call_t1 = (call[0] if call else (None, None))
     stub = _first(steps, f"proxy-{stage}/execute")
@@ -64,7 +65,9 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
     infer = steps.get(f"{stage}/infer_first" if streamed else f"{stage}/infer")
     infer_t0, infer_t1 = (infer[0] if infer else (None, None))
     direct = stub is None  # called straight at its worker (--stage-calls direct): no stub in between
-    if direct:
+    if handed:
+        rows = [(f"{stage}: record in -> call runs", _gap(_first(steps, f"{stage}/await_record", end=True), infer_t0))]
+    elif direct:
         rows = [(f"{stage}: BLS -> worker (direct)", _gap(call_t0, infer_t0))]
     else:
         rows = [(f"{stage}: BLS -> Triton -> stage stub", _gap(call_t0, stub)),
@@ -72,7 +75,7 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
     rows.append((f"{stage}: worker, request inputs", _dur(steps, f"{stage}/inputs")))
     listed = 0.0
     for step in ("record_decode", "tokenize", "nixl_read", "media_decode", "image_preprocess", "vision_tower",
-                 "prefill", "publish", "record_encode", "first_token"):
+                 "prefill", "publish", "record_encode", "hand_on", "first_token"):
         spans = steps.get(f"{stage}/{step}", [])
         if streamed and infer_t1 is not None:  # what the stage does after its first response is not in TTFT
             spans = [(t0, t1) for t0, t1 in spans if t0 < infer_t1]
@@ -93,7 +96,8 @@ def stage_rows(steps: Steps, stage: str, streamed: bool) -> list[tuple[str, floa
     else:
         rows.append((f"{stage}: worker -> PyTriton -> stub", _gap(infer_t1, stub_back)))
         rows.append((f"{stage}: stub -> Triton -> BLS", _gap(stub_back, call_t1)))
-    rows.append((f"{stage}: whole call, from the BLS", _gap(call_t0, call_t1)))
+    if not handed:  # (one posted ahead began before the encode call)
+        rows.append((f"{stage}: whole call, from the BLS", _gap(call_t0, call_t1)))
     return rows
 
 
@@ -107,8 +111,13 @@ def breakdown(steps: Steps, clock: dict, mode: str) -> list[tuple[str, float | N
     early = sent_early(steps)
     for stage in stages[:-1] if early else stages:
         t0 = _first(steps, f"bls/call:{stage}")
-        rows.append((f"BLS between calls (before {stage})", _gap(last, t0)))
-        rows += stage_rows(steps, stage, streamed=stage == "decode")
+        handed = stage == "prefill" and _first(steps, "prefill/await_record") is not None
+        if handed:  # posted beside the encode call: it runs from when the encode worker hands its record on
+            rows.append(("record: encode worker -> prefill worker (handed on)",
+                         _gap(_first(steps, "encode/hand_on"), _first(steps, "prefill/await_record", end=True))))
+        else:
+            rows.append((f"BLS between calls (before {stage})", _gap(last, t0)))
+        rows += stage_rows(steps, stage, streamed=stage == "decode", handed=handed)
         last = _first(steps, f"bls/call:{stage}", end=True)
     if early:
         rows.append((EARLY, _gap(last, sent)))
@@ -204,15 +213,20 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
         engine.close()
 
 
-CALLS = {"direct": "stages called direct", "triton": "through Triton"}  # --stage-calls, in the order run
+CALLS = {  # the servers, in the order run: (label, how the scheduler calls the record stages)
+    "direct": ("stages called direct", ["--stage-calls", "direct"]),
+    "bls_handoff": ("stages called direct, the BLS passing the encode's record on",
+                    ["--stage-calls", "direct", "--record-handoff", "scheduler"]),
+    "triton": ("through Triton", ["--stage-calls", "triton"]),
+}
 
 
-def serve_requests(model: str, text: str, args, trace_dir: Path, stage_calls: str):
-    """``args.requests`` requests per mode, one at a time, into a server whose scheduler calls the record stages
-    ``stage_calls``: (the clocks per mode, every process's steps)."""
-    print(f"[bench-hops] starting the server, --stage-calls {stage_calls} (steps in {trace_dir})", flush=True)
+def serve_requests(model: str, text: str, args, trace_dir: Path, flags: list[str]):
+    """``args.requests`` requests per mode, one at a time, into a server started with ``flags``: (the clocks per
+    mode, every process's steps)."""
+    print(f"[bench-hops] starting the server, {' '.join(flags)} (steps in {trace_dir})", flush=True)
     # every request takes its mode's full path (no prefill on the decode side for short prompts)
-    server = Serve(model, ["--trace-dir", str(trace_dir), "--local-prefill-tokens", "0", "--stage-calls", stage_calls],
+    server = Serve(model, ["--trace-dir", str(trace_dir), "--local-prefill-tokens", "0", *flags],
                    modes=(*MODES, "epd"))
     clocks: dict[str, list[dict]] = {}
     try:
@@ -261,7 +275,7 @@ def main() -> int:
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
                                    tokenize=False, add_generation_prompt=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
-    runs = {calls: serve_requests(model, text, args, trace_dir / calls, calls) for calls in CALLS}
+    runs = {calls: serve_requests(model, text, args, trace_dir / calls, flags) for calls, (_, flags) in CALLS.items()}
     images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
     clocks, steps = runs["direct"]
@@ -273,7 +287,9 @@ def main() -> int:
              "tokens, one at a time; the median (p50) and 90th percentile (p90) of each hop in ms over the requests, "
              "from the step timings the BLS, the stage stubs "
              "and the workers write on one clock. The scheduler calls the stages straight at their workers "
-             "(`--stage-calls direct`, the default). In-process: the same requests through the `generate` stage "
+             "(`--stage-calls direct`, the default), and in E/P/D the encode worker hands its record straight to the "
+             "prefill worker, whose call the BLS posted beside the encode's (`--record-handoff worker`, the "
+             "default): the prefill call's rows then start when its record is in. In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
     in_rows = []
     for c in local:
@@ -322,10 +338,12 @@ def main() -> int:
         added = added_ttft(*runs[calls])
         for mode in MODES:
             ttft, rest = added[mode]
-            lines.append(f"| {mode}, {CALLS[calls]} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
+            lines.append(f"| {mode}, {CALLS[calls][0]} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
                          f"{rest - local_rest:+.1f} | <= +5 |")
     lines += ["", "The same run, the same requests, one server after the other: the scheduler's stage calls "
-              "straight at the workers (`--stage-calls direct`), then through Triton (`--stage-calls triton`).",
+              "straight at the workers (`--stage-calls direct`) with the encode's record handed worker to worker, "
+              "then passed on by the BLS (`--record-handoff scheduler`), then every call through Triton "
+              "(`--stage-calls triton`).",
               "", END]
     print("\n".join(lines), flush=True)
     if args.report:

@@ -79,7 +79,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
     )
     scheduling = SchedulerConfig(
         routing=args.routing, local_prefill_tokens=args.local_prefill_tokens,
-        local_encode_images=args.local_encode_images, stage_calls=args.stage_calls,
+        local_encode_images=args.local_encode_images, stage_calls=args.stage_calls, record_handoff=args.record_handoff,
     )
     return ServeSettings(
         scheduler=args.scheduler, scheduling=scheduling, instances=_instances(args.instances),
@@ -139,6 +139,7 @@ def _add_serve(sub) -> None:
     _opt(sc, "--local-prefill-tokens", SchedulerConfig, "local_prefill_tokens", type=int)
     _opt(sc, "--local-encode-images", SchedulerConfig, "local_encode_images", type=int)
     _opt(sc, "--stage-calls", SchedulerConfig, "stage_calls", choices=("direct", "triton"))
+    _opt(sc, "--record-handoff", SchedulerConfig, "record_handoff", choices=("worker", "scheduler"))
     lim = sv.add_argument_group("media limits and sampling (per request; a request over a limit gets 400 naming it)")
     _opt(lim, "--max-images", MediaLimits, "max_images", type=int)
     _opt(lim, "--max-image-pixels", MediaLimits, "max_pixels", type=int)

@@ -146,6 +146,11 @@ class SchedulerConfig(_Settings):
         "direct", description="how the scheduler calls the stage models: direct (straight to the worker of an "
         "instance on this host, on the worker's own socket) or triton (through Triton, as any client would)"
     )
+    record_handoff: Literal["worker", "scheduler"] = Field(
+        "worker", description="E/P/D with direct stage calls: the encode worker hands its record straight to the "
+        "prefill worker, whose call the scheduler posts beside the encode call (worker), or the scheduler passes "
+        "the record on after the encode call (scheduler)"
+    )
 
 
 class WorkerSettings(_Settings):

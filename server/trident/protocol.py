@@ -87,6 +87,21 @@ CANCEL = "trident_cancel"
 """Request parameter of a control request to a streaming stage: stop the stream with this id (Triton 2.51's
 python backend cannot cancel a BLS request itself)."""
 
+HAND_TO = "trident_hand_to"
+"""Request parameter of the scheduler's encode call, JSON ``{"instance", "token", "above"}``: hand the record
+straight to that prefill instance's worker, for its call waiting on ``token``, when the items' embedding rows
+number more than ``above`` (fewer: the prompt is short enough for the decode worker to prefill). See
+:mod:`trident.workers.record_handoff`."""
+AWAIT_RECORD = "trident_await_record"
+"""Request parameter of a prefill call the scheduler posts beside the encode call: its ``embedding_meta`` comes
+from the encode worker under this token."""
+DELIVER = "trident_deliver"
+"""Request parameter of a control request to a prefill stage: its ``embedding_meta`` is the record for the call
+waiting on this token (sent by the encode worker)."""
+WITHDRAW = "trident_withdraw"
+"""Request parameter of a control request to a prefill stage: the call waiting on this token gets no record
+(the encode failed, or did not hand it on)."""
+
 STAGE_ERROR_MARK = b"\x00trident_error:"
 """Starts a decoupled stage's last ``finish_reason`` when it carries the error envelope of a failure after
 other responses, to the scheduler (Triton 2.51 loses such an error response on its way to a BLS caller)."""

@@ -132,8 +132,9 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
                 steps.setdefault(f"{process}/{rec['step']}", []).append((rec["t0"], rec["t1"]))
     want = {
         "bls-e_p_d": ["execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
-        "encode": ["inputs", "media_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "infer"],
-        "prefill": ["inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
+        "encode": ["inputs", "media_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "hand_on",
+                   "infer"],
+        "prefill": ["await_record", "inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
         "decode": ["inputs", "record_decode", "nixl_read", "decode_admit", "decode_step", "infer_first", "infer"],
     }
     missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in steps]
@@ -144,7 +145,11 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
     for stage in ("encode", "prefill"):
         call, work = one[f"bls-e_p_d/call:{stage}"], one[f"{stage}/infer"]
         assert call[0] <= work[0] <= work[1] <= call[1], stage
-    assert one["bls-e_p_d/call:encode"][1] <= one["bls-e_p_d/call:prefill"][0]
+    # the prefill call is posted beside the encode call; it runs once the encode worker has handed its record on
+    assert one["bls-e_p_d/call:prefill"][0] <= one["prefill/await_record"][0]
+    # (the prefill worker may have it before the encode worker's step ends: on 2 cores the writer can be preempted)
+    assert one["encode/hand_on"][0] <= one["prefill/await_record"][1] <= one["prefill/infer"][0]
+    assert one["encode/hand_on"][1] <= one["bls-e_p_d/call:encode"][1]
     assert one["bls-e_p_d/call:prefill"][1] <= one["decode/infer"][0] <= one["decode/infer_first"][1]
     if _first_text(server, c):  # sent as soon as the prefill returned, before the decode call
         assert one["bls-e_p_d/call:prefill"][1] <= one["bls-e_p_d/first_send"][0]
@@ -209,6 +214,67 @@ def test_stages_are_called_straight_at_their_workers(server, ref):
     for stage in stages:
         assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=stage) == before[stage] + 2, stage
     assert _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill") == routed + 2
+
+
+def _handoff(server) -> dict[str, int]:
+    """The prefill instances' record inbox counters, summed."""
+    stats = server.stats(settled=True)
+    keys = ("delivered", "withdrawn", "discarded", "waiting_calls", "early_records")
+    return {k: sum(stats[n].get(f"handoff_{k}", 0) for n in ("prefill", "prefill-2") if n in stats) for k in keys}
+
+
+def _inbox_empty(server, timeout: float = 5.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while (counts := _handoff(server))["waiting_calls"] or counts["early_records"]:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.05)
+    return counts
+
+
+def test_the_encode_worker_hands_its_record_to_the_prefill_worker(server, ref):
+    """E/P/D: the BLS posts the prefill call beside the encode call, and the encode worker hands its record straight
+    to that prefill worker (``--record-handoff worker``, the default): one delivery per request, read by the call
+    (nothing discarded or left waiting), the same answer as with the BLS passing it on, streamed or not."""
+    c = ref["one-image"]
+    before = _handoff(server)
+    assert _generate(server, c) == c["expected"]
+    assert _generate(server, c, stream=False) == c["expected"]
+    after = _inbox_empty(server)
+    assert after["delivered"] == before["delivered"] + 2 and after["discarded"] == before["discarded"], after
+    assert after["withdrawn"] == before["withdrawn"]
+    _reload(server, record_handoff="scheduler")
+    try:
+        assert _generate(server, c) == c["expected"]
+        assert _handoff(server)["delivered"] == after["delivered"]  # the BLS passed it on
+    finally:
+        _reload(server, record_handoff="worker")
+
+
+def test_a_prompt_short_enough_for_the_decode_worker_is_not_handed_on(server, ref):
+    """A prompt the decode worker prefills itself (``--local-prefill-tokens``): the encode worker keeps its record
+    (the BLS gives it to the decode stage), and the BLS withdraws the prefill call it posted, which ends at once.
+    An encode that fails (an image that does not decode) withdraws it too: the client gets the encode's 400."""
+    c = ref["one-image"]
+    prefills = sum(_published(server).values())
+    local = _metric(server, "trident_decisions_total", mode="e_p_d", decision="local_prefill")
+    before = _handoff(server)
+    _reload(server, local_prefill_tokens=4096)  # the prompt and its 576 image rows are shorter
+    try:
+        assert _generate(server, c) == c["expected"]
+    finally:
+        _reload(server, local_prefill_tokens=128)
+    after = _inbox_empty(server)
+    assert after["delivered"] == before["delivered"] and after["withdrawn"] == before["withdrawn"] + 1, after
+    assert _metric(server, "trident_decisions_total", mode="e_p_d", decision="local_prefill") == local + 1
+    assert sum(_published(server).values()) == prefills  # no prefill ran
+
+    from support import bad_request
+
+    text, images, params, message = bad_request(c, "undecodable image", GREEDY)
+    with pytest.raises(Exception, match=message):
+        grpc_generate(server.grpc, "e_p_d", text, images, params, stream=True)
+    assert _inbox_empty(server)["withdrawn"] == after["withdrawn"] + 1
+    assert _generate(server, c) == c["expected"]
 
 
 def test_text_only_skips_the_vision_tower(server, ref):

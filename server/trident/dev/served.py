@@ -136,10 +136,12 @@ class Server:
 
 def held(stats: dict[str, dict]) -> dict[str, dict]:
     """The workers that still hold something for a request: a lease, a pool region outside the embedding
-    cache, a vLLM KV block or a running request (``{worker: its stats}``)."""
+    cache, a vLLM KV block, a running request, or a handed record or a call waiting for one
+    (``{worker: its stats}``)."""
     return {
         k: v for k, v in stats.items()
         if v.get("leases") or v.get("send_regions_in_use", 0) > v.get("cache_entries", 0)
         or v.get("recv_regions_in_use") or v.get("kv_cache_usage") or v.get("vllm_running")
-        or v.get("vllm_waiting") or v.get("decode_active")
+        or v.get("vllm_waiting") or v.get("decode_active") or v.get("handoff_early_records")
+        or v.get("handoff_waiting_calls")
     }

@@ -115,6 +115,10 @@ class _Connection:
         """Send a streamed call; its messages go to ``stream`` as they come."""
         self._send(payload, stream)
 
+    def post(self, payload: bytes) -> None:
+        """Send a call whose answer is dropped."""
+        self._send(payload, None)
+
     def _send(self, payload: bytes, target) -> int:
         rid = next(self._ids) % 2**32
         self._pending[rid] = target
@@ -172,13 +176,14 @@ class DirectCalls:
         self._store = store
         self._connections: dict[str, _Connection] = {}
 
-    async def call(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray] | None:
+    async def call(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str],
+                   parameters: dict | None = None) -> dict[str, np.ndarray] | None:
         """The outputs of one call of ``instance``; None when it has no direct socket to take it (call it through
         Triton). Raises the stage's error (a :class:`~trident.errors.TridentError`) as it sent it."""
         connection = await self._connection(instance)
         if connection is None:
             return None
-        request = Request(data=inputs, parameters={}, requested_output_names=outputs)
+        request = Request(data=inputs, parameters=parameters or {}, requested_output_names=outputs)
         try:
             flags, payload = await self._answer(connection, request)
         except NotSent:
@@ -217,6 +222,18 @@ class DirectCalls:
             await self._answer(connection, request)
         except NotSent:
             raise Unavailable(f"the worker of stage instance {instance} has gone") from None
+
+    async def post(self, instance: str, inputs: dict[str, np.ndarray], parameters: dict) -> bool:
+        """Write a control request whose answer nobody waits for (it is dropped when it comes); False when it
+        could not be written (no direct socket, or its worker has gone)."""
+        connection = await self._connection(instance)
+        if connection is None:
+            return False
+        try:
+            connection.post(_wire.serialize_requests([Request(data=inputs, parameters=parameters)]))
+        except NotSent:
+            return False
+        return True
 
     @staticmethod
     async def _answer(connection: _Connection, request: Request) -> tuple[int, bytes]:

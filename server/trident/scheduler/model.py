@@ -36,7 +36,7 @@ from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
-    CANCEL, ENCODE_REPORT, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
+    AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, WITHDRAW, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
     VLLMKVRecord, decode_record, instance_name, parse_instance,
 )
 from .bls_streams import StreamKeeper, drain
@@ -58,6 +58,17 @@ class _Answer:
     """What a request's client has had, over the attempts of :meth:`TritonPythonModel._run`."""
 
     early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
+
+
+@dataclass
+class _Posted:
+    """A prefill call posted beside the encode call, waiting for the record the encode worker hands it
+    (:mod:`trident.workers.record_handoff`)."""
+
+    instance: str
+    token: str
+    hand_to: str  # the encode call's HAND_TO parameter
+    call: asyncio.Future  # the call's outputs (arrays), or None when its worker did not take it
 
 
 class StageGone(Exception):
@@ -220,11 +231,23 @@ class TritonPythonModel:
         records: dict[str, bytes] = {}
         stages = list(p.stages)
         embeddings = RECORD_TENSOR["embeddings"]
+        keys = prefix_keys(text, image_ids)
+        posted = None
         if stages[0] == "encode":
-            outputs = await self._call("encode", image_ids, inputs, records, [embeddings, ENCODE_REPORT], held)
+            posted = self._post_prefill(p, keys, inputs, text, kinds, held)
+            try:
+                outputs = await self._call("encode", image_ids, inputs, records, [embeddings, ENCODE_REPORT], held,
+                                           {HAND_TO: posted.hand_to} if posted else None)
+            except BaseException:
+                if posted is not None:
+                    await self._withdraw(posted)
+                raise
             records[embeddings] = outputs[embeddings]
             stages.pop(0)
-        if needs_prompt_length(p, self.cfg.local_prefill_tokens):
+            if posted is not None and not json.loads(outputs[ENCODE_REPORT] or b"{}").get("handed"):
+                await self._withdraw(posted)
+                posted = None
+        if posted is None and needs_prompt_length(p, self.cfg.local_prefill_tokens):  # (a handed record: too long)
             token_counts = decode_record(records[embeddings], EmbeddingsRecord).token_counts if embeddings in records else []
             length = self._prompt_length(text, token_counts, kinds)
             if length is not None:
@@ -232,14 +255,59 @@ class TritonPythonModel:
                 stages = [s for s in p.stages if s != "encode"]
         held.request(p.path, p.decisions, p.runs_as)
         held.later(self.logger.log_verbose, f"[trident] {self.mode} request: path {p.path} {' '.join(p.decisions)}".rstrip())
-        keys = prefix_keys(text, image_ids)
         for stage in stages[:-1]:  # record stages
+            out = RECORD_TENSOR[STAGES[stage].hands_on]
+            if posted is not None and stage == "prefill":  # running since the record came: no cancel check here
+                # (a client gone now still has its KV freed at once: see _stream)
+                arrays = await posted.call
+                if arrays is None:  # its worker did not take the call (stopping): plan the request again
+                    raise StageGone(posted.instance)
+                records[out] = _bytes_of(arrays, [out])[out]
+                continue
             if request.is_cancelled():
                 return self._cancelled(sender)
-            out = RECORD_TENSOR[STAGES[stage].hands_on]
             outputs = await self._call(stage, keys, inputs, records, [out], held)
             records[out] = outputs[out]
         await self._stream(stages[-1], keys, request, sender, inputs, records, p, held, answer)
+
+    def _post_prefill(self, p: Plan, keys: list[str], inputs: dict, text: str, kinds: list[str], held) -> _Posted | None:
+        """E/P/D with direct stage calls (``record_handoff`` "worker"): the prefill call, posted now, to wait on
+        its worker for the record the encode worker will hand it (the encode's answer, this model's turn and
+        the prefill call's way in are then off the path). The encode worker hands it on only for a prompt too
+        long for the decode worker to prefill (``local_prefill_tokens``): more embedding rows than ``above``."""
+        if self._direct is None or self.cfg.record_handoff != "worker" or list(p.stages[:2]) != ["encode", "prefill"]:
+            return None
+        above = -1
+        if needs_prompt_length(p, self.cfg.local_prefill_tokens):
+            text_tokens = self._prompt_length(text, [0] * len(kinds), kinds)  # the prompt less its media's rows
+            if text_tokens is not None:
+                above = self.cfg.local_prefill_tokens - text_tokens
+        instance = self._route("prefill", keys, held)
+        token = uuid.uuid4().hex
+        hand_to = json.dumps({"instance": instance, "token": token, "above": above})
+        call = asyncio.ensure_future(self._posted_call(instance, inputs, token, held))
+        return _Posted(instance, token, hand_to, call)
+
+    async def _posted_call(self, instance: str, inputs: dict, token: str, held) -> dict | None:
+        out = RECORD_TENSOR["kv"]
+        self.router.begin(instance)
+        try:
+            with timings.step("call:prefill"):
+                arrays = await self._direct.call(instance, self._arrays("prefill", inputs, None), [out],
+                                                 {AWAIT_RECORD: token})
+        finally:
+            self.router.end(instance)
+        if arrays is not None:
+            held.add("trident_direct_calls_total", stage="prefill", instance=instance)
+        return arrays
+
+    async def _withdraw(self, posted: _Posted) -> None:
+        """The posted prefill call gets no record: its worker ends it (its error is nobody's)."""
+        posted.call.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            await self._direct.post(posted.instance, {}, {WITHDRAW: posted.token})
+        except Exception as e:  # the call still ends, at the latest when its wait does
+            self.logger.log_warn(f"[trident] {self.mode}: could not withdraw a prefill call on {posted.instance}: {e}")
 
     def _prompt_length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
         """The prompt's token count with media expanded; None when it cannot be told here (the stage that
@@ -272,16 +340,17 @@ class TritonPythonModel:
         held.add("trident_routed_total", stage=stage, instance=instance)
         return instance
 
-    async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str], held) -> dict:
+    async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str], held,
+                    parameters: dict | None = None) -> dict:
         """One non-streaming stage call; its outputs as bytes."""
         instance = self._route(stage, keys, held)
         record = self._record_for(stage, records)
         self.router.begin(instance)
         try:
             with timings.step(f"call:{stage}"):
-                arrays = await self._direct_call(stage, instance, inputs, record, outputs, held)
+                arrays = await self._direct_call(stage, instance, inputs, record, outputs, held, parameters)
                 if arrays is None:
-                    response = await self._request(stage, instance, inputs, record, outputs).async_exec()
+                    response = await self._request(stage, instance, inputs, record, outputs, parameters).async_exec()
         finally:
             self.router.end(instance)
         if arrays is None:
@@ -291,20 +360,17 @@ class TritonPythonModel:
                 tensor = self.pb.get_output_tensor_by_name(response, name)
                 if tensor is not None:
                     arrays[name] = tensor.as_numpy()
-        result = {}
-        for name in outputs:
-            value = arrays[name].reshape(-1)[0] if name in arrays else b""
-            result[name] = value if isinstance(value, bytes) else str(value).encode()
+        result = _bytes_of(arrays, outputs)
         if stage == "encode" and result.get(ENCODE_REPORT):
             held.encode_report(instance, json.loads(result[ENCODE_REPORT]))
         return result
 
     async def _direct_call(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None,
-                           outputs: list[str], held) -> dict | None:
+                           outputs: list[str], held, parameters: dict | None = None) -> dict | None:
         """The call's outputs from the worker's direct socket (:mod:`.direct`); None to call it through Triton."""
         if self._direct is None:
             return None
-        result = await self._direct.call(instance, self._arrays(stage, inputs, record), outputs)
+        result = await self._direct.call(instance, self._arrays(stage, inputs, record), outputs, parameters)
         if result is not None:
             held.add("trident_direct_calls_total", stage=stage, instance=instance)
         return result
@@ -572,6 +638,15 @@ def _stage_inputs(stage: str, inputs: dict, record: tuple[str, bytes] | None):
             yield name, np.array([record[1]], dtype=np.object_)
         elif name in inputs:
             yield name, inputs[name]
+
+
+def _bytes_of(arrays: dict, outputs: list[str]) -> dict[str, bytes]:
+    """A one-answer stage's STRING[1] outputs as bytes (b"" where absent)."""
+    result = {}
+    for name in outputs:
+        value = arrays[name].reshape(-1)[0] if name in arrays else b""
+        result[name] = value if isinstance(value, bytes) else str(value).encode()
+    return result
 
 
 def _flag(tensor) -> bool:

@@ -27,11 +27,14 @@ log = logging.getLogger("trident.worker")
 _PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
 
 
-def _write_stats(engine, path: Path, stop: threading.Event) -> None:
-    """Keep ``path`` holding this worker's transfer, decode and KV-cache counters (read by tests and operators)."""
+def _write_stats(engine, path: Path, stop: threading.Event, inbox=None) -> None:
+    """Keep ``path`` holding this worker's transfer, decode and KV-cache counters, and those of its record inbox
+    (``handoff_*``, :mod:`.record_handoff`), read by tests and operators."""
     last = None
     while True:
         stats = dict(engine.stats())
+        if inbox is not None:
+            stats.update({f"handoff_{k}": v for k, v in inbox.stats().items()})
         stats["pid"] = os.getpid()
         if stats != last:
             tmp = path.with_suffix(".tmp")
@@ -124,12 +127,17 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
 def _at_most(infer, count: int):
     """``infer`` with at most ``count`` calls running at once (on the loop it runs on). Triton hands a one-answer
     stage's ``count`` instances one request each; the scheduler's direct calls (:mod:`.channel`) come beside
-    those, and the engine is built for ``count`` (``calls_at_once``)."""
+    those, and the engine is built for ``count`` (``calls_at_once``). ``infer.before_slot(requests)``, where it
+    has one, runs first, outside the limit: it answers control requests itself (it returns their answer), and a
+    call it returns None for then waits for its slot."""
     slots: asyncio.Semaphore | None = None
+    before = getattr(infer, "before_slot", None)
 
     @functools.wraps(infer)
     async def limited(requests):
         nonlocal slots
+        if before is not None and (answer := await before(requests)) is not None:
+            return answer
         slots = slots or asyncio.Semaphore(count)
         async with slots:
             return await infer(requests)
@@ -218,12 +226,13 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         engine.close()
         return NAME_TAKEN_EXIT
     timings.start(name)
-    infer = make_infer(spec, engine, settings.fault_injection, settings.max_inflight)
+    infer = make_infer(spec, engine, settings.fault_injection, settings.max_inflight, settings.model_store)
     stop = threading.Event()
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
         threading.Thread(
-            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{name}.json", stop), daemon=True
+            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{name}.json", stop, getattr(infer, "inbox", None)),
+            daemon=True
         ).start()
 
     def _on_signal(signum, _frame):

@@ -14,6 +14,7 @@ import functools
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,8 @@ from ..errors import ERRORS, InvalidRequest, Unavailable
 from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
-from ..protocol import CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, StageSpec
+from ..protocol import AWAIT_RECORD, CANCEL, DELIVER, ENCODE_REPORT, HAND_TO, RECORD_TENSOR, REQUEST_ID, WITHDRAW, StageSpec
+from . import record_handoff
 
 _FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?(?:#(\d+))?\]\]")
 _STALL = re.compile(r"\[\[trident-stall@(\w+)\]\]")
@@ -180,8 +182,35 @@ class Admission:
         self.inflight -= 1
 
 
-def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64):
-    """The async inference function PyTriton binds for ``spec`` over ``engine``."""
+async def _handed_records(spec: StageSpec, inbox: record_handoff.Inbox, requests) -> list | None:
+    """Before a prefill call takes its slot: a record delivered by the encode worker, or withdrawn, is answered
+    here (an empty record); a call posted ahead gets its record from ``inbox`` once it is there. None: run the
+    call."""
+    request = _single(requests)
+    embeddings = RECORD_TENSOR["embeddings"]
+    if (token := _parameter(request, DELIVER)) is not None:
+        record = record_input(request, embeddings)
+        if record is None:
+            raise InvalidRequest(f"a record delivery ({DELIVER}) needs {embeddings}")
+        inbox.deliver(token, record)
+        return record_output(spec, None)
+    if (token := _parameter(request, WITHDRAW)) is not None:
+        inbox.withdraw(token)
+        return record_output(spec, None)
+    if (token := _parameter(request, AWAIT_RECORD)) is not None:
+        if record_input(request, embeddings) is not None:
+            raise InvalidRequest(f"a prefill call waiting for its record ({AWAIT_RECORD}) brings no {embeddings}")
+        with timings.step("await_record"):
+            record = await inbox.take(token)
+        request.data[embeddings] = np.array([record], dtype=np.object_)
+    return None
+
+
+def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64,
+               model_store: str | None = None):
+    """The async inference function PyTriton binds for ``spec`` over ``engine``. ``model_store``: the server's
+    model repository, where the encode stage finds the prefill worker it hands a record to
+    (:mod:`.record_handoff`)."""
     names = spec.input_names
     admission = Admission(spec.name, max_inflight)
     record_names = [RECORD_TENSOR[kind] for kind in (spec.takes, spec.also_takes) if kind is not None]
@@ -241,16 +270,30 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
         return text, params, kwargs
 
     if spec.hands_on == "embeddings":
+        calls = None  # to the prefill workers records are handed to, opened on first use
+
         @admitted
         async def encode(request):
+            nonlocal calls
             t0 = time.monotonic_ns()
             _, _, kwargs = await read(request)
+            hand = _parameter(request, HAND_TO)
+            hand = record_handoff.parse_hand_to(hand) if hand is not None else None
             items = kwargs["media"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
             encoded = await engine.encode(items) if items else None
+            report = dict(encoded.report) if encoded else {}
+            if hand is not None:
+                handed = False
+                if encoded is not None and model_store is not None:
+                    from ..scheduler.direct import DirectCalls
+
+                    calls = calls or DirectCalls(Path(model_store))
+                    with timings.step("hand_on"):
+                        handed = await record_handoff.hand_on(calls, hand, encoded.record)
+                report["handed"] = handed
             outputs = record_output(spec, encoded.record if encoded else None)
-            report = json.dumps(encoded.report if encoded else {}).encode()
-            outputs[0][ENCODE_REPORT] = np.array([report], dtype=np.object_)
+            outputs[0][ENCODE_REPORT] = np.array([json.dumps(report).encode()], dtype=np.object_)
             timings.mark("infer", t0)
             return outputs
 
@@ -265,6 +308,9 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
             timings.mark("infer", t0)
             return outputs
 
+        if spec.takes == "embeddings":
+            prefill.inbox = inbox = record_handoff.Inbox(engine.discard)
+            prefill.before_slot = functools.partial(_handed_records, spec, inbox)
         return prefill
 
     streams = Streams()

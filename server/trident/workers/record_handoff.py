@@ -1,0 +1,167 @@
+"""E/P/D's embeddings record, handed by the encode worker straight to the prefill worker.
+
+Without it the record goes encode worker -> scheduler -> prefill worker: the encode's answer, the scheduler's
+turn and the prefill call's way in, each a process hand-off (``make bench-hops``). With it the scheduler posts
+the prefill call beside the encode call (:data:`~trident.protocol.AWAIT_RECORD`: a token instead of the
+record) and tells the encode worker where the record goes (:data:`~trident.protocol.HAND_TO`). The encode
+worker writes the record to that prefill worker's direct socket as a control request
+(:data:`~trident.protocol.DELIVER`) before it answers the scheduler, and the prefill call, waiting for it before
+it takes its slot, then runs as if it had brought the record itself.
+
+Who frees what: a delivered record belongs to the prefill worker's :class:`Inbox`, which reads it (the call
+waiting for it) or discards it (its producer frees it at once): a record whose call does not come within
+:data:`EARLY_S`, one pushed out of a full inbox, or one whose token was withdrawn. The scheduler withdraws
+(:data:`~trident.protocol.WITHDRAW`) every posted call whose record will not come: the encode failed, or did
+not hand the record on (a prompt short enough for the decode worker to prefill, or no socket to write to).
+A call whose token was withdrawn or whose record was discarded fails at once (503); one that waits longer
+than :data:`WAIT_S` fails too, a backstop only.
+
+The token, the record and the target instance come from request parameters a client can set through Triton
+as well: a record handed on this way is no more than the client could pass to the prefill stage itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Callable
+
+import msgspec
+import numpy as np
+
+from ..errors import InvalidRequest, TridentError, Unavailable
+from ..protocol import DELIVER, RECORD_TENSOR, EmbeddingsRecord, decode_record, parse_instance
+
+EARLY_S = 30.0  # how long a record waits for its call (the two come on different sockets, in either order)
+WAIT_S = 300.0  # how long a call waits for its record at most (the scheduler withdraws it before, as a rule)
+MAX_EARLY = 64  # records waiting for their calls; one more pushes the oldest out
+MAX_TOKEN = 64  # characters of a token
+_EMBEDDINGS = RECORD_TENSOR["embeddings"]
+
+
+class HandTo(msgspec.Struct, frozen=True):
+    """:data:`~trident.protocol.HAND_TO`: where the encode worker hands its record, under which token, and for
+    which prompts (items' embedding rows above ``above``)."""
+
+    instance: str
+    token: str
+    above: int = -1
+
+
+def parse_hand_to(value: str) -> HandTo:
+    try:
+        hand = msgspec.json.decode(value, type=HandTo)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"trident_hand_to is not valid: {e}") from None
+    parsed = parse_instance(hand.instance)
+    if parsed is None or parsed[0] != "prefill":
+        raise InvalidRequest(f"trident_hand_to names {hand.instance!r}, not a prefill stage instance")
+    check_token(hand.token)
+    return hand
+
+
+def check_token(token: str) -> str:
+    if not token or len(token) > MAX_TOKEN:
+        raise InvalidRequest(f"a record token must be 1-{MAX_TOKEN} characters")
+    return token
+
+
+async def hand_on(calls, hand: HandTo, record: bytes) -> bool:
+    """The encode worker's side: write ``record`` to ``hand.instance``'s worker (``calls``: a
+    :class:`~trident.scheduler.direct.DirectCalls`) when the prompt is long enough for a prefill worker. True
+    when written: the prefill worker's inbox has it from then on (its answer is not waited for: that worker's
+    event loop may be in a prefill for the next 100 ms, and this encode worker has the next image to encode)."""
+    if sum(decode_record(record, EmbeddingsRecord).token_counts) <= hand.above:
+        return False
+    inputs = {_EMBEDDINGS: np.array([record], dtype=np.object_)}
+    return await calls.post(hand.instance, inputs, {DELIVER: hand.token})
+
+
+class Inbox:
+    """The prefill worker's side: records delivered for posted calls, and the calls waiting for them, by token.
+    ``discard(record)`` frees a record no call will read. Runs on one event loop."""
+
+    def __init__(self, discard: Callable[[bytes], None]) -> None:
+        self._discard = discard
+        self._calls: dict[str, asyncio.Future] = {}
+        # token -> (record, or None: withdrawn or discarded, the call is refused; when it goes)
+        self._early: OrderedDict[str, tuple[bytes | None, float]] = OrderedDict()
+        self.delivered = self.withdrawn = self.discarded = 0
+
+    def deliver(self, token: str, record: bytes) -> None:
+        """A record for ``token``'s call: to the call if it waits, else kept for it (the inbox owns it either way)."""
+        self._expire()
+        self.delivered += 1
+        call = self._calls.pop(check_token(token), None)
+        if call is not None and not call.done():
+            call.set_result(record)
+            return
+        if token in self._early:  # a second record under one token, or one withdrawn already: not read
+            self._drop(record)
+            return
+        while sum(r is not None for r, _ in self._early.values()) >= MAX_EARLY:
+            oldest = next(t for t, (r, _) in self._early.items() if r is not None)
+            self._drop(self._early[oldest][0])
+            self._early[oldest] = (None, time.monotonic() + EARLY_S)
+        self._early[token] = (record, time.monotonic() + EARLY_S)
+        asyncio.get_running_loop().call_later(EARLY_S + 0.1, self._expire)  # even if nothing else comes
+
+    def withdraw(self, token: str) -> None:
+        """``token``'s call gets no record: it fails at once, or when it comes."""
+        self._expire()
+        self.withdrawn += 1
+        call = self._calls.pop(check_token(token), None)
+        if call is not None and not call.done():
+            call.set_exception(Unavailable("the record this prefill call waited for will not come (withdrawn)"))
+            return
+        record, _ = self._early.pop(token, (None, 0.0))
+        if record is not None:
+            self._drop(record)
+        self._early[token] = (None, time.monotonic() + EARLY_S)
+
+    async def take(self, token: str, wait_s: float = WAIT_S) -> bytes:
+        """``token``'s record, once delivered."""
+        self._expire()
+        if check_token(token) in self._early:
+            record, _ = self._early.pop(token)
+            if record is None:
+                raise Unavailable("the record this prefill call waits for will not come (withdrawn, or pushed out "
+                                  "of a full inbox)")
+            return record
+        if token in self._calls:
+            raise InvalidRequest("another prefill call waits on this record token")
+        call = self._calls[token] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), wait_s)
+        except asyncio.TimeoutError:
+            self._early[token] = (None, time.monotonic() + EARLY_S)  # a record that comes now is freed at once
+            raise Unavailable(f"no record came for this prefill call within {wait_s:.0f} s") from None
+        except asyncio.CancelledError:  # the call went away (its connection closed, the worker stops)
+            if call.done() and not call.cancelled() and call.exception() is None:
+                self._drop(call.result())  # delivered as it went: nobody will read it
+            else:
+                self._early[token] = (None, time.monotonic() + EARLY_S)
+            raise
+        finally:
+            if self._calls.get(token) is call:
+                del self._calls[token]
+
+    def stats(self) -> dict:
+        return {"delivered": self.delivered, "withdrawn": self.withdrawn, "discarded": self.discarded,
+                "waiting_calls": len(self._calls), "early_records": sum(r is not None for r, _ in self._early.values())}
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for token in [t for t, (_, deadline) in self._early.items() if deadline <= now]:
+            record, _ = self._early.pop(token)
+            if record is not None:
+                self._drop(record)
+
+    def _drop(self, record: bytes) -> None:
+        self.discarded += 1
+        try:
+            self._discard(record)
+        except TridentError:  # not a record of ours to free: nothing to give back
+            pass
+
