@@ -102,6 +102,11 @@ WITHDRAW = "trident_withdraw"
 """Request parameter of a control request to a prefill stage: the call waiting on this token gets no record
 (the encode failed, or did not hand it on)."""
 
+DIRECT_ONLY = (HAND_TO, AWAIT_RECORD, DELIVER, WITHDRAW)
+"""Parameters a worker honours only on its direct socket (the scheduler's calls, and the encode worker's
+deliveries): from a request through Triton they are dropped, so that no client can make a prefill call wait or
+an encode worker hand its record elsewhere."""
+
 STAGE_ERROR_MARK = b"\x00trident_error:"
 """Starts a decoupled stage's last ``finish_reason`` when it carries the error envelope of a failure after
 other responses, to the scheduler (Triton 2.51 loses such an error response on its way to a BLS caller)."""

@@ -277,6 +277,31 @@ def test_a_prompt_short_enough_for_the_decode_worker_is_not_handed_on(server, re
     assert _generate(server, c) == c["expected"]
 
 
+def test_a_client_cannot_use_the_record_hand_off_through_triton(server, ref):
+    """The hand-off's parameters are the scheduler's: through Triton they are dropped. A prefill call that names a
+    token does not wait for a record (it prefills what it brought), and an encode call that names a prefill
+    instance hands nothing to it."""
+    import tritonclient.grpc as grpcclient
+
+    from support import drain_kv, strings
+    from support.clients import _grpc_inputs
+
+    c = ref["one-image"]
+    client = grpcclient.InferenceServerClient(server.grpc)
+    before = _handoff(server)
+    hand_to = json.dumps({"instance": "prefill", "token": "client-token", "above": -1})
+    encoded = client.infer("encode", _grpc_inputs(grpcclient, {"image": strings(*c["images"])}),
+                           parameters={"trident_hand_to": hand_to})
+    record = encoded.as_numpy("embedding_meta").reshape(-1)[0]
+    assert "handed" not in json.loads(encoded.as_numpy("encode_report").reshape(-1)[0])
+    start = time.monotonic()
+    inputs = {"text_input": strings(c["text"]), "embedding_meta": strings(record)}
+    kv = client.infer("prefill", _grpc_inputs(grpcclient, inputs), parameters={"trident_await_record": "client-token"})
+    assert time.monotonic() - start < 10  # it did not wait (the backstop is 300 s)
+    drain_kv(server.grpc, kv.as_numpy("kv_meta").reshape(-1)[0])
+    assert _inbox_empty(server) == before
+
+
 def test_text_only_skips_the_vision_tower(server, ref):
     c = ref["text-only"]
     runs = _encode(server)["vision_runs"]

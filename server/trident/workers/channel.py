@@ -324,7 +324,7 @@ class WorkerChannel(threading.Thread):
                 if direct and self._stopping:
                     await self._write(writer, rid, EOS | GONE, b"")
                     continue
-                task = asyncio.ensure_future(self._handle(writer, rid, payload))
+                task = asyncio.ensure_future(self._handle(writer, rid, payload, direct))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 if direct:
@@ -345,8 +345,9 @@ class WorkerChannel(threading.Thread):
         writer.writelines((HEADER.pack(len(payload), rid, flags), payload))  # one write: the stub wakes once
         await writer.drain()
 
-    async def _handle(self, writer: asyncio.StreamWriter, rid: int, payload: bytes) -> None:
+    async def _handle(self, writer: asyncio.StreamWriter, rid: int, payload: bytes, direct: bool = False) -> None:
         from ..errors import TridentError, client_message, to_wire
+        from ..protocol import DIRECT_ONLY
 
         try:
             if not self._attached.is_set():
@@ -354,6 +355,10 @@ class WorkerChannel(threading.Thread):
             if self._callable is None:
                 raise RuntimeError("the stage's inference function is not attached (the worker is stopping)")
             requests = self._serializer.deserialize_requests(payload)
+            if not direct:  # through Triton, from any client: the record hand-off is the scheduler's alone
+                for request in requests:
+                    for name in DIRECT_ONLY:
+                        (request.parameters or {}).pop(name, None)
             held = None
             async for responses in self._callable(requests):
                 self._validator.validate_responses(requests, responses)

@@ -16,8 +16,9 @@ not hand the record on (a prompt short enough for the decode worker to prefill, 
 A call whose token was withdrawn or whose record was discarded fails at once (503); one that waits longer
 than :data:`WAIT_S` fails too, a backstop only.
 
-The token, the record and the target instance come from request parameters a client can set through Triton
-as well: a record handed on this way is no more than the client could pass to the prefill stage itself.
+The parameters are honoured only on a worker's direct socket (:data:`~trident.protocol.DIRECT_ONLY`: dropped
+from a request that comes through Triton), so no client can make a prefill call wait or an encode worker hand
+its record elsewhere; they are still checked (a token's length, a target that is a prefill instance).
 """
 
 from __future__ import annotations
