@@ -150,6 +150,11 @@ def early_pair(steps: Steps, clock: dict) -> tuple[float, float] | None:
     return ttft, ttft + (_first(steps, "bls/call:decode", end=True) - _first(steps, "bls/first_send")) / 1e6
 
 
+def encode_to_prefill(steps: Steps) -> float | None:
+    """E/P/D: ms from the encode worker's record made to the prefill call running on its worker."""
+    return _gap(_first(steps, "encode/record_encode", end=True), _first(steps, "prefill/infer"))
+
+
 COMPUTE = ("media_decode", "image_preprocess", "vision_tower", "prefill")  # the same work in-process
 
 
@@ -340,6 +345,15 @@ def main() -> int:
             ttft, rest = added[mode]
             lines.append(f"| {mode}, {CALLS[calls][0]} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
                          f"{rest - local_rest:+.1f} | <= +5 |")
+    lines += ["", "E/P/D's way from the encode to the prefill alone (no compute in it, so it moves less than TTFT "
+              "between servers): from the encode worker's record made (its `record_encode` step's end) to the "
+              "prefill call running on its worker (its `infer` step's start), per request.", "",
+              "| server | p25 ms | p50 ms | p75 ms |", "|---|---|---|---|"]
+    for calls in ("direct", "bls_handoff"):
+        gaps = [g for g in (encode_to_prefill(window(runs[calls][1], c)) for c in runs[calls][0]["e_p_d"]) if g is not None]
+        if len(gaps) > 1:
+            q = statistics.quantiles(gaps, n=4)
+            lines.append(f"| {CALLS[calls][0]} | {q[0]:.2f} | {statistics.median(gaps):.2f} | {q[2]:.2f} |")
     lines += ["", "The same run, the same requests, one server after the other: the scheduler's stage calls "
               "straight at the workers (`--stage-calls direct`) with the encode's record handed worker to worker, "
               "then passed on by the BLS (`--record-handoff scheduler`), then every call through Triton "

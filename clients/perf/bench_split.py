@@ -88,8 +88,8 @@ def _own_cpu() -> float:
 
 
 async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: str, args, seed: int) -> list[dict]:
-    """Rounds going the same requests each way: every server (``"server"``: the default one; ``"triton"``: one
-    whose scheduler calls the stages through Triton) and in-process, in an order that turns each round."""
+    """Rounds going the same requests each way: every server (``"server"``: the default one; the others: those of
+    :data:`OTHER_SERVERS`) and in-process, in an order that turns each round."""
     import tritonclient.grpc.aio as grpcclient
 
     clients = {way: grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc}") for way, srv in servers.items()}
@@ -124,6 +124,12 @@ async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: 
     return rounds
 
 
+OTHER_SERVERS = {  # --compare-<way>: (what the second server does, its flags)
+    "stage_calls": ("whose scheduler calls the stages through Triton", ["--stage-calls", "triton"]),
+    "record_handoff": ("whose scheduler passes the encode's record on itself", ["--record-handoff", "scheduler"]),
+}
+
+
 def table(results: dict[str, list[dict]], args) -> list[str]:
     lines = [
         SECTION, "## Single-mode servers vs in-process: tokens/s at concurrency %d" % args.concurrency, "",
@@ -139,13 +145,14 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
         "| server CPU s per round | in-process CPU s | client CPU s | target |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    compared: list[str] = []
+    compared: dict[str, list[str]] = {way: [] for way in OTHER_SERVERS}
     for mode, rounds in results.items():
         ratios = [r["server"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
-        if "triton" in rounds[0]:
-            through = [r["triton"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
-            compared.append(f"| {mode} | **{statistics.median(ratios):.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | "
-                            f"{statistics.median(through):.2f} ({', '.join(f'{x:.2f}' for x in through)}) |")
+        for way in OTHER_SERVERS:
+            if way in rounds[0]:
+                other = [r[way]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
+                compared[way].append(f"| {mode} | **{statistics.median(ratios):.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | "
+                                     f"{statistics.median(other):.2f} ({', '.join(f'{x:.2f}' for x in other)}) |")
         cpu: dict[str, float] = {}
         for r in rounds:
             for k, v in r["cpu"].items():
@@ -159,12 +166,13 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
             f"{statistics.median(r['in-process']['ttft_p50'] for r in rounds):.0f} | {cpu_text} | "
             f"{statistics.median(r['in-process']['own_cpu'] for r in rounds):.1f} | "
             f"{statistics.median(r['server']['own_cpu'] for r in rounds):.1f} | >= 0.9 |")
-    if compared:
-        lines += ["", "The same rounds, a third way: a second server whose scheduler calls the stages through Triton "
-                  "(`--stage-calls triton`; the server above calls them straight at their workers, the default), "
-                  "both up for the whole mode.", "",
-                  "| mode | direct / in-process (per round) | through Triton / in-process (per round) |", "|---|---|---|",
-                  *compared]
+    for way, rows in compared.items():
+        if rows:
+            label, flags = OTHER_SERVERS[way]
+            lines += ["", f"The same rounds, another way: a second server {label} (`{' '.join(flags)}`; the server above "
+                      "runs the defaults), both up for the whole mode.", "",
+                      f"| mode | default / in-process (per round) | `{' '.join(flags)}` / in-process (per round) |",
+                      "|---|---|---|", *rows]
     return lines + [END, ""]
 
 
@@ -178,6 +186,9 @@ def main() -> int:
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
     ap.add_argument("--compare-stage-calls", action="store_true",
                     help="also run a server whose scheduler calls the stages through Triton (--stage-calls triton)")
+    ap.add_argument("--compare-record-handoff", action="store_true",
+                    help="also run a server whose scheduler passes the encode's record on itself (--record-handoff "
+                    "scheduler; E/P/D)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -194,8 +205,9 @@ def main() -> int:
         for k, mode in enumerate(args.modes):
             servers = {"server": Serve(model, [], modes=(mode,))}
             try:
-                if args.compare_stage_calls:
-                    servers["triton"] = Serve(model, ["--stage-calls", "triton"], modes=(mode,))
+                for way, (_, flags) in OTHER_SERVERS.items():
+                    if getattr(args, f"compare_{way}"):
+                        servers[way] = Serve(model, flags, modes=(mode,))
                 results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
             finally:
                 for server in servers.values():
