@@ -86,8 +86,8 @@ class Inbox:
     def __init__(self, discard: Callable[[bytes], None]) -> None:
         self._discard = discard
         self._calls: dict[str, asyncio.Future] = {}
-        # token -> (record, or None: withdrawn or discarded, the call is refused; when it goes)
-        self._early: OrderedDict[str, tuple[bytes | None, float]] = OrderedDict()
+        self._records: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # token -> (record, when it goes)
+        self._refused: dict[str, float] = {}  # token -> when it goes: withdrawn, or its record freed unread
         self.delivered = self.withdrawn = self.discarded = 0
 
     def deliver(self, token: str, record: bytes) -> None:
@@ -98,14 +98,14 @@ class Inbox:
         if call is not None and not call.done():
             call.set_result(record)
             return
-        if token in self._early:  # a second record under one token, or one withdrawn already: not read
+        if token in self._records or token in self._refused:  # a second record under one token, or a refused one
             self._drop(record)
             return
-        while sum(r is not None for r, _ in self._early.values()) >= MAX_EARLY:
-            oldest = next(t for t, (r, _) in self._early.items() if r is not None)
-            self._drop(self._early[oldest][0])
-            self._early[oldest] = (None, time.monotonic() + EARLY_S)
-        self._early[token] = (record, time.monotonic() + EARLY_S)
+        if len(self._records) >= MAX_EARLY:  # push the oldest out
+            oldest, (dropped, _) = self._records.popitem(last=False)
+            self._drop(dropped)
+            self._refuse(oldest)
+        self._records[token] = (record, time.monotonic() + EARLY_S)
         asyncio.get_running_loop().call_later(EARLY_S + 0.1, self._expire)  # even if nothing else comes
 
     def withdraw(self, token: str) -> None:
@@ -116,33 +116,31 @@ class Inbox:
         if call is not None and not call.done():
             call.set_exception(Unavailable("the record this prefill call waited for will not come (withdrawn)"))
             return
-        record, _ = self._early.pop(token, (None, 0.0))
-        if record is not None:
-            self._drop(record)
-        self._early[token] = (None, time.monotonic() + EARLY_S)
+        if token in self._records:
+            self._drop(self._records.pop(token)[0])
+        self._refuse(token)
 
     async def take(self, token: str, wait_s: float = WAIT_S) -> bytes:
         """``token``'s record, once delivered."""
         self._expire()
-        if check_token(token) in self._early:
-            record, _ = self._early.pop(token)
-            if record is None:
-                raise Unavailable("the record this prefill call waits for will not come (withdrawn, or pushed out "
-                                  "of a full inbox)")
-            return record
+        if check_token(token) in self._records:
+            return self._records.pop(token)[0]
+        if self._refused.pop(token, None) is not None:
+            raise Unavailable("the record this prefill call waits for will not come (withdrawn, or pushed out "
+                              "of a full inbox)")
         if token in self._calls:
             raise InvalidRequest("another prefill call waits on this record token")
         call = self._calls[token] = asyncio.get_running_loop().create_future()
         try:
             return await asyncio.wait_for(asyncio.shield(call), wait_s)
         except asyncio.TimeoutError:
-            self._early[token] = (None, time.monotonic() + EARLY_S)  # a record that comes now is freed at once
+            self._refuse(token)  # a record that comes now is freed at once
             raise Unavailable(f"no record came for this prefill call within {wait_s:.0f} s") from None
         except asyncio.CancelledError:  # the call went away (its connection closed, the worker stops)
             if call.done() and not call.cancelled() and call.exception() is None:
                 self._drop(call.result())  # delivered as it went: nobody will read it
             else:
-                self._early[token] = (None, time.monotonic() + EARLY_S)
+                self._refuse(token)
             raise
         finally:
             if self._calls.get(token) is call:
@@ -150,14 +148,17 @@ class Inbox:
 
     def stats(self) -> dict:
         return {"delivered": self.delivered, "withdrawn": self.withdrawn, "discarded": self.discarded,
-                "waiting_calls": len(self._calls), "early_records": sum(r is not None for r, _ in self._early.values())}
+                "waiting_calls": len(self._calls), "early_records": len(self._records)}
+
+    def _refuse(self, token: str) -> None:
+        self._refused[token] = time.monotonic() + EARLY_S
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for token in [t for t, (_, deadline) in self._early.items() if deadline <= now]:
-            record, _ = self._early.pop(token)
-            if record is not None:
-                self._drop(record)
+        for token in [t for t, (_, deadline) in self._records.items() if deadline <= now]:
+            self._drop(self._records.pop(token)[0])
+        for token in [t for t, deadline in self._refused.items() if deadline <= now]:
+            del self._refused[token]
 
     def _drop(self, record: bytes) -> None:
         self.discarded += 1
@@ -165,4 +166,3 @@ class Inbox:
             self._discard(record)
         except TridentError:  # not a record of ours to free: nothing to give back
             pass
-
