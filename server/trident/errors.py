@@ -53,6 +53,16 @@ class Unavailable(TridentError):
     retry_after_s = 1
 
 
+class Unauthenticated(TridentError):
+    """A stage call that does not prove the deployment secret (no stage credential): refused before any work.
+
+    401 at the OpenAI frontend; Triton has no such code, so a stage model answers INVALID_ARG (400), with the
+    class name first in the message."""
+
+    http_status = 401
+    triton_code = "INVALID_ARG"
+
+
 class TransferError(TridentError):
     """Base class for errors of the NIXL transfer layer."""
 
@@ -108,7 +118,7 @@ class LeaseExpired(TransferError):
 ERRORS: dict[str, type[TridentError]] = {
     cls.__name__: cls
     for cls in (
-        TridentError, InvalidRequest, NotFound, Unavailable, TransferError, MalformedRecord, ForgedRecord,
+        TridentError, InvalidRequest, NotFound, Unavailable, Unauthenticated, TransferError, MalformedRecord, ForgedRecord,
         ReplayedRecord, PeerUnavailable,
         PoolExhausted, TransferTimeout, LeaseExpired,
     )

@@ -8,7 +8,7 @@
   union (:data:`Record`) encoded with msgpack as positional arrays, so a record stays well under 1 KiB.
   A record says where a producer's tensors are (:class:`Transfer`: NIXL agent, regions inside its
   registered pool, dtype/shape, lease) and what the next stage needs to continue; none of the tensor values
-  are in it. Each record is signed with the deployment's key (:mod:`trident.signing`) and checked before
+  are in it. Each record is sealed with the deployment's key (:mod:`trident.signing`) and opened before
   it is decoded.
 """
 
@@ -196,8 +196,9 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 6  # 6: kv records carry first_text
+RECORD_VERSION = 7  # 7: transfers carry the lease's release key
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
+RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
 MAX_TENSOR_RANK = 8
 
 DTYPE_SIZES: dict[str, int] = {
@@ -234,6 +235,9 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
     # address of the lease's stamp in the producer's registered memory: the lease id while the lease is open,
     # cleared before the regions are freed; a consumer READs it after the data (see TransferReceiver.fetch)
     stamp: int = 0
+    # what the consumer's release notification carries after the lease id: only a party that holds the record
+    # (sealed: only the deployment's processes can open it) can end the lease early
+    release_key: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -244,6 +248,8 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
             raise MalformedRecord(f"transfer record has invalid regions {self.regions}")
         if self.stamp <= 0 or len(self.lease_id.encode()) != STAMP_BYTES:
             raise MalformedRecord("transfer record has no lease stamp")
+        if len(self.release_key) != RELEASE_KEY_BYTES:
+            raise MalformedRecord("transfer record has no release key")
         start, size = self.pool
         if any(addr < start or addr + length > start + size for addr, length in self.regions):
             raise ForgedRecord(

@@ -142,7 +142,7 @@ def test_kv_records_are_checked_against_the_model(engine):
 
     def record(shape=(1, model.kv_heads, n, model.head_dim), count=2 * model.num_layers, dtype="float32", **kw):
         spec = TensorSpec(dtype, shape, count)
-        transfer = Transfer("p", b"m", (1 << 40, 1 << 30), ((1 << 40, spec.nbytes),), (spec,), "0123456789abcdef", 2e9, 1 << 41)
+        transfer = Transfer("p", b"m", (1 << 40, 1 << 30), ((1 << 40, spec.nbytes),), (spec,), "0123456789abcdef", 2e9, 1 << 41, b"k" * 16)
         return HFKVRecord(**{"transfer": transfer, "prompt_len": n, "first_token": 5, **kw})
 
     model.check_kv(record())

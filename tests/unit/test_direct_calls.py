@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trident import auth
 from trident.errors import InvalidRequest, Unavailable
 from trident.protocol import WORKER_FILE
 from trident.scheduler.direct import DirectCalls
@@ -39,7 +40,9 @@ class _Stub:
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        self.conn, _ = self._listener.accept()
+        conn, _ = self._listener.accept()
+        auth.accept(conn)  # as the real stub does: the worker proves the secret, and so does the stub
+        self.conn = conn
 
     def leave(self) -> None:
         """The stage model was unloaded: the stub's end closes (again: nothing)."""
@@ -121,6 +124,34 @@ def test_a_call_gets_the_stage_answer(worker):
     assert first["kv_meta"].tolist() == [b"record of a"] and second["kv_meta"].tolist() == [b"record of b"]
 
 
+def test_a_caller_without_the_secret_gets_nothing(worker):
+    """A connection to the worker's stage socket that does not prove the deployment secret is closed after the
+    worker's random challenge: the call it writes is never run and nothing else comes back (another deployment's
+    secret: tests/unit/test_auth.py)."""
+    from pytriton.proxy.types import Request
+
+    call = InlineSerializer().serialize_requests([Request(data=_text("steal"), parameters={})])
+
+    def attempt(reply: bytes) -> bytes:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(worker["path"])
+        got = b""
+        try:
+            hello = sock.recv(64)
+            assert hello.startswith(auth.MAGIC) and len(hello) == auth.HELLO_BYTES
+            sock.sendall(reply + channel.HEADER.pack(len(call), 1, 0) + call)
+            while chunk := sock.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        finally:
+            sock.close()
+        return got
+
+    assert attempt(b"") == b""  # straight to the call, no proof
+    assert attempt(b"\0" * auth.REPLY_BYTES) == b""  # a proof of nothing
+
 def test_the_stage_error_is_raised_as_sent(worker):
     async def go():
         calls = DirectCalls(worker["store"])
@@ -174,6 +205,7 @@ def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
 
     def take_and_die() -> None:
         conn, _ = listener.accept()
+        auth.accept(conn)
         conn.recv(65536)
         conn.close()
 

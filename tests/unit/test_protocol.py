@@ -22,7 +22,7 @@ POOL = (1 << 40, 256 << 20)  # the producer's registered send pool: (address, by
 
 
 def _transfer(nbytes: int, specs: tuple[TensorSpec, ...], expires_at: float = 2e9, at: int = 1 << 40) -> Transfer:
-    return Transfer("trident-123-abcdef12", META, POOL, ((at, nbytes),), specs, "0123456789abcdef", expires_at, 1 << 41)
+    return Transfer("trident-123-abcdef12", META, POOL, ((at, nbytes),), specs, "0123456789abcdef", expires_at, 1 << 41, b"k" * 16)
 
 
 def _embeddings(**kw) -> EmbeddingsRecord:
@@ -43,7 +43,8 @@ def test_records_round_trip_small_and_typed(record):
     assert len(data) <= 1024
     assert decode_record(data) == record
     assert decode_record(data, type(record)) == record
-    assert msgspec.msgpack.decode(data[: -signing.MAC_BYTES])[0] == f"{type(record).__struct_config__.tag}"
+    assert msgspec.msgpack.decode(signing.verify(data))[0] == f"{type(record).__struct_config__.tag}"
+    assert record.transfer.agent_meta not in data and record.transfer.lease_id.encode() not in data  # sealed
     assert type(record).__struct_config__.tag.endswith(f"/{RECORD_VERSION}")
 
 
@@ -58,7 +59,7 @@ def test_a_record_of_the_wrong_kind_is_refused_by_name():
     "data, match",
     [
         (b"", "empty"),
-        (b"\xc1garbage", "too short to carry its signature"),
+        (b"\xc1garbage", "not a sealed record"),
         (signing.sign(b"\xc1garbage"), "not valid msgpack"),
         (signing.sign(msgspec.msgpack.encode(["embeddings/1", []])), r"'embeddings/1' is not supported here"),
         (signing.sign(msgspec.msgpack.encode({"version": 1})), "kind and format version"),
@@ -84,10 +85,12 @@ def test_records_are_signed_with_the_deployment_key(monkeypatch):
     data = _kv().encode()
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 1  # any one byte changed (here: inside the msgpack)
-    with pytest.raises(ForgedRecord, match="signature does not match this deployment's key"):
+    with pytest.raises(ForgedRecord, match="not sealed with this deployment's key"):
         decode_record(bytes(flipped))
-    with pytest.raises(ForgedRecord):  # no signature at all: msgpack as an attacker would write it
+    with pytest.raises(ForgedRecord):  # no seal at all: msgpack as an attacker would write it, in a sealed frame
         decode_record(data[: -signing.MAC_BYTES] + b"\0" * signing.MAC_BYTES)
+    with pytest.raises(MalformedRecord, match="not a sealed record"):
+        decode_record(msgspec.msgpack.encode(["hf_kv/7"]) + b"\0" * 40)
     monkeypatch.setenv(signing.ENV, "another deployment's secret")
     with pytest.raises(ForgedRecord):
         decode_record(data)

@@ -150,7 +150,7 @@ def test_a_bad_hand_to_parameter_is_a_clear_400(value, match):
 def _record(token_counts: list[int]) -> bytes:
     rows = sum(token_counts)
     transfer = Transfer("agent", b"m", (1 << 40, 1 << 30), ((1 << 40, rows * 16),), (TensorSpec("float32", (rows, 4)),),
-                        "0123456789abcdef", 2e9, 1 << 41)
+                        "0123456789abcdef", 2e9, 1 << 41, b"k" * 16)
     return EmbeddingsRecord(transfer=transfer, token_counts=token_counts).encode()
 
 

@@ -17,7 +17,9 @@ def build_engine(settings: "WorkerSettings") -> "StageEngine":
     """The stage engine a worker serves: ``settings.backend``'s for its stage (the vllm backend encodes with
     transformers' vision tower)."""
     from ..protocol import STAGES
+    from ..transfer import data_plane
 
+    data_plane.bind(settings.transfer.data_address)  # before any NIXL agent or vLLM engine listens
     spec = STAGES[settings.stage]
     if settings.backend == "vllm":
         from .vllm import VLLMStageEngine, runs_on_vllm

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 from pytriton.proxy.types import Request
 
+from .. import auth
 from ..errors import TridentError, Unavailable, from_wire, to_wire
 from ..protocol import WORKER_FILE
 from ..workers.channel import EOS, ERROR, GONE, HEADER, recv_exact
@@ -251,6 +252,7 @@ class DirectCalls:
         try:
             info = json.loads((self._store / instance / "1" / WORKER_FILE).read_text())
             sock.connect(info["direct"])  # a local socket: at once, or refused
+            auth.connect(sock)  # both ends prove the deployment secret
         except (OSError, ValueError, KeyError, TypeError):
             sock.close()
             self._connections.pop(instance, None)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import timings
+from .. import auth, timings
 from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
 from ..media import MODALITIES, check_count, content_id, decode_base64
@@ -109,6 +109,7 @@ class TritonPythonModel:
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
         self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
         self._direct = DirectCalls(self.store) if self.cfg.stage_calls == "direct" else None
+        self._credential = auth.credential()  # every stage call through Triton carries it
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             self._measure = PromptLength(self.model_path)
@@ -322,8 +323,8 @@ class TritonPythonModel:
     ):
         pb = self.pb
         tensors = [pb.Tensor(name, v) if isinstance(v, np.ndarray) else v for name, v in _stage_inputs(stage, inputs, record)]
-        kwargs = {"parameters": parameters} if parameters else {}
-        return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs, **kwargs)
+        return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs,
+                                   parameters={**(parameters or {}), auth.CREDENTIAL: self._credential})
 
     @staticmethod
     def _record_for(stage: str, records: dict[str, bytes], local_prefill: bool = False) -> tuple[str, bytes] | None:
@@ -608,7 +609,7 @@ class TritonPythonModel:
         text = self.pb.Tensor("text_input", np.array([b""], dtype=np.object_))
         call = self.pb.InferenceRequest(
             model_name=instance, inputs=[text], requested_output_names=_ENTRY_OUTPUT_NAMES,
-            parameters={CANCEL: request_id},
+            parameters={CANCEL: request_id, auth.CREDENTIAL: self._credential},
         )
         try:
             responses = await call.async_exec(decoupled=True)

@@ -84,11 +84,12 @@ class TransferReceiver:
         region = self.pool.alloc(record.nbytes + STAMP_BYTES)
         local = self.pool.address_of(region)
         lease = record.lease_id.encode()
+        release = lease + record.release_key  # the producer ends the lease on this alone
         deadline = time.monotonic() + self.config.read_timeout_s  # both READs together
         try:
             self.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"", self.config.read_timeout_s)
             self.agent.read(record.agent, record.agent_meta, [(record.stamp, STAMP_BYTES)], local + record.nbytes,
-                            lease, max(deadline - time.monotonic(), 0.001))
+                            release, max(deadline - time.monotonic(), 0.001))
             stamp = ctypes.string_at(local + record.nbytes, STAMP_BYTES)  # (our own pool's memory, just READ)
             if stamp != lease:
                 raise ReplayedRecord(
@@ -114,4 +115,4 @@ class TransferReceiver:
         """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
         if not claimed:
             self._claim(record)
-        self.agent.notify(record.agent, record.agent_meta, record.lease_id.encode())
+        self.agent.notify(record.agent, record.agent_meta, record.lease_id.encode() + record.release_key)

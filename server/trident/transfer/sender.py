@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -14,7 +16,7 @@ import torch
 
 from ..config import TransferConfig
 from ..errors import PoolExhausted
-from ..protocol import STAMP_BYTES, Transfer
+from ..protocol import RELEASE_KEY_BYTES, STAMP_BYTES, Transfer
 from .tensors import specs_for
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
@@ -29,6 +31,7 @@ class _Lease:
     nbytes: int
     expires_at: float
     stamp: int  # slot in the stamp table
+    release_key: bytes  # in the record only: the consumer proves with it that it read the lease
 
 
 class StampTable:
@@ -117,7 +120,8 @@ class TransferSender:
         nbytes = sum(r.nbytes for r in regions)
         slot = self.stamps.take(lease_id)
         with self._lock:
-            self._leases[lease_id] = _Lease(on_release, nbytes, expires_at, slot)
+            release_key = os.urandom(RELEASE_KEY_BYTES)  # never in registered memory (the stamp table is)
+            self._leases[lease_id] = _Lease(on_release, nbytes, expires_at, slot, release_key)
             self.published += 1
         self._leased.set()
         return Transfer(
@@ -129,6 +133,7 @@ class TransferSender:
             lease_id=lease_id,
             expires_at=expires_at,
             stamp=self.stamps.address_of(slot),
+            release_key=release_key,
         )
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
@@ -154,12 +159,14 @@ class TransferSender:
         with self._lock:
             return len(self._leases)
 
-    def release(self, lease_id: str) -> bool:
-        """End a lease now; False when it is unknown (already released or expired)."""
+    def release(self, lease_id: str, release_key: bytes) -> bool:
+        """End a lease now; False when it is unknown (already released or expired) or ``release_key`` is not the
+        lease's (only the consumer that holds its record can end a lease early)."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            lease = self._leases.get(lease_id)
+            if lease is None or not hmac.compare_digest(lease.release_key, release_key):
                 return False
+            del self._leases[lease_id]
             self.released += 1
         self._end(lease)
         return True
@@ -174,9 +181,9 @@ class TransferSender:
         """Handle pending release notifications and expired leases (the reaper thread calls this)."""
         for peer, messages in self.agent.notifications().items():
             for msg in messages:
-                lease_id = msg.decode(errors="replace")
-                if not self.release(lease_id):
-                    log.debug("release of unknown lease %s from %s ignored", lease_id, peer)
+                lease_id, key = msg[:STAMP_BYTES].decode(errors="replace"), msg[STAMP_BYTES:]
+                if not self.release(lease_id, key):
+                    log.debug("release of lease %s from %s ignored (unknown, or not its key)", lease_id, peer)
         # A consumer starts a READ only before expiry (less its margin) and gives up on it after its read
         # timeout: a region is reused only once no READ of it can still be running.
         cutoff = time.time() - self.config.read_timeout_s - 1.0

@@ -78,10 +78,8 @@ def _install_proxy_model() -> None:
 
     from . import channel, wire
 
-    if wire.inline():
-        _model.TensorStoreSerializerDeserializer = wire.InlineSerializer
-    if channel.enabled():
-        channel.install_worker_side()
+    _model.TensorStoreSerializerDeserializer = wire.InlineSerializer
+    channel.install_worker_side()
 
     if getattr(Model.generate_model, "_trident", False):
         return
@@ -93,9 +91,7 @@ def _install_proxy_model() -> None:
         shutil.copy(_PROXY_MODEL, version_dir / "model.py")
         # the stub watches this process: requests waiting on a worker that died fail at once (503); the
         # scheduler calls the worker on its direct socket (:mod:`trident.scheduler.direct`)
-        info = {"pid": os.getpid(), "name": self.model_name}
-        if channel.enabled():
-            info["direct"] = channel.direct_path()
+        info = {"pid": os.getpid(), "name": self.model_name, "direct": channel.direct_path()}
         (version_dir / WORKER_FILE).write_text(json.dumps(info))
 
     def get_proxy_model_files(self) -> dict[str, bytes]:

@@ -26,8 +26,6 @@ own (:func:`direct_path`, named in the worker file of its stage model's folder):
 same way, without the round trip through Triton and the stub. That socket is a file in a folder only this
 user can open, not a port.
 
-``TRIDENT_STAGE_WIRE=pytriton`` keeps PyTriton's own transport (with the inline tensors), for side-by-side
-benchmarks (:func:`.wire.mode`).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ import threading
 import time
 from typing import Callable
 
-from . import wire
+from .. import auth
 
 EOS, ERROR, GONE = 1, 2, 4  # response flags (GONE: a direct call the stopping worker did not take)
 HEADER = struct.Struct("!IIB")  # payload bytes, call id, flags
@@ -61,11 +59,6 @@ log = logging.getLogger("trident.worker")
 
 class NoWorker(Exception):
     """No worker is connected to take the call."""
-
-
-def enabled() -> bool:
-    """Whether stage messages go over this channel (the default) rather than PyTriton's transport."""
-    return wire.mode() == "channel"
 
 
 def socket_path(requests_url: str) -> str:
@@ -153,6 +146,12 @@ class StubChannel:
                 continue
             except OSError:
                 break
+            try:
+                auth.accept(conn)  # a worker of this deployment, or nobody
+            except auth.NotAuthenticated as e:
+                log.warning("stage stub: refused a connection to %s: %s", self.path, e)
+                conn.close()
+                continue
             conn.settimeout(None)
             self._conn = conn
             self._connected.set()
@@ -261,7 +260,9 @@ class WorkerChannel(threading.Thread):
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while True:
             try:
-                return await asyncio.open_unix_connection(self._path)
+                reader, writer = await asyncio.open_unix_connection(self._path)
+                await auth.connect_stream(reader, writer)
+                return reader, writer
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline or self._closed:
                     raise
@@ -308,6 +309,12 @@ class WorkerChannel(threading.Thread):
         return await asyncio.start_unix_server(self._read_direct, path=path)
 
     async def _read_direct(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await auth.accept_stream(reader, writer)  # a caller of this deployment, or it gets nothing
+        except auth.NotAuthenticated as e:
+            log.warning("worker: refused a connection to its stage socket: %s", e)
+            writer.close()
+            return
         try:
             await self._read_calls(reader, writer, direct=True)
         except asyncio.CancelledError:  # the loop ends (the worker stops) with the scheduler still connected;

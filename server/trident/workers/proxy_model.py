@@ -8,7 +8,6 @@ decoupled stages as an error response, for the others as the request's error res
 exception wrapped in the stub's traceback.
 """
 
-import asyncio
 import json
 import threading
 import time
@@ -19,50 +18,13 @@ import triton_python_backend_utils as pb_utils  # type: ignore  # provided by th
 from pytriton.proxy import model as _proxy
 from pytriton.proxy.types import Request
 
-from trident import timings
-from trident.errors import Unavailable, client_message, from_wire, to_wire
+from trident import auth, timings
+from trident.errors import Unauthenticated, Unavailable, client_message, from_wire, to_wire
 from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE
 from trident.workers import channel, wire
 
-WATCH_S = 0.5  # how often a request waiting on the worker checks that the worker still runs
 HANDSHAKE_S = 120.0  # how long a model's later instances wait for its first instance's config socket
 _worker: dict = {}  # {"pid": ..., "name": ...} of this stub's worker
-
-
-def worker_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by the launcher, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-class _WatchedQueue:
-    """The responses queue of one request, as the handlers read it: when the worker dies while the request
-    waits, the next item is an error from the worker (503 naming the stage) instead of a wait without end."""
-
-    def __init__(self, queue: asyncio.Queue) -> None:
-        self._q = queue
-        self._synthetic = False
-
-    async def get(self):
-        pid = _worker.get("pid")
-        task = asyncio.ensure_future(self._q.get())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=WATCH_S if pid else None)
-            if done:
-                return task.result()
-            if not worker_alive(pid):
-                task.cancel()
-                self._synthetic = True
-                return _proxy.PyTritonResponseFlags.EOS | _proxy.PyTritonResponseFlags.ERROR, _lost_worker()
-
-    def task_done(self) -> None:
-        if self._synthetic:
-            self._synthetic = False
-            return
-        self._q.task_done()
 
 
 def triton_error(payload: str):
@@ -72,78 +34,11 @@ def triton_error(payload: str):
     return pb_utils.TritonError(client_message(error), code)
 
 
-class _BackendUtils:
-    """``pb_utils`` as PyTriton's proxy sees it: errors it builds from a payload get their code."""
-
-    def __getattr__(self, name):
-        return getattr(pb_utils, name)
-
-    @staticmethod
-    def TritonError(error="", code=None):  # noqa: N802 (pb_utils' name)
-        return triton_error(error)
-
-
-class _BatchResponses(_proxy.BatchResponsesHandler):
-    """Non-decoupled stages: a failed request gets an error response, not a raised exception."""
-
-    async def handle_responses(self, scope, responses_queue, responses_future):
-        from concurrent.futures import Future
-
-        inner: Future = Future()
-        result = await super().handle_responses(scope, _WatchedQueue(responses_queue), inner)
-        if isinstance(result, pb_utils.TritonModelException):
-            result = [pb_utils.InferenceResponse(error=triton_error(str(result)))]
-        responses_future.set_result(result)
-        return result
-
-
 def _from_scheduler(request) -> bool:
     try:
         return REQUEST_ID in json.loads(request.parameters() or "{}")
     except (ValueError, AttributeError):
         return False
-
-
-class _DecoupledResponses(_proxy.DecoupledResponsesHandler):
-    """Decoupled stages (the token streams): each response goes to Triton from the stub's requests loop
-    itself. PyTriton's handler hands every ``sender.send`` to a thread pool, a thread switch per token, for
-    parallelism that one request per call (no batching) never uses. With ``--trace-dir`` the first response's
-    arrival from the worker and its hand-over to Triton are timed."""
-
-    async def handle_responses(self, scope, responses_queue, responses_future):
-        requests_id = scope["requests_id"]
-        triton_requests = self._requests_map[requests_id]
-        senders = [request.get_response_sender() for request in triton_requests]
-        responses_queue = _WatchedQueue(responses_queue)
-        first, eos = True, False
-        while not eos:
-            error = False
-            payload = b""
-            try:
-                flags, payload = await responses_queue.get()
-                t_in = time.monotonic_ns() if first else 0
-                eos = bool(flags & _proxy.PyTritonResponseFlags.EOS)
-                error = bool(flags & _proxy.PyTritonResponseFlags.ERROR)
-                responses = [] if error else [
-                    _proxy._wrap_response(response, request.requested_output_names(), self._model_outputs_dict)
-                    for request, response in zip(triton_requests, self._serializer_deserializer.deserialize_responses(payload))
-                ]
-                _send_stream(triton_requests, senders, (channel.EOS if eos else 0) | (channel.ERROR if error else 0),
-                             payload, responses)
-                if first and not eos:
-                    timings.mark("first_response", t_in)
-                    first = False
-            except asyncio.CancelledError:
-                final = pb_utils.InferenceResponse(error=pb_utils.TritonError("Cancelled responses handler"))
-                for sender in senders:
-                    sender.send(final, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                eos = True
-            finally:
-                if not error and payload:
-                    self._serializer_deserializer.free_responses_resources(payload)
-                responses_queue.task_done()
-        self._requests_map.pop(requests_id)
-        responses_future.set_result(None)
 
 
 def _lost_worker() -> bytes:
@@ -201,13 +96,25 @@ class _ChannelServer:
     def shutdown(self) -> None:
         self.channel.close()
 
-    def _request(self, triton_request) -> Request:
+    @staticmethod
+    def _parameters(triton_request) -> dict | None:
+        """The request's parameters without the stage credential; None when it does not carry the credential
+        (nothing of it is read beyond its parameters)."""
+        try:
+            parameters = json.loads(triton_request.parameters() or "{}")
+        except ValueError:
+            return None
+        if not isinstance(parameters, dict) or not auth.check_credential(parameters.pop(auth.CREDENTIAL, None)):
+            return None
+        return parameters
+
+    def _request(self, triton_request, parameters: dict) -> Request:
         data = {}
         for name in self._inputs:
             tensor = pb_utils.get_input_tensor_by_name(triton_request, name)
             if tensor is not None:
                 data[name] = tensor.as_numpy()
-        return Request(data=data, parameters=json.loads(triton_request.parameters() or "{}"),
+        return Request(data=data, parameters=parameters,
                        requested_output_names=list(triton_request.requested_output_names()))
 
     def _responses(self, triton_requests, payload: bytes) -> list:
@@ -219,8 +126,13 @@ class _ChannelServer:
         ]
 
     def submit(self, triton_requests):
-        """``execute``: the responses of a one-answer stage; None for a decoupled one (sent as they come)."""
-        payload = self._serializer.serialize_requests([self._request(r) for r in triton_requests])
+        """``execute``: the responses of a one-answer stage; None for a decoupled one (sent as they come).
+
+        A request without the stage credential (:mod:`trident.auth`) is refused here, before the worker sees it."""
+        parameters = [self._parameters(r) for r in triton_requests]
+        if any(p is None for p in parameters):
+            return self._refuse(triton_requests, parameters)
+        payload = self._serializer.serialize_requests([self._request(r, p) for r, p in zip(triton_requests, parameters)])
         if self._decoupled:
             senders = [r.get_response_sender() for r in triton_requests]
             first = [True]
@@ -249,6 +161,25 @@ class _ChannelServer:
         return self._responses(triton_requests, data)
 
 
+    def _refuse(self, triton_requests, parameters: list):
+        """Answer the requests without the credential with :class:`~trident.errors.Unauthenticated`, then submit the
+        others (a batch of requests is one caller's in practice: each is judged alone all the same)."""
+        error = to_wire(Unauthenticated(
+            f"stage model {_worker.get('name', 'this')} answers only the deployment's own callers (the request "
+            f"carries no valid {auth.CREDENTIAL}); clients call the entry models or the OpenAI API")).encode()
+        refused = [r for r, p in zip(triton_requests, parameters) if p is None]
+        kept = [r for r, p in zip(triton_requests, parameters) if p is not None]
+        answers = dict.fromkeys(map(id, refused), pb_utils.InferenceResponse(error=triton_error(error.decode())))
+        if self._decoupled:
+            for request in refused:
+                request.get_response_sender().send(answers[id(request)], pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if kept:
+                self.submit(kept)
+            return None
+        answers.update(zip(map(id, kept), self.submit(kept) if kept else []))
+        return [answers[id(r)] for r in triton_requests]
+
+
 def _no_worker() -> bytes:
     name = _worker.get("name", "this")
     return to_wire(Unavailable(f"the {name} stage's worker did not take the request (it is not running)")).encode()
@@ -270,9 +201,7 @@ class TritonPythonModel(_proxy.TritonPythonModel):
     def execute(self, requests):
         t0 = time.monotonic_ns()
         try:
-            if isinstance(self._requests_server, _ChannelServer):
-                return self._requests_server.submit(requests)
-            return super().execute(requests)  # a decoupled stage's returns at once, the others' with the responses
+            return self._requests_server.submit(requests)  # a decoupled stage's returns at once
         finally:
             timings.mark("execute", t0)
 
@@ -293,10 +222,5 @@ def patient_handshake(socket_path: Path, timeout_s: float = 1.0) -> dict:
 
 
 _proxy.get_config_from_handshake_server = patient_handshake
-if wire.inline():  # the worker's side: bind._install_proxy_model
-    _proxy.TensorStoreSerializerDeserializer = wire.InlineSerializer
-if channel.enabled():
-    _proxy.TritonRequestsServer = _ChannelServer
-_proxy.pb_utils = _BackendUtils()
-_proxy.BatchResponsesHandler = _BatchResponses
-_proxy.DecoupledResponsesHandler = _DecoupledResponses
+_proxy.TensorStoreSerializerDeserializer = wire.InlineSerializer  # the worker's side: bind._install_proxy_model
+_proxy.TritonRequestsServer = _ChannelServer

@@ -9,13 +9,12 @@ token. The round trips to the manager cost more than the data. Here the tensors 
 as PyTriton's own header + data frames, and nothing is left to release.
 
 The stub (:mod:`.proxy_model`) and the worker (:mod:`.bind`) both install :class:`InlineSerializer` in place
-of PyTriton's ``TensorStoreSerializerDeserializer``; the two sides must agree. ``TRIDENT_STAGE_WIRE=tensorstore``
-in the server's environment keeps PyTriton's store on both sides (for side-by-side benchmarks, :func:`mode`).
+of PyTriton's ``TensorStoreSerializerDeserializer`` (PyTriton 0.7 offers no setting for it); the two sides must
+agree.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import time
@@ -29,26 +28,6 @@ from pytriton.proxy.data import (
 from pytriton.proxy.types import Request, Response
 
 from .. import timings
-
-ENV = "TRIDENT_STAGE_WIRE"
-
-
-MODES = ("channel", "pytriton", "tensorstore")
-
-
-def mode() -> str:
-    """How stage messages travel, from ``TRIDENT_STAGE_WIRE`` (the stub and its worker must agree):
-    ``channel`` (the default): Trident's own sockets (:mod:`.channel`), tensors inline; ``pytriton``:
-    PyTriton's transport, tensors inline; ``tensorstore``: PyTriton's transport and tensor store. The last two
-    are kept for side-by-side benchmarks."""
-    value = os.environ.get(ENV, "channel")
-    return value if value in MODES else "channel"
-
-
-def inline() -> bool:
-    """Whether stage messages carry their tensors inline (the default) rather than in PyTriton's store."""
-    return mode() != "tensorstore"
-
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()

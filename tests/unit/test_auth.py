@@ -1,0 +1,89 @@
+"""The stage credential and the stage-socket handshake (:mod:`trident.auth`): both ends prove the deployment
+secret, a wrong secret on either side is refused, and nothing but the challenge goes to an unproven caller."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from trident import auth, signing
+
+
+def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
+    """Run the handshake over a socket pair, each side under its own secret; (acceptor's error, connector's)."""
+    a, b = socket.socketpair()
+    results: dict = {}
+
+    # one process, one environment: each side's handshake key is derived first, then handed to it by thread
+    with monkeypatch.context() as m:
+        m.setenv(signing.ENV, accept_secret)
+        acc_key = signing.derive(b"trident-stage-hs")
+    with monkeypatch.context() as m:
+        m.setenv(signing.ENV, connect_secret)
+        con_key = signing.derive(b"trident-stage-hs")
+    keys = {"accept": acc_key, "connect": con_key}
+    local = threading.local()
+    real = signing.derive
+    monkeypatch.setattr(signing, "derive", lambda label, value=None: keys[local.side] if label == b"trident-stage-hs" else real(label, value))
+
+    def run(name, fn, sock):
+        local.side = name
+        try:
+            fn(sock)
+            results[name] = None
+        except auth.NotAuthenticated as e:
+            results[name] = e
+            sock.close()
+
+    t = threading.Thread(target=run, args=("accept", auth.accept, a))
+    t.start()
+    run("connect", auth.connect, b)
+    t.join(10)
+    a.close(), b.close()
+    return results["accept"], results["connect"]
+
+
+def test_the_same_secret_passes_both_ways(monkeypatch):
+    assert _pair_with_secrets(monkeypatch, "s1", "s1") == (None, None)
+
+
+def test_another_deployments_secret_is_refused_by_both_ends(monkeypatch):
+    accept_error, connect_error = _pair_with_secrets(monkeypatch, "s1", "s2")
+    assert isinstance(accept_error, auth.NotAuthenticated) and "did not prove" in str(accept_error)
+    assert isinstance(connect_error, auth.NotAuthenticated)
+
+
+def test_a_connector_that_is_not_a_stage_socket_is_refused():
+    a, b = socket.socketpair()
+    a.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 17)
+    with pytest.raises(auth.NotAuthenticated, match="not a Trident stage socket"):
+        auth.connect(b)
+    a.close(), b.close()
+
+
+def test_the_credential_is_derived_one_way_and_checked_exactly(monkeypatch):
+    monkeypatch.setenv(signing.ENV, "the deployment's secret")
+    value = auth.credential()
+    assert auth.check_credential(value)
+    assert "the deployment's secret" not in value and len(value) == 64
+    assert not auth.check_credential(value[:-1] + ("0" if value[-1] != "0" else "1"))
+    assert not auth.check_credential(None) and not auth.check_credential(b"bytes") and not auth.check_credential("")
+    monkeypatch.setenv(signing.ENV, "another deployment's secret")
+    assert not auth.check_credential(value)
+
+
+def test_rotation_opens_records_of_the_previous_key(monkeypatch):
+    """The secret may list several keys, one per line: the first seals, each opens (a key id picks it)."""
+    monkeypatch.setenv(signing.ENV, "old")
+    old = signing.sign(b"payload")
+    monkeypatch.setenv(signing.ENV, "new\nold")
+    assert signing.verify(old) == b"payload"
+    new = signing.sign(b"payload")
+    assert new[1:1 + signing.KEY_ID_BYTES] != old[1:1 + signing.KEY_ID_BYTES]
+    monkeypatch.setenv(signing.ENV, "new")
+    from trident.errors import ForgedRecord
+    with pytest.raises(ForgedRecord):
+        signing.verify(old)
+    assert signing.verify(new) == b"payload"
