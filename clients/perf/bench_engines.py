@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import base64
 import io
+import json
 import os
 import shutil
 import shlex
@@ -176,10 +177,15 @@ def bench_vllm_server(args, model: str) -> dict:
 def bench_trident(args, model: str, backend: str, mode: str) -> dict:
     http, grpc, metrics, openai_port = free_ports(4)
     with tempfile.TemporaryDirectory() as tmp:
+        from trident.cli import load_config_file, merge_settings
+
+        config = load_config_file(args.serve_config) if args.serve_config else {}
+        config = merge_settings(config, {"frontend": {"default_mode": mode}})
+        (Path(tmp) / "serve.json").write_text(json.dumps(config))
         cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", mode,
                "--backend", backend, "--workspace", str(Path(tmp) / "ws"), "--http-port", str(http),
                "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai_port),
-               "--served-model-name", "demo", "--default-mode", mode]
+               "--served-model-name", "demo", "--config", str(Path(tmp) / "serve.json")]
         if backend == "vllm":
             cmd += ["--worker-python", args.vllm_python]
         cmd += shlex.split(args.serve_args)
@@ -219,7 +225,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of --requests per server (new images each round)")
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--backends", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
-    p.add_argument("--serve-args", default="", help="more `trident serve` options, e.g. '--vllm-prefill-calls 2'")
+    p.add_argument("--serve-args", default="", help="more `trident serve` options, e.g. '--threads 2'")
+    p.add_argument("--serve-config", metavar="FILE",
+                   help="`trident serve` config file (YAML or JSON) of every trident server, e.g. one with "
+                   "`vllm: {prefill_calls: 2}`")
     p.add_argument("--report", help="also write the table to this Markdown file")
     args = p.parse_args()
     if args.model is None:
@@ -249,7 +258,8 @@ def main() -> int:
     table += [" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     caption = (f"{args.rounds} rounds of {args.requests} streaming chat requests at concurrency {args.concurrency}, "
                f"one new 224 px image each, {args.max_tokens} new tokens (greedy, ignore_eos), model {Path(args.model).name}; "
-               f"{os.cpu_count()} CPU cores" + (f"; trident serve {args.serve_args}" if args.serve_args else ""))
+               f"{os.cpu_count()} CPU cores" + (f"; trident serve {args.serve_args}" if args.serve_args else "")
+               + (f"; its config {args.serve_config}" if args.serve_config else ""))
     print(caption)
     print("\n".join(table))
     if args.report:

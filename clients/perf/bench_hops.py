@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where one request's time goes: a per-hop breakdown of TTFT for E/P/D and EP/D at concurrency 1.
 
-Starts `trident serve --trace-dir` on a demo model (hf engine), sends requests one at a time over gRPC
+Starts `trident serve` with `trace_dir` set on a demo model (hf engine), sends requests one at a time over gRPC
 streaming (tritonclient), each with a new image, and reads the step timings every process wrote
 (:mod:`trident.timings`: the BLS scheduler, each stage's python-backend stub and each stage worker, on one
 monotonic clock). A step belongs to the request whose send..done window holds it. The same requests also
@@ -64,7 +64,7 @@ def stage_rows(steps: Steps, stage: str, streamed: bool, handed: bool = False) -
     stub_back = _first(steps, f"proxy-{stage}/first_response" if streamed else f"proxy-{stage}/execute", end=True)
     infer = steps.get(f"{stage}/infer_first" if streamed else f"{stage}/infer")
     infer_t0, infer_t1 = (infer[0] if infer else (None, None))
-    direct = stub is None  # called straight at its worker (--stage-calls direct): no stub in between
+    direct = stub is None  # called straight at its worker (scheduling.stage_calls direct): no stub in between
     if handed:
         rows = [(f"{stage}: record in -> call runs", _gap(_first(steps, f"{stage}/await_record", end=True), infer_t0))]
     elif direct:
@@ -218,21 +218,21 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
         engine.close()
 
 
-CALLS = {  # the servers, in the order run: (label, how the scheduler calls the record stages)
-    "direct": ("stages called direct", ["--stage-calls", "direct"]),
+CALLS = {  # the servers, in the order run: (label, how the scheduler calls the record stages: its `scheduling`)
+    "direct": ("stages called direct", {"stage_calls": "direct"}),
     "bls_handoff": ("stages called direct, the BLS passing the encode's record on",
-                    ["--stage-calls", "direct", "--record-handoff", "scheduler"]),
-    "triton": ("through Triton", ["--stage-calls", "triton"]),
+                    {"stage_calls": "direct", "record_handoff": "scheduler"}),
+    "triton": ("through Triton", {"stage_calls": "triton"}),
 }
 
 
-def serve_requests(model: str, text: str, args, trace_dir: Path, flags: list[str]):
-    """``args.requests`` requests per mode, one at a time, into a server started with ``flags``: (the clocks per
-    mode, every process's steps)."""
-    print(f"[bench-hops] starting the server, {' '.join(flags)} (steps in {trace_dir})", flush=True)
+def serve_requests(model: str, text: str, args, trace_dir: Path, scheduling: dict):
+    """``args.requests`` requests per mode, one at a time, into a server started with these ``scheduling``
+    settings: (the clocks per mode, every process's steps)."""
+    print(f"[bench-hops] starting the server, scheduling {scheduling} (steps in {trace_dir})", flush=True)
     # every request takes its mode's full path (no prefill on the decode side for short prompts)
-    server = Serve(model, ["--trace-dir", str(trace_dir), "--local-prefill-tokens", "0", *flags],
-                   modes=(*MODES, "epd"))
+    server = Serve(model, [], modes=(*MODES, "epd"), config={
+        "trace_dir": str(trace_dir), "scheduling": {"local_prefill_tokens": 0, **scheduling}})
     clocks: dict[str, list[dict]] = {}
     try:
         stream = Stream(f"127.0.0.1:{server.grpc}")  # one client and stream, as a real client keeps them
@@ -280,20 +280,21 @@ def main() -> int:
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
                                    tokenize=False, add_generation_prompt=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
-    runs = {calls: serve_requests(model, text, args, trace_dir / calls, flags) for calls, (_, flags) in CALLS.items()}
+    runs = {calls: serve_requests(model, text, args, trace_dir / calls, scheduling)
+            for calls, (_, scheduling) in CALLS.items()}
     images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
     clocks, steps = runs["direct"]
     local_steps = read_steps(trace_dir / "local")
 
     lines = [SECTION, f"## Where TTFT goes: one request at a time ({args.arch} demo, hf engine)", "",
-             "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve --trace-dir`, one "
+             "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve` with `trace_dir` set, one "
              f"gRPC stream (tritonclient) kept open for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
              "tokens, one at a time; the median (p50) and 90th percentile (p90) of each hop in ms over the requests, "
              "from the step timings the BLS, the stage stubs "
              "and the workers write on one clock. The scheduler calls the stages straight at their workers "
-             "(`--stage-calls direct`, the default), and in E/P/D the encode worker hands its record straight to the "
-             "prefill worker, whose call the BLS posted beside the encode's (`--record-handoff worker`, the "
+             "(`scheduling.stage_calls: direct`, the default), and in E/P/D the encode worker hands its record straight to the "
+             "prefill worker, whose call the BLS posted beside the encode's (`scheduling.record_handoff: worker`, the "
              "default): the prefill call's rows then start when its record is in. In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
     in_rows = []
@@ -355,9 +356,9 @@ def main() -> int:
             q = statistics.quantiles(gaps, n=4)
             lines.append(f"| {CALLS[calls][0]} | {q[0]:.2f} | {statistics.median(gaps):.2f} | {q[2]:.2f} |")
     lines += ["", "The same run, the same requests, one server after the other: the scheduler's stage calls "
-              "straight at the workers (`--stage-calls direct`) with the encode's record handed worker to worker, "
-              "then passed on by the BLS (`--record-handoff scheduler`), then every call through Triton "
-              "(`--stage-calls triton`).",
+              "straight at the workers (`scheduling.stage_calls: direct`) with the encode's record handed worker to worker, "
+              "then passed on by the BLS (`scheduling.record_handoff: scheduler`), then every call through Triton "
+              "(`scheduling.stage_calls: triton`).",
               "", END]
     print("\n".join(lines), flush=True)
     if args.report:

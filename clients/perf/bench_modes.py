@@ -34,15 +34,15 @@ MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 
 
 def start_server(model: str, workspace: Path, ports: list[int]) -> subprocess.Popen:
+    workspace.mkdir(parents=True, exist_ok=True)
+    # perf_analyzer cycles through a few inputs, the same ones for every mode and concurrency: with the encoder's
+    # embedding cache on, all but the first of each would skip the encoder, which the in-process rows never do
+    # (make bench-scheduler measures the cache)
+    (workspace / "serve.json").write_text(json.dumps({"embedding_cache_mib": 0}))
     cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--workspace", str(workspace),
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-           "--openai-port", str(ports[3]),
-           # perf_analyzer cycles through a few inputs, the same ones for every mode and concurrency: with the
-           # encoder's embedding cache on, all but the first of each would skip the encoder, which the in-process
-           # rows never do (make bench-scheduler measures the cache)
-           "--embedding-cache-mib", "0"]
+           "--openai-port", str(ports[3]), "--config", str(workspace / "serve.json")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workspace.mkdir(parents=True, exist_ok=True)
     log = open(workspace / "serve.log", "w")  # what the server says, kept with the run's files
 
     def keep(line: str) -> None:
@@ -298,7 +298,7 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
         "Written by `make bench` (`clients/perf/bench_modes.py`). perf_analyzer drives the Triton entry models over "
         "gRPC streaming; aiperf drives the OpenAI-compatible `/v1/chat/completions` with synthetic images; "
         "`hf engine` runs the same requests through the engine roles in one process (no Triton, no transfers). "
-        "The server runs with its embedding cache off (`--embedding-cache-mib 0`): perf_analyzer sends the same "
+        "The server runs with its embedding cache off (`embedding_cache_mib: 0`): perf_analyzer sends the same "
         "few inputs in every mode, and every request encodes its media, as in-process.",
         "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
         *("| " + " | ".join(line) + " |" for line in lines),

@@ -11,7 +11,7 @@ process drives both paths:
 
 Each request has an image of its own (no embedding-cache hits). At concurrency 1 the two paths alternate
 request by request; at concurrency 8 they alternate round by round. Prints TTFT and tokens/s of each path and
-their ratios. The server runs with ``--trace-dir``: per request at concurrency 1, TTFT minus the time the entry
+their ratios. The server runs with ``trace_dir``: per request at concurrency 1, TTFT minus the time the entry
 model held the request before its first response left is the path's own cost, the compute behind it taken
 out (TTFT itself moves by tens of ms between requests, more than the frontend costs).
 
@@ -176,7 +176,7 @@ async def run(server: Serve, args) -> dict[str, dict[str, list[float]]]:
 
 def outside_bls(trace: Path, mode: str, windows: list[tuple[int, float]]) -> list[float]:
     """Per request (sent at ``t0`` ns, first token ``ttft`` s later): TTFT minus the time the entry model held
-    it before its first response left (its ``execute`` .. ``first_send`` steps, from ``--trace-dir``): the path
+    it before its first response left (its ``execute`` .. ``first_send`` steps, from ``trace_dir``): the path
     to and from the entry model, without the work behind it, whose run-to-run spread (tens of ms) would hide a
     ms of difference between the paths."""
     steps = [json.loads(line) for line in (trace / f"bls-{mode}.jsonl").read_text().splitlines()]
@@ -205,7 +205,7 @@ def table(out: dict, args) -> list[str]:
         f"{args.max_tokens} new tokens. Concurrency 1: {args.requests_c1} requests per path with an image and as many text-only, alternating. "
         f"Concurrency {args.concurrency}: {args.requests} requests per round, {args.rounds} rounds per path, "
         "alternating. Time outside the entry model: TTFT minus the time from the entry model's `execute` to its "
-        "first response's hand-over to Triton (`trident serve --trace-dir`), per request: the client, the frontend "
+        "first response's hand-over to Triton (`trident serve`, `trace_dir`), per request: the client, the frontend "
         "and Triton's way in and out, without the compute behind it (which varies by tens of ms run to run).",
         "", "| measure | OpenAI | gRPC | OpenAI / gRPC | target |", "|---|---|---|---|---|",
         f"| median TTFT with an image, concurrency 1 (ms) | {ttft_o:.1f} | {ttft_g:.1f} | {ttft_o - ttft_g:+.1f} ms | |",
@@ -241,7 +241,7 @@ def main() -> int:
     model = str(default_demo_model(args.arch, log=None))
     print(f"[bench] starting the server ({args.mode}, OpenAI frontend on)", flush=True)
     trace = Path(tempfile.mkdtemp(prefix="bench-openai-trace-"))
-    server = Serve(model, ["--trace-dir", str(trace)], modes=(args.mode,), openai=True)
+    server = Serve(model, [], modes=(args.mode,), openai=True, config={"trace_dir": str(trace)})
     try:
         out = asyncio.run(run(server, args))
         for path in out.values():

@@ -4,7 +4,7 @@
 Two `trident serve` runs on a demo model (E/PD, E/P/D and EPD), one after the other, driven by the same gRPC
 streaming client (tritonclient, one thread per in-flight request):
 
-1. embedding cache on (256 MiB) and 2. cache off (``--embedding-cache-mib 0``): 200 requests at concurrency
+1. embedding cache on (256 MiB) and 2. cache off (``embedding_cache_mib: 0``): 200 requests at concurrency
    8 over a fixed pool of 40 images (each image 5 times, shuffled: 80% reuse), per mode; mean TTFT cache on /
    cache off, and encoder runs / unique images (from the encode worker's stats). On server 1 also: text-only
    TTFT at concurrency 1 through ``e_p_d`` and through ``epd``.
@@ -55,20 +55,27 @@ def image_b64(seed: int, size: int = 224) -> str:
 
 
 class Serve:
-    """`trident serve` on free ports, output kept; stopped with SIGTERM."""
+    """`trident serve` on free ports, output kept; stopped with SIGTERM. ``config``: settings of its config file
+    (``--config``; the keys of docs/configuration.md, nested as dicts)."""
 
     TOKEN = "bench-scheduler"
 
     def __init__(self, model: str, extra: list[str], modes: tuple[str, ...] = (*MODES, "epd"),
-                 openai: bool = False) -> None:
+                 openai: bool = False, config: dict | None = None) -> None:
         self.http, self.grpc, metrics, openai_port = free_ports(4)
         self.openai = openai_port if openai else 0
         self.model = model
         self.workspace = Path(tempfile.mkdtemp(prefix="bench-sched-"))
+        token = self.workspace / "access-token"  # mkdtemp's folder is the user's alone
+        token.write_text(self.TOKEN)
+        token.chmod(0o600)
         cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *modes,
-               "--access-token", self.TOKEN,
+               "--access-token-file", str(token),
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
                "--openai-port", str(self.openai), "--workspace", str(self.workspace), *extra]
+        if config:
+            (self.workspace / "serve.json").write_text(json.dumps(config))
+            cmd += ["--config", str(self.workspace / "serve.json")]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         ready = threading.Event()
@@ -283,9 +290,9 @@ def run_arch(arch: str, args) -> dict[str, dict]:
     image_text = chat(1, PROMPT)
     text_only = chat(0, "Tell me a short story about a lighthouse.")
     rows: dict[str, dict] = {}
-    for label, extra in (("cache on", []), ("cache off", ["--embedding-cache-mib", "0"])):
+    for label, config in (("cache on", {}), ("cache off", {"embedding_cache_mib": 0})):
         print(f"[bench] {arch}, {label}: starting the server", flush=True)
-        server = Serve(model, extra)
+        server = Serve(model, [], config=config)
         try:
             url = f"127.0.0.1:{server.grpc}"
             for k, mode in enumerate(MODES):

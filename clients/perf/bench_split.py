@@ -124,10 +124,17 @@ async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: 
     return rounds
 
 
-OTHER_SERVERS = {  # --compare-<way>: (what the second server does, its flags)
-    "stage_calls": ("whose scheduler calls the stages through Triton", ["--stage-calls", "triton"]),
-    "record_handoff": ("whose scheduler passes the encode's record on itself", ["--record-handoff", "scheduler"]),
+OTHER_SERVERS = {  # --compare-<way>: (what the second server does, its settings: config-file keys)
+    "stage_calls": ("whose scheduler calls the stages through Triton", {"scheduling": {"stage_calls": "triton"}}),
+    "record_handoff": ("whose scheduler passes the encode's record on itself",
+                       {"scheduling": {"record_handoff": "scheduler"}}),
 }
+
+
+def settings_text(config: dict, prefix: str = "") -> str:
+    """``{"scheduling": {"stage_calls": "triton"}}`` as ``scheduling.stage_calls: triton``."""
+    return ", ".join(settings_text(v, f"{prefix}{k}.") if isinstance(v, dict) else f"{prefix}{k}: {v}"
+                     for k, v in config.items())
 
 
 def table(results: dict[str, list[dict]], args) -> list[str]:
@@ -168,10 +175,10 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
             f"{statistics.median(r['server']['own_cpu'] for r in rounds):.1f} | >= 0.9 |")
     for way, rows in compared.items():
         if rows:
-            label, flags = OTHER_SERVERS[way]
-            lines += ["", f"The same rounds, another way: a second server {label} (`{' '.join(flags)}`; the server above "
-                      "runs the defaults), both up for the whole mode.", "",
-                      f"| mode | default / in-process (per round) | `{' '.join(flags)}` / in-process (per round) |",
+            label, config = OTHER_SERVERS[way]
+            lines += ["", f"The same rounds, another way: a second server {label} (`{settings_text(config)}`; the server "
+                      "above runs the defaults), both up for the whole mode.", "",
+                      f"| mode | default / in-process (per round) | `{settings_text(config)}` / in-process (per round) |",
                       "|---|---|---|", *rows]
     return lines + [END, ""]
 
@@ -185,10 +192,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
     ap.add_argument("--compare-stage-calls", action="store_true",
-                    help="also run a server whose scheduler calls the stages through Triton (--stage-calls triton)")
+                    help="also run a server whose scheduler calls the stages through Triton (scheduling.stage_calls: "
+                    "triton)")
     ap.add_argument("--compare-record-handoff", action="store_true",
-                    help="also run a server whose scheduler passes the encode's record on itself (--record-handoff "
-                    "scheduler; E/P/D)")
+                    help="also run a server whose scheduler passes the encode's record on itself "
+                    "(scheduling.record_handoff: scheduler; E/P/D)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -205,9 +213,9 @@ def main() -> int:
         for k, mode in enumerate(args.modes):
             servers = {"server": Serve(model, [], modes=(mode,))}
             try:
-                for way, (_, flags) in OTHER_SERVERS.items():
+                for way, (_, config) in OTHER_SERVERS.items():
                     if getattr(args, f"compare_{way}"):
-                        servers[way] = Serve(model, flags, modes=(mode,))
+                        servers[way] = Serve(model, [], modes=(mode,), config=config)
                 results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
             finally:
                 for server in servers.values():

@@ -1,31 +1,43 @@
-"""``trident``: the command line. Flags build the settings of :mod:`trident.config`, whose fields hold every
-default and most help texts; mode, stage and family choices come from :mod:`trident.protocol` and the
-family adapters.
+"""``trident``: the command line. It turns argv (and ``serve``'s config file) into the settings of
+:mod:`trident.config`, whose fields hold every default and help text; mode, stage and family choices come
+from :mod:`trident.protocol` and the family adapters.
 
-    trident serve [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--backend hf|vllm] [--http-port ...]
-                  [--scheduler bls|ensemble] [--instances STAGE=N ...] [--routing ...]
+    trident serve [--config FILE] [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--backend hf|vllm]
+                  [--http-port ...] [--instances STAGE=N ...] [--access-token-file PATH] ...
     trident worker --settings JSON          (started by `serve`; or STAGE --model PATH --join URL)
     trident frontend --settings JSON        (started by `serve`; or --model PATH --grpc-url HOST:PORT)
+    trident config-reference                (docs/configuration.md: every key of serve's config file)
     trident build-demo-model --arch llava|qwen2vl OUT
     trident bench transfer | decode [--model PATH | --arch llava|qwen2vl]
+
+``serve`` takes a few flags, the settings a user sets on most days; everything else is a key of its
+``--config`` file (YAML or JSON; keys are the field names of :class:`~trident.config.ServeSettings`, nested
+as objects). Flags override environment variables, which override the file. Secrets come from files
+(``--access-token-file``, ``--transfer-secret-file``) or environment variables, never argv.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import stat
 import sys
 import tempfile
+from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
-from .config import (
-    BACKENDS, ROUTINGS, SCHEDULERS, FrontendSettings, MediaLimits, MediaPolicy, MiB, SchedulerConfig, ServeSettings,
-    TransferConfig, VLLMConfig, WorkerSettings,
-)
+from .config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, WorkerSettings
 from . import signing
 from .protocol import MODES, STAGES
+
+
+class UsageError(Exception):
+    """A mistake of the user's (a config file, a secret file): printed as one line, exit code 2."""
 
 
 def _opt(group, flag: str, model: type[BaseModel], field: str, **kwargs) -> None:
@@ -46,140 +58,177 @@ def _demo_archs() -> list[str]:
 
 
 # -- serve ------------------------------------------------------------------------------------------------
-def _modes(values: list[str] | None) -> tuple[str, ...] | None:
-    if values is None:
-        return None
-    return tuple(MODES) if "all" in values else tuple(dict.fromkeys(values))
+SERVE_FLAGS: dict[str, str] = {  # flag: the settings key it sets (a path into ServeSettings)
+    "--model": "model", "--mode": "modes", "--host": "host", "--http-port": "http_port", "--grpc-port": "grpc_port",
+    "--metrics-port": "metrics_port", "--openai-port": "openai_port", "--backend": "backend",
+    "--worker-python": "worker_python", "--instances": "instances", "--workspace": "workspace",
+    "--threads": "threads_per_worker", "--served-model-name": "frontend.model_name",
+}
+SERVE_ENV = {"worker_python": "TRIDENT_WORKER_PYTHON"}  # settings an environment variable may set (below the flags)
+SECRET_FILES = {  # flag: (the secret's settings key, its environment variable)
+    "--access-token-file": ("access_token", "TRIDENT_ACCESS_TOKEN"),
+    "--transfer-secret-file": ("transfer_secret", signing.ENV),
+}
 
 
-def _instances(values: list[str] | None) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for value in values or ():
-        stage, sep, count = value.partition("=")
-        if not sep or not count.isdigit():
-            raise SystemExit(f"trident serve: --instances takes STAGE=N (e.g. prefill=2), got {value!r}")
-        out[stage] = int(count)
+def field_at(key: str, model: type[BaseModel] = ServeSettings) -> FieldInfo:
+    """The settings field at a dotted key path, e.g. ``frontend.model_name``."""
+    *outer, last = key.split(".")
+    for name in outer:
+        model = model.model_fields[name].annotation
+    return model.model_fields[last]
+
+
+def _stage_count(value: str) -> tuple[str, int]:
+    stage, sep, count = value.partition("=")
+    if not sep or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"STAGE=N (e.g. prefill=2), got {value!r}")
+    return stage, int(count)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """A config file's settings: a mapping of ServeSettings keys, from YAML (``.yaml``, ``.yml``) or JSON."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise UsageError(f"--config {path}: name the file .yaml, .yml or .json")
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"--config {path}: {e.strerror or e}") from None
+    if suffix == ".json":
+        parse, kind = json.loads, "JSON"
+    else:
+        import yaml  # PyYAML, installed with transformers
+
+        parse, kind = yaml.safe_load, "YAML"
+    try:
+        data = parse(text)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+        raise UsageError(f"--config {path}: not valid {kind}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: the file must hold a mapping of settings (key: value), not a "
+                         f"{type(data).__name__}")
+    for flag, (key, env) in SECRET_FILES.items():
+        if key in data:
+            raise UsageError(f"--config {path}: {key}: a secret is not read from a config file; give {flag} PATH "
+                             f"(a file only you can read) or set {env}")
+    return data
+
+
+def read_secret_file(path: str, flag: str) -> str:
+    """A secret from a file that only its owner may read or write (as ssh wants of a private key)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{flag} {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise UsageError(f"{flag} {path}: group or others may read or write it (mode "
+                             f"{stat.S_IMODE(st.st_mode):o}); make it yours alone: chmod 600 {path}")
+        secret = f.read().strip()
+    if not secret:
+        raise UsageError(f"{flag} {path}: the file is empty")
+    return secret
+
+
+def _put(tree: dict, key: str, value: Any) -> None:
+    *outer, last = key.split(".")
+    for name in outer:
+        tree = tree.setdefault(name, {})
+    tree[last] = value
+
+
+def merge_settings(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` on top, nested mappings merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge_settings(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
-def _serve_settings(args: argparse.Namespace) -> ServeSettings:
-    media = MediaPolicy(allow_private_urls=args.allow_private_media_urls, allowed_media_dir=args.allowed_media_dir)
-    frontend = FrontendSettings(
-        model_path="", model_name=args.served_model_name, default_mode=args.default_mode, media=media,
-        max_body_bytes=args.max_body_mib * MiB,
-    )
-    vllm = VLLMConfig(
-        dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
-        enforce_eager=args.vllm_eager, cpu_bind=args.vllm_cpu_bind, nixl_progress_thread=args.vllm_nixl_progress_thread,
-        prefill_calls=args.vllm_prefill_calls, executor=args.vllm_executor,
-    )
-    transfer = TransferConfig(
-        send_pool_bytes=args.send_pool_mib * MiB, recv_pool_bytes=args.recv_pool_mib * MiB, lease_s=args.lease_s,
-        read_timeout_s=args.read_timeout_s,
-    )
-    scheduling = SchedulerConfig(
-        routing=args.routing, local_prefill_tokens=args.local_prefill_tokens,
-        local_encode_images=args.local_encode_images, stage_calls=args.stage_calls, record_handoff=args.record_handoff,
-    )
-    return ServeSettings(
-        scheduler=args.scheduler, scheduling=scheduling, instances=_instances(args.instances),
-        embedding_cache_mib=args.embedding_cache_mib, max_inflight=args.max_inflight,
-        model=args.model, modes=_modes(args.mode), load=_modes(args.load), host=args.host, http_port=args.http_port,
-        grpc_port=args.grpc_port, metrics_port=args.metrics_port, openai_port=args.openai_port,
-        access_token=args.access_token, transfer_secret=args.transfer_secret, threads_per_worker=args.threads,
-        workspace=args.workspace,
-        worker_python=args.worker_python, backend=args.backend, vllm=vllm, transfer=transfer, frontend=frontend,
-        media_limits=MediaLimits(
-            max_images=args.max_images, max_pixels=args.max_image_pixels, max_bytes=args.max_image_mib * MiB,
-            max_videos=args.max_videos, video_max_bytes=args.max_video_mib * MiB, video_fps=args.video_fps,
-            video_max_frames=args.video_max_frames, video_max_seconds=args.video_max_seconds,
-            max_audios=args.max_audios, audio_max_bytes=args.max_audio_mib * MiB,
-            audio_max_seconds=args.audio_max_seconds, audio_sample_rate=args.audio_sample_rate,
-        ),
-        warm_up=args.warm_up, trace_dir=args.trace_dir, fault_injection=args.fault_injection,
-    )
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """``trident serve``'s settings: the config file, then environment variables, then the flags given."""
+    given = vars(args)
+    data = load_config_file(args.config) if getattr(args, "config", None) else {}
+    over: dict[str, Any] = {}
+    for key, env in SERVE_ENV.items():
+        if os.environ.get(env):
+            _put(over, key, os.environ[env])
+    for flag, key in SERVE_FLAGS.items():
+        dest = flag[2:].replace("-", "_")
+        if dest in given:
+            _put(over, key, dict(given[dest]) if key == "instances" else given[dest])
+    for flag, (key, _) in SECRET_FILES.items():  # else the launcher takes the environment variable, or makes one
+        dest = flag[2:].replace("-", "_")
+        if dest in given:
+            over[key] = read_secret_file(given[dest], flag)
+    return ServeSettings.model_validate(merge_settings(data, over))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    settings = serve_settings(args)
     from .launcher import serve
 
-    return serve(_serve_settings(args))
+    return serve(settings)
+
+
+def _serve_flag(group, flag: str, shown: Any = None, **kwargs) -> None:
+    """A flag of a ServeSettings key (``SERVE_FLAGS``): its help and default come from the field."""
+    info = field_at(SERVE_FLAGS[flag])
+    default = info.get_default(call_default_factory=True) if shown is None else shown
+    help_text = kwargs.pop("help", info.description or "")
+    if default not in (None, {}, ()):
+        help_text = f"{help_text} (default: {default})"
+    group.add_argument(flag, help=help_text, **kwargs)
 
 
 def _add_serve(sub) -> None:
-    sv = sub.add_parser("serve", help="serve a model in one or more deployment modes on Triton")
-    _opt(sv, "--model", ServeSettings, "model")
-    sv.add_argument("--mode", nargs="+", default=["all"], choices=[*MODES, "all"],
-                    help="deployment modes to serve, each as its entry model (default: all)")
-    _opt(sv, "--load", ServeSettings, "load", nargs="*", choices=[*MODES, "all"], shown=None)
-    _opt(sv, "--host", ServeSettings, "host")
-    for port in ("http_port", "grpc_port", "metrics_port", "openai_port"):
-        _opt(sv, f"--{port.replace('_', '-')}", ServeSettings, port, type=int)
-    _opt(sv, "--access-token", ServeSettings, "access_token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
-         help="token for Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: generated and printed)")
-    _opt(sv, "--transfer-secret", ServeSettings, "transfer_secret", default=os.environ.get(signing.ENV), shown=None,
-         help="the deployment's key for signing the records stages hand on; workers on other hosts need the same "
-         f"(env {signing.ENV}; default: generated at each start)")
-    _opt(sv, "--threads", ServeSettings, "threads_per_worker", type=int)
-    _opt(sv, "--worker-python", ServeSettings, "worker_python", default=os.environ.get("TRIDENT_WORKER_PYTHON"),
-         help="Python interpreter of the stage workers, an environment with trident installed "
-         "(env TRIDENT_WORKER_PYTHON; default: this one)")
-    _opt(sv, "--workspace", ServeSettings, "workspace", shown="temporary")
-    _opt(sv, "--backend", ServeSettings, "backend", choices=BACKENDS,
-         help="engine of the stage workers: hf (PyTorch + transformers, the reference) or vllm (needs an "
-         "environment with vLLM: see --worker-python)")
-    sc = sv.add_argument_group("scheduling")
-    _opt(sc, "--scheduler", ServeSettings, "scheduler", choices=SCHEDULERS)
-    sc.add_argument("--instances", nargs="+", metavar="STAGE=N", default=None,
-                    help="workers per stage, e.g. --instances encode=2 prefill=2 (default: 1 each); instance n>1 "
-                    "of a stage is the Triton model <stage>-<n>")
-    _opt(sc, "--routing", SchedulerConfig, "routing", choices=ROUTINGS)
-    _opt(sc, "--embedding-cache-mib", ServeSettings, "embedding_cache_mib", type=int)
-    _opt(sc, "--max-inflight", ServeSettings, "max_inflight", type=int)
-    _opt(sc, "--local-prefill-tokens", SchedulerConfig, "local_prefill_tokens", type=int)
-    _opt(sc, "--local-encode-images", SchedulerConfig, "local_encode_images", type=int)
-    _opt(sc, "--stage-calls", SchedulerConfig, "stage_calls", choices=("direct", "triton"))
-    _opt(sc, "--record-handoff", SchedulerConfig, "record_handoff", choices=("worker", "scheduler"))
-    lim = sv.add_argument_group("media limits and sampling (per request; a request over a limit gets 400 naming it)")
-    _opt(lim, "--max-images", MediaLimits, "max_images", type=int)
-    _opt(lim, "--max-image-pixels", MediaLimits, "max_pixels", type=int)
-    for flag, field in (("--max-image-mib", "max_bytes"), ("--max-video-mib", "video_max_bytes"),
-                        ("--max-audio-mib", "audio_max_bytes")):
-        default = getattr(MediaLimits(), field) // MiB
-        lim.add_argument(flag, type=int, default=default,
-                         help=f"{MediaLimits.model_fields[field].description}, MiB (default: {default})")
-    _opt(lim, "--max-videos", MediaLimits, "max_videos", type=int)
-    _opt(lim, "--video-fps", MediaLimits, "video_fps", type=float)
-    _opt(lim, "--video-max-frames", MediaLimits, "video_max_frames", type=int)
-    _opt(lim, "--video-max-seconds", MediaLimits, "video_max_seconds", type=float)
-    _opt(lim, "--max-audios", MediaLimits, "max_audios", type=int)
-    _opt(lim, "--audio-max-seconds", MediaLimits, "audio_max_seconds", type=float)
-    _opt(lim, "--audio-sample-rate", MediaLimits, "audio_sample_rate", type=int, shown=None)
-    _add_frontend_flags(sv.add_argument_group("OpenAI frontend"))
-    t = sv.add_argument_group("transfers")
-    t.add_argument("--send-pool-mib", type=int, default=TransferConfig().send_pool_bytes // MiB,
-                   help=f"registered send pool per worker, MiB (default: {TransferConfig().send_pool_bytes // MiB})")
-    t.add_argument("--recv-pool-mib", type=int, default=TransferConfig().recv_pool_bytes // MiB,
-                   help=f"registered receive pool per worker, MiB (default: {TransferConfig().recv_pool_bytes // MiB})")
-    _opt(t, "--lease-s", TransferConfig, "lease_s", type=float)
-    _opt(t, "--read-timeout-s", TransferConfig, "read_timeout_s", type=float)
-    g = sv.add_argument_group("vllm engine (with --backend vllm)")
-    _opt(g, "--vllm-kv-cache-gib", VLLMConfig, "kv_cache_gib", type=float)
-    _opt(g, "--vllm-max-model-len", VLLMConfig, "max_model_len", type=int, shown=None)
-    _opt(g, "--vllm-dtype", VLLMConfig, "dtype", shown=None)
-    _opt(g, "--vllm-eager", VLLMConfig, "enforce_eager", action=argparse.BooleanOptionalAction)
-    _opt(g, "--vllm-cpu-bind", VLLMConfig, "cpu_bind")
-    _opt(g, "--vllm-prefill-calls", VLLMConfig, "prefill_calls", type=int)
-    _opt(g, "--vllm-executor", VLLMConfig, "executor", choices=["uni", "mp"])
-    _opt(g, "--vllm-nixl-progress-thread", VLLMConfig, "nixl_progress_thread", action=argparse.BooleanOptionalAction)
-    _opt(sv, "--warm-up", ServeSettings, "warm_up", action=argparse.BooleanOptionalAction)
-    _opt(sv, "--trace-dir", ServeSettings, "trace_dir", metavar="DIR", shown="off")
-    sv.add_argument("--fault-injection", action="store_true", help=argparse.SUPPRESS)  # tests only
+    sv = sub.add_parser(
+        "serve", help="serve a model in one or more deployment modes on Triton", argument_default=argparse.SUPPRESS,
+        description="Serve a model in one or more deployment modes on Triton. The flags below are the settings "
+        "set on most days; every other setting is a key of --config FILE (docs/configuration.md, or `trident "
+        "config-reference`). Flags override environment variables, which override the file.",
+    )
+    sv.add_argument("--config", metavar="FILE", help="settings file, YAML (.yaml, .yml) or JSON (.json); its keys "
+                    "are those of docs/configuration.md, nested as objects; the flags below override it")
+    _serve_flag(sv, "--model", metavar="PATH")
+    _serve_flag(sv, "--mode", nargs="+", choices=[*MODES, "all"], shown="all",
+                help="deployment modes to serve, each as its entry model")
+    _serve_flag(sv, "--backend", choices=BACKENDS,
+                help="engine of the stage workers: hf (PyTorch + transformers, the reference) or vllm (needs an "
+                "environment with vLLM: see --worker-python)")
+    _serve_flag(sv, "--worker-python", metavar="PATH", shown="this one",
+                help="Python interpreter of the stage workers, an environment with trident installed "
+                "(env TRIDENT_WORKER_PYTHON)")
+    _serve_flag(sv, "--instances", nargs="+", metavar="STAGE=N", type=_stage_count, shown="1 each",
+                help="workers per stage, e.g. --instances encode=2 prefill=2; instance n>1 of a stage is the "
+                "Triton model <stage>-<n>")
+    _serve_flag(sv, "--threads", type=int, metavar="N")
+    _serve_flag(sv, "--workspace", metavar="DIR", shown="temporary")
+    _serve_flag(sv, "--served-model-name", metavar="NAME", shown="the checkpoint folder's name",
+                help="model id of the OpenAI API")
+    net = sv.add_argument_group("addresses")
+    _serve_flag(net, "--host")
+    for flag in ("--http-port", "--grpc-port", "--metrics-port", "--openai-port"):
+        _serve_flag(net, flag, type=int, metavar="PORT")
+    sec = sv.add_argument_group("secrets (from files only you can read, or environment variables; never argv)")
+    sec.add_argument("--access-token-file", metavar="PATH",
+                     help="file holding the token of Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: "
+                     "generated and printed)")
+    sec.add_argument("--transfer-secret-file", metavar="PATH",
+                     help="file holding the deployment's key for signing the records stages hand on; workers on "
+                     f"other hosts need the same (env {signing.ENV}; default: generated at each start)")
     sv.set_defaults(func=_serve)
 
 
 # -- frontend ---------------------------------------------------------------------------------------------
 def _add_frontend_flags(g) -> None:
+    """``trident frontend``'s flags (``serve`` takes these settings from its config file's ``frontend``)."""
     _opt(g, "--served-model-name", FrontendSettings, "model_name", shown="the checkpoint folder's name")
     _opt(g, "--default-mode", FrontendSettings, "default_mode", choices=list(MODES))
     _opt(g, "--allow-private-media-urls", MediaPolicy, "allow_private_urls", action="store_true")
@@ -222,9 +271,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     from .workers.bind import run_worker
 
-    token = args.access_token
-    if args.transfer_secret:
-        os.environ[signing.ENV] = args.transfer_secret
+    token = (read_secret_file(args.access_token_file, "--access-token-file") if args.access_token_file
+             else os.environ.get("TRIDENT_ACCESS_TOKEN"))
+    if args.transfer_secret_file:
+        os.environ[signing.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
     if args.settings:
         settings = WorkerSettings.model_validate_json(args.settings)
     else:
@@ -248,11 +298,11 @@ def _add_worker(sub) -> None:
     w.add_argument("--join", metavar="URL", help="add this worker to a running server at URL (Triton HTTP) as the "
                    "next free instance <stage>-<n>; its schedulers pick it up within a second")
     _opt(w, "--name", WorkerSettings, "name", shown=None)
-    w.add_argument("--access-token", default=os.environ.get("TRIDENT_ACCESS_TOKEN"),
-                   help="the server's repository-API token, printed by serve (env TRIDENT_ACCESS_TOKEN)")
-    w.add_argument("--transfer-secret", default=None,
-                   help=f"the server's record-signing key (env {signing.ENV}; a worker joining a server on "
-                   "another host needs the secret that server was started with)")
+    w.add_argument("--access-token-file", metavar="PATH",
+                   help="file holding the server's repository-API token, printed by serve (env TRIDENT_ACCESS_TOKEN)")
+    w.add_argument("--transfer-secret-file", metavar="PATH",
+                   help=f"file holding the server's record-signing key (env {signing.ENV}; a worker joining a "
+                   "server on another host needs the secret that server was started with)")
     _opt(w, "--backend", WorkerSettings, "backend", choices=BACKENDS)
     _opt(w, "--threads", WorkerSettings, "threads", type=int)
     _opt(w, "--model-store", WorkerSettings, "model_store", shown=None)
@@ -290,7 +340,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_reference(args: argparse.Namespace) -> int:
+    from .config_reference import reference_markdown
+
+    sys.stdout.write(reference_markdown())
+    return 0
+
+
 def _add_dev(sub) -> None:
+    r = sub.add_parser("config-reference", help="print the reference of serve's config file (docs/configuration.md)")
+    r.set_defaults(func=_config_reference)
+
     archs = _demo_archs()
     d = sub.add_parser("build-demo-model", help="write a small random-weight demo checkpoint")
     d.add_argument("--arch", choices=archs, default="llava", help="model family (default: llava)")
@@ -326,9 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
-        print(f"trident {args.command}: invalid settings: {problems}", file=sys.stderr)
+        print(f"trident {args.command}: invalid settings: {settings_problems(e)}", file=sys.stderr)
         return 2
+    except UsageError as e:
+        print(f"trident {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def settings_problems(e: ValidationError) -> str:
+    """One line naming each bad key (its dotted path) and what is wrong with it."""
+    def one(err) -> str:
+        key = ".".join(map(str, err["loc"]))
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        return f"{key}: {msg}" if key else msg
+
+    return "; ".join(one(err) for err in e.errors())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Trident's settings: the one home of every setting and its default.
 
-Small frozen pydantic models, one per concern. The CLI builds them from flags (its defaults and help come
-from the fields here); ``trident serve`` hands each stage worker its :class:`WorkerSettings` whole, as one
+Small frozen pydantic models, one per concern. ``trident serve`` builds them from a config file
+(``--config``, whose keys are the field names here; docs/configuration.md is generated from these fields) and a
+few flags; ``trident serve`` hands each stage worker its :class:`WorkerSettings` whole, as one
 JSON document, and the OpenAI frontend its :class:`FrontendSettings` the same way.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from .protocol import MODES, STAGES, parse_instance
 
@@ -18,6 +19,14 @@ MiB = 1 << 20
 
 Backend = Literal["hf", "vllm"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
+
+INTERNAL = {"internal": True}
+"""``json_schema_extra`` of a field that is no user's choice (side-by-side benchmarks, tests): a config file may set
+it, the reference (docs/configuration.md) leaves it out."""
+SECRET = {"internal": True, "secret": True}
+"""A secret: never read from a config file or the command line (``--*-file`` and environment variables instead)."""
+SET_BY_SERVE = {"set_by_serve": True}
+"""A field of a process's settings that ``trident serve`` fills in itself (not a key of its config file)."""
 
 
 class _Settings(BaseModel):
@@ -27,15 +36,19 @@ class _Settings(BaseModel):
 class TransferConfig(_Settings):
     """Settings of a process's NIXL transfer endpoint (:mod:`trident.transfer`)."""
 
-    send_pool_bytes: int = Field(256 * MiB, gt=0, description="registered memory for tensors this process produces")
-    recv_pool_bytes: int = Field(256 * MiB, gt=0, description="registered memory consumers read into")
+    send_pool_bytes: ByteSize = Field(
+        256 * MiB, gt=0, description="registered memory for tensors this process produces (its send pool)"
+    )
+    recv_pool_bytes: ByteSize = Field(
+        256 * MiB, gt=0, description="registered memory consumers read into (the receive pool)"
+    )
     lease_s: float = Field(60.0, gt=0, description="how long a producer keeps unread regions before freeing them")
     read_timeout_s: float = Field(30.0, gt=0, description="longest a READ may take before it is abandoned")
     lease_margin_s: float = Field(
         0.5, ge=0, description="a consumer refuses to start a READ this close to a lease's expiry"
     )
     poll_interval_s: float = Field(0.005, gt=0, description="how often the producer polls for release notifications")
-    backend: str = "UCX"
+    backend: str = Field("UCX", description="NIXL backend plugin of the transfer agent")
 
 
 class VLLMConfig(_Settings):
@@ -54,13 +67,15 @@ class VLLMConfig(_Settings):
         "takes at once, to batch a burst's prefills; each is a python-backend stub in Triton (~75 MiB)"
     )
     executor: Literal["uni", "mp"] = Field(
-        "uni", description="where an engine runs its model on a CPU: 'uni' in its engine-core process, 'mp' in a "
+        "uni", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; where an engine runs "
+        "its model on a CPU: 'uni' in its engine-core process, 'mp' in a "
         "worker process of its own (vLLM's CPU default: one more process per engine to start and to hand each step to)"
     )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
     nixl_threads: int = Field(1, ge=1, description="UCX worker threads of the NixlConnector's NIXL agent")
     nixl_progress_thread: bool = Field(
-        False, description="NIXL's progress thread in the KV workers (it polls without pausing: a core each); "
+        False, json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; NIXL's progress "
+        "thread in the KV workers (it polls without pausing: a core each); "
         "off, the engine's steps progress the KV transfers"
     )
     log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")
@@ -69,7 +84,7 @@ class VLLMConfig(_Settings):
 class MediaLimits(_Settings):
     """What one request's media (images, video clips, audio clips) may be, checked wherever they arrive (the
     OpenAI frontend, the entry models, the encode workers). ``trident serve`` hands them to every process it
-    starts in the environment variable :data:`MEDIA_LIMITS_ENV` (JSON); a worker joining from another host
+    starts in the environment variable ``TRIDENT_MEDIA_LIMITS`` (JSON); a worker joining from another host
     takes it from its own. Video sampling (``video_fps``, ``video_max_frames``) and the audio rate are part of
     them: every process must agree on them (the scheduler counts a request's tokens the same way)."""
 
@@ -78,9 +93,9 @@ class MediaLimits(_Settings):
         40_000_000, ge=1, description="pixels per image or video frame (width x height, read from its header: a "
         "decompression bomb is refused before it is decoded)"
     )
-    max_bytes: int = Field(32 * MiB, gt=0, description="encoded bytes per image")
+    max_bytes: ByteSize = Field(32 * MiB, gt=0, description="encoded bytes per image")
     max_videos: int = Field(4, ge=1, description="video clips per request")
-    video_max_bytes: int = Field(64 * MiB, gt=0, description="encoded bytes per video clip")
+    video_max_bytes: ByteSize = Field(64 * MiB, gt=0, description="encoded bytes per video clip")
     video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of video")
     video_max_frames: int = Field(
         32, ge=1, le=1024, description="frames sampled per clip at most (a longer clip is sampled evenly)"
@@ -89,7 +104,7 @@ class MediaLimits(_Settings):
         600.0, gt=0, description="longest video clip, from its header (a longer one is refused before decoding)"
     )
     max_audios: int = Field(8, ge=1, description="audio clips per request")
-    audio_max_bytes: int = Field(32 * MiB, gt=0, description="encoded bytes per audio clip")
+    audio_max_bytes: ByteSize = Field(32 * MiB, gt=0, description="encoded bytes per audio clip")
     audio_max_seconds: float = Field(30.0, gt=0, description="longest audio clip")
     audio_sample_rate: int | None = Field(
         None, gt=0, description="rate audio is resampled to (default: the model's processor's, else 16000)"
@@ -111,7 +126,7 @@ class MediaPolicy(_Settings):
 
     allow_private_urls: bool = Field(False, description="let media URLs resolve to private/loopback addresses")
     allowed_media_dir: Path | None = Field(None, description="folder local media paths may come from (default: none)")
-    max_bytes: int = Field(64 * MiB, gt=0, description="largest media item a URL or file may hold")
+    max_bytes: ByteSize = Field(64 * MiB, gt=0, description="largest media item a URL or file may hold")
     timeout_s: float = Field(10.0, gt=0, description="longest a media URL may take to fetch")
 
 
@@ -122,7 +137,7 @@ ROUTINGS: tuple[str, ...] = get_args(Routing)
 
 
 class SchedulerConfig(_Settings):
-    """The BLS entry models' decisions (``--scheduler bls``); handed to them as model-config parameters."""
+    """The BLS entry models' decisions (``scheduler: bls``); handed to them as model-config parameters."""
 
     routing: Routing = Field(
         "affinity", description="how a stage instance is chosen: round_robin, least_loaded (fewest requests in "
@@ -143,11 +158,13 @@ class SchedulerConfig(_Settings):
     )
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
     stage_calls: Literal["direct", "triton"] = Field(
-        "direct", description="how the scheduler calls the stage models: direct (straight to the worker of an "
+        "direct", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; how the "
+        "scheduler calls the stage models: direct (straight to the worker of an "
         "instance on this host, on the worker's own socket) or triton (through Triton, as any client would)"
     )
     record_handoff: Literal["worker", "scheduler"] = Field(
-        "worker", description="E/P/D with direct stage calls: the encode worker hands its record straight to the "
+        "worker", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; E/P/D with "
+        "direct stage calls: the encode worker hands its record straight to the "
         "prefill worker, whose call the scheduler posts beside the encode call (worker), or the scheduler passes "
         "the record on after the encode call (scheduler)"
     )
@@ -156,7 +173,7 @@ class SchedulerConfig(_Settings):
 class WorkerSettings(_Settings):
     """Everything one stage worker needs (``trident worker --settings JSON``)."""
 
-    stage: str
+    stage: str = Field(description=f"stage model this worker binds: {', '.join(STAGES)}")
     name: str | None = Field(
         None, description="Triton model name of this instance (default: the stage's; more instances: <stage>-<n>)"
     )
@@ -171,15 +188,16 @@ class WorkerSettings(_Settings):
         None, description="the server's model repository folder on this host (needed for ensembles over the stage)"
     )
     stats_dir: str | None = Field(None, description="folder to keep <model>.json counters in (one per instance)")
-    transfer: TransferConfig = TransferConfig()
-    vllm: VLLMConfig = VLLMConfig()
-    embedding_cache_bytes: int = Field(256 * MiB, ge=0, description="encode stage: embedding cache size (0: off)")
+    transfer: TransferConfig = Field(TransferConfig(), description="its NIXL transfer endpoint")
+    vllm: VLLMConfig = Field(VLLMConfig(), description="its vLLM engine (backend vllm)")
+    embedding_cache_bytes: ByteSize = Field(256 * MiB, ge=0, description="encode stage: embedding cache size (0: off)")
     max_inflight: int = Field(
         64, ge=1, description="requests this worker takes at once; one more is refused at once with 503 and "
         "Retry-After rather than queued"
     )
     fault_injection: bool = Field(
-        False, description="tests only: a prompt holding [[trident-fault:<ErrorClass>]] makes the stage raise it"
+        False, json_schema_extra=INTERNAL,
+        description="internal: tests only; a prompt holding [[trident-fault:<ErrorClass>]] makes the stage raise it",
     )
 
     @field_validator("stage")
@@ -204,17 +222,19 @@ class WorkerSettings(_Settings):
 class FrontendSettings(_Settings):
     """The OpenAI-compatible frontend (``trident frontend``)."""
 
-    model_path: str = Field(description="checkpoint folder (its chat template is applied here)")
+    model_path: str = Field(
+        "", json_schema_extra=SET_BY_SERVE, description="checkpoint folder (its chat template is applied here)"
+    )
     model_name: str | None = Field(None, description="model id of the OpenAI API (default: the checkpoint folder's name)")
-    grpc_url: str = Field("127.0.0.1:8001", description="Triton gRPC address")
-    host: str = "127.0.0.1"
-    port: int = 9000
+    grpc_url: str = Field("127.0.0.1:8001", json_schema_extra=SET_BY_SERVE, description="Triton gRPC address")
+    host: str = Field("127.0.0.1", json_schema_extra=SET_BY_SERVE, description="address the frontend listens on")
+    port: int = Field(9000, json_schema_extra=SET_BY_SERVE, description="port the frontend listens on")
     default_mode: str = Field("e_p_d", description="mode the bare model id maps to; '<id>:<mode>' picks another")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that sets none")
-    max_body_bytes: int = Field(
+    max_body_bytes: ByteSize = Field(
         64 * MiB, gt=0, description="largest request body; a larger one is refused with 413 before it is read in full"
     )
-    media: MediaPolicy = MediaPolicy()
+    media: MediaPolicy = Field(MediaPolicy(), description="where media may come from")
 
     @field_validator("default_mode")
     @classmethod
@@ -232,41 +252,54 @@ class ServeSettings(_Settings):
     """``trident serve``: the server, its stage workers and the frontend."""
 
     model: str | None = Field(None, description="checkpoint folder (default: the LLaVA demo model, built on first use)")
-    modes: tuple[str, ...] = Field(tuple(MODES), description="deployment modes whose stage workers run")
+    modes: tuple[str, ...] = Field(
+        tuple(MODES), description=f"deployment modes whose stage workers run, each served as its entry model: "
+        f"{', '.join(MODES)}, or all"
+    )
     load: tuple[str, ...] | None = Field(
-        None, description="entry models loaded at start (default: those of --mode); the others can be loaded "
+        None, description="entry models loaded at start (default: those of modes); the others can be loaded "
         "later through Triton's repository API"
     )
     host: str = Field("127.0.0.1", description="address Triton and the frontend listen on")
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
+    http_port: int = Field(8000, description="Triton's HTTP/REST port")
+    grpc_port: int = Field(8001, description="Triton's gRPC port")
+    metrics_port: int = Field(8002, description="Triton's Prometheus metrics port")
     openai_port: int = Field(9000, description="OpenAI-compatible API port; 0 turns it off")
-    access_token: str | None = Field(None, description="token for Triton's repository API (default: generated)")
+    access_token: str | None = Field(
+        None, repr=False, json_schema_extra=SECRET,
+        description="token for Triton's repository API (default: generated)",
+    )
     transfer_secret: str | None = Field(
-        None, exclude=True, repr=False,
+        None, exclude=True, repr=False, json_schema_extra=SECRET,
         description="the deployment's key for signing transfer records (default: generated per start)",
     )
     threads_per_worker: int = Field(1, ge=1, description="torch threads per worker process")
-    startup_timeout_s: float = 300.0
-    repository: str | None = None  # entry-model sources (default: model_repository/ of this checkout)
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="longest the stage models may take to become ready before serve gives up"
+    )
+    repository: str | None = Field(
+        None, description="folder of the user's own entry models, one <mode>/ folder each (default: Trident's, "
+        "written from trident.protocol)"
+    )
     workspace: str | None = Field(None, description="folder for the server's files: model store, logs, worker stats")
     worker_python: str | None = Field(
         None, description="Python interpreter of the stage workers, an environment with trident installed"
     )
     backend: Backend = Field("hf", description="engine of the stage workers")
-    vllm: VLLMConfig = VLLMConfig()
-    transfer: TransferConfig = TransferConfig()
+    vllm: VLLMConfig = Field(VLLMConfig(), description="the vLLM engines (backend vllm)")
+    transfer: TransferConfig = Field(TransferConfig(), description="each worker's NIXL transfer endpoint")
     scheduler: Scheduler = Field("bls", description="what the entry models are: bls (Trident's scheduler) or ensemble")
-    scheduling: SchedulerConfig = SchedulerConfig()
+    scheduling: SchedulerConfig = Field(SchedulerConfig(), description="the BLS scheduler's decisions")
     instances: dict[str, int] = Field(default_factory=dict, description="workers per stage (default 1 each)")
     embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
     max_inflight: int = Field(
         64, ge=1, description="requests each stage worker takes at once; one more is refused at once with 503 "
         "and Retry-After rather than queued"
     )
-    media_limits: MediaLimits = MediaLimits()
-    frontend: FrontendSettings | None = None  # model_path and grpc_url are filled in by the launcher
+    media_limits: MediaLimits = Field(MediaLimits(), description="what one request's media may be")
+    frontend: FrontendSettings = Field(
+        FrontendSettings(), description="the OpenAI frontend (its model path, address and port are serve's)"
+    )
     warm_up: bool = Field(
         True, description="send one small request with an image through each loaded entry model before "
         "serving, so that the first client request pays no first-call costs (NIXL connections, lazy set-up)"
@@ -275,7 +308,9 @@ class ServeSettings(_Settings):
         None, description="write each request's step timings there: one <process>.jsonl per stage worker, "
         "stage stub and scheduler (what `make bench-hops` reads; off by default)"
     )
-    fault_injection: bool = False  # see WorkerSettings.fault_injection
+    fault_injection: bool = Field(
+        False, json_schema_extra=INTERNAL, description="internal: tests only; see WorkerSettings.fault_injection"
+    )
 
     @field_validator("instances")
     @classmethod
@@ -287,10 +322,23 @@ class ServeSettings(_Settings):
                 raise ValueError(f"{stage}={count}: a stage runs at least one instance")
         return v
 
-    @field_validator("modes", "load")
+    @field_validator("modes", "load", mode="before")
     @classmethod
     def _known_modes(cls, v):
-        unknown = [m for m in v or () if m not in MODES]
+        if isinstance(v, str):
+            v = [v]
+        if v is None or not isinstance(v, (list, tuple)):
+            return v
+        unknown = [m for m in v if m not in MODES and m != "all"]
         if unknown:
-            raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
-        return v
+            raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}, all")
+        return tuple(MODES) if "all" in v else tuple(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _frontend_of_serve(self) -> "ServeSettings":
+        given = sorted(k for k in self.frontend.model_fields_set
+                       if (FrontendSettings.model_fields[k].json_schema_extra or {}).get("set_by_serve"))
+        if given:
+            raise ValueError(f"frontend: {', '.join(given)}: set by trident serve itself (from model, host, "
+                             "grpc_port, openai_port); leave them out")
+        return self

@@ -118,7 +118,7 @@ class Processor:
 
     @property
     def audio_rate(self) -> int:
-        """The rate audio clips are resampled to: ``--audio-sample-rate``, else the feature extractor's."""
+        """The rate audio clips are resampled to: ``media_limits.audio_sample_rate``, else the feature extractor's."""
         from .media import LIMITS
 
         return LIMITS.audio_sample_rate or getattr(self.feature_extractor, "sampling_rate", None) or 16000

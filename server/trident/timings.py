@@ -1,4 +1,4 @@
-"""Step timings: when each part of a request ran in this process, for ``trident serve --trace-dir``.
+"""Step timings: when each part of a request ran in this process, for ``trident serve`` with ``trace_dir`` set.
 
 Off unless the environment names a folder in ``TRIDENT_TRACE_DIR`` (the launcher sets it for Triton, the
 BLS schedulers and every stage worker). Each process then appends one JSON line per step to

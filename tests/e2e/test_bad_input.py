@@ -3,8 +3,8 @@ HTTP), the stage models called directly (forged, truncated, replayed and mis-typ
 and the OpenAI API. Each must get the right 4xx with a message naming the problem, and afterwards a good
 request must still return exactly transformers' text.
 
-The server runs with small image and body limits (``--max-images 4 --max-image-pixels 4000000
---max-image-mib 2 --max-body-mib 8``), so the limits are checked as configured, not only as defaulted.
+The server runs with small image and body limits (``LIMITS``: 4 images of at most 4000000 pixels and 2 MiB, an
+8 MiB body), so the limits are checked as configured, not only as defaulted.
 
 Statuses are what each protocol can carry: HTTP status codes for Triton's HTTP endpoints and the OpenAI API;
 for a gRPC ``infer`` the status code's HTTP equivalent; for a gRPC stream (the entry models are decoupled and
@@ -32,7 +32,11 @@ from trident import errors
 pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
-LIMITS = ["--max-images", "4", "--max-image-pixels", "4000000", "--max-image-mib", "2", "--max-body-mib", "8"]
+LIMITS = {  # settings of the server's config file
+    "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB"},
+    "frontend": {"max_body_bytes": "8 MiB"},
+    "scheduling": {"local_prefill_tokens": 0},
+}
 GREEDY = {"max_tokens": 6, "temperature": 0}
 NAME = "demo"
 GRPC_TO_HTTP = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404, "StatusCode.PERMISSION_DENIED": 403,
@@ -42,7 +46,7 @@ GRPC_TO_HTTP = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404,
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("bad-input") / "ws", modes=["e_p_d", "e_pd"],
-                 extra=[*LIMITS, "--served-model-name", NAME, "--local-prefill-tokens", "0"])
+                 extra=["--served-model-name", NAME], config=LIMITS)
     try:
         srv.wait_ready()
         yield srv
@@ -212,7 +216,7 @@ def _bomb() -> str:
 
 @functools.cache
 def _big_png() -> str:
-    """More than --max-image-mib 2 once base64-decoded (noise does not compress)."""
+    """More than media_limits.max_bytes (2 MiB) once base64-decoded (noise does not compress)."""
     from PIL import Image
 
     noise = np.random.default_rng(0).integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
@@ -306,12 +310,12 @@ CORPUS = [
         "could not be decoded as an image"),
     Bad("grpc: empty image", lambda s, r: entry_grpc(s, r, images=[""]), 400, "image 0 is empty"),
     Bad("grpc: 20000x20000 bomb", lambda s, r: entry_grpc(s, r, images=[_bomb()]), 400,
-        "20000x20000 pixels, more than 4000000 (--max-image-pixels)"),
-    Bad("grpc: image over --max-image-mib", lambda s, r: entry_grpc(s, r, images=[_big_png()]), 400,
-        "larger than 2097152 bytes (--max-image-mib)"),
+        "20000x20000 pixels, more than 4000000 (media_limits.max_pixels)"),
+    Bad("grpc: image over media_limits.max_bytes", lambda s, r: entry_grpc(s, r, images=[_big_png()]), 400,
+        "larger than 2097152 bytes (media_limits.max_bytes)"),
     Bad("grpc: too many images", lambda s, r: entry_grpc(s, r, text=IMAGE_PROMPT.replace("<image>", "<image>" * 5),
                                                          images=[_png(32, 32)] * 5), 400,
-        "carries 5 images; at most 4 are accepted (--max-images)"),
+        "carries 5 images; at most 4 are accepted (media_limits.max_images)"),
     Bad("grpc: placeholder count mismatch", lambda s, r: entry_grpc(s, r, images=r["images"] * 2), 400,
         "1 image placeholder(s) '<image>' but the request carries 2 image(s)"),
     Bad("grpc: sampling not JSON", lambda s, r: entry_grpc(s, r, params="{max_tokens: 3"), 400,
@@ -387,9 +391,9 @@ CORPUS = [
     Bad("openai: file URL", lambda s, r: openai(s, chat(image_part("file:///etc/passwd"))), 400, "/etc/passwd"),
     Bad("openai: ftp URL", lambda s, r: openai(s, chat(image_part("ftp://example.com/a.png"))), 400,
         "scheme 'ftp' is not supported"),
-    Bad("openai: body declared over --max-body-mib", lambda s, r: openai_declared_too_big(s), 413,
+    Bad("openai: body declared over frontend.max_body_bytes", lambda s, r: openai_declared_too_big(s), 413,
         "larger than 8388608 bytes"),
-    Bad("openai: chunked body over --max-body-mib", lambda s, r: openai_chunked_too_big(s), 413,
+    Bad("openai: chunked body over frontend.max_body_bytes", lambda s, r: openai_chunked_too_big(s), 413,
         "larger than 8388608 bytes"),
 ]
 

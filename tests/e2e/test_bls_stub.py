@@ -4,7 +4,7 @@ gdb, attached to the running entry model's python-backend stub, stops at every d
 BLS response iterator and asks whether that thread holds the GIL. Before the fix about one in seven was
 destroyed by the stub's utils thread without it, which corrupted the stub's Python heap under load. Such
 iterators exist where the scheduler calls a stage through Triton (a worker joined from another host, or
-``--stage-calls triton``, which the test serves with), not where it calls the worker straight.
+``scheduling.stage_calls: triton``, which the test serves with), not where it calls the worker straight.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def _entry_stub(server, mode: str) -> int:
 def test_stage_streams_are_freed_under_the_gil(demo_models, tmp_path):
     gdb = shutil.which("gdb")
     assert gdb, "this test needs gdb (`make test` installs it)"
-    with serving(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"], extra=["--stage-calls", "triton"]) as server:
+    with serving(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"],
+                 config={"scheduling": {"stage_calls": "triton"}}) as server:
         script = tmp_path / "dtor.gdb"
         script.write_text(GDB_SCRIPT)
         gdb_run = _Gdb(gdb, _entry_stub(server, "e_p_d"), script)

@@ -36,8 +36,9 @@ MAX_INFLIGHT = 2  # requests per stage worker
 def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("errors") / "ws",
                  # every stage in its own worker, also for short prompts: faults are injected per stage
-                 extra=["--fault-injection", "--send-pool-mib", str(SEND_POOL_MIB), "--served-model-name", NAME,
-                        "--local-prefill-tokens", "0", "--max-inflight", str(MAX_INFLIGHT)])
+                 extra=["--served-model-name", NAME],
+                 config={"fault_injection": True, "transfer": {"send_pool_bytes": SEND_POOL_MIB << 20},
+                         "scheduling": {"local_prefill_tokens": 0}, "max_inflight": MAX_INFLIGHT})
     try:
         srv.wait_ready()
         yield srv
@@ -348,7 +349,7 @@ def test_a_bad_kv_record_fails_only_its_own_request(server, client, change, mess
 
 
 def test_a_full_stage_refuses_at_once_with_503_and_retry_after(server, client):
-    """With --max-inflight 2, a third concurrent stream through the decode worker is refused at once (not
+    """With max_inflight 2, a third concurrent stream through the decode worker is refused at once (not
     queued), over Triton and over the OpenAI API; the two admitted streams finish with their full output."""
     import threading
     import time

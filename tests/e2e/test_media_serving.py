@@ -25,7 +25,8 @@ NAME = "media-demo"
 def server(request, demo_models, tmp_path_factory):
     media_dir = tmp_path_factory.mktemp("media-files")
     with serving(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws",
-                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)]) as srv:
+                 extra=["--served-model-name", NAME],
+                 config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}}) as srv:
         srv.arch, srv.media_dir = request.param, media_dir
         yield srv
 
@@ -129,7 +130,7 @@ def test_openai_media_parts_equal_entry_model(server, reference, mode):
 
 
 def test_openai_media_urls_equal_data_urls(server, reference, tmp_path):
-    """video_url and audio_url parts with a path under --allowed-media-dir, and with an http URL (fetched from
+    """video_url and audio_url parts with a path under frontend.media.allowed_media_dir, and with an http URL (fetched from
     a local server, so by a frontend that allows private URLs), give the data URL's text; a path outside the
     folder and a missing file are 400s naming them."""
     import functools

@@ -29,7 +29,8 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory, media_dir):
     with serving(demo_models["llava"], tmp_path_factory.mktemp("oai") / "ws",
-                 extra=["--served-model-name", NAME, "--allowed-media-dir", str(media_dir)]) as srv:
+                 extra=["--served-model-name", NAME],
+                 config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}}) as srv:
         yield srv
 
 

@@ -44,7 +44,7 @@ def server(demo_models, tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp("trace")
     with serving(
         demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
-        extra=["--instances", "prefill=2", "--embedding-cache-mib", str(CACHE_MIB), "--trace-dir", str(trace_dir)],
+        extra=["--instances", "prefill=2"], config={"embedding_cache_mib": CACHE_MIB, "trace_dir": str(trace_dir)},
     ) as srv:
         srv.trace_dir = trace_dir
         yield srv
@@ -113,7 +113,7 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
 
 
 def test_trace_dir_times_every_hop_of_one_request(server, ref):
-    """``--trace-dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
+    """``trace_dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
     nested as the calls are (what ``make bench-hops`` reads). The stages are called straight at their workers:
     their stubs see nothing of the request."""
     c = ref["traced"]
@@ -233,7 +233,7 @@ def _inbox_empty(server, timeout: float = 5.0) -> dict[str, int]:
 
 def test_the_encode_worker_hands_its_record_to_the_prefill_worker(server, ref):
     """E/P/D: the BLS posts the prefill call beside the encode call, and the encode worker hands its record straight
-    to that prefill worker (``--record-handoff worker``, the default): one delivery per request, read by the call
+    to that prefill worker (``scheduling.record_handoff: worker``, the default): one delivery per request, read by the call
     (nothing discarded or left waiting), the same answer as with the BLS passing it on, streamed or not."""
     c = ref["one-image"]
     before = _handoff(server)
@@ -251,7 +251,7 @@ def test_the_encode_worker_hands_its_record_to_the_prefill_worker(server, ref):
 
 
 def test_a_prompt_short_enough_for_the_decode_worker_is_not_handed_on(server, ref):
-    """A prompt the decode worker prefills itself (``--local-prefill-tokens``): the encode worker keeps its record
+    """A prompt the decode worker prefills itself (``scheduling.local_prefill_tokens``): the encode worker keeps its record
     (the BLS gives it to the decode stage), and the BLS withdraws the prefill call it posted, which ends at once.
     An encode that fails (an image that does not decode) withdraws it too: the client gets the encode's 400."""
     c = ref["one-image"]

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_short_soak(demo_models, tmp_path):
-    server = Server(demo_models["llava"], tmp_path / "ws", modes=MODES, extra=["--lease-s", "10", "--read-timeout-s", "5"])
+    server = Server(demo_models["llava"], tmp_path / "ws", modes=MODES, config={"transfer": {"lease_s": 10, "read_timeout_s": 5}})
     try:
         server.wait_ready()
         report = asyncio.run(soak(server, requests=100, concurrency=16, kill="decode", drain_s=40))

@@ -148,7 +148,7 @@ def test_two_images_agree_across_modes(server, reference):
 
 # prompts a few tokens apart in length: a prompt whose last KV block is full, or that the first token would
 # fill, is decoded the old way, and at most two of these four fall there. They are longer than
-# --local-prefill-tokens (128), so E/P/D hands their KV on.
+# scheduling.local_prefill_tokens (128), so E/P/D hands their KV on.
 _LONG = "Describe the picture: its colours, its shapes, its light and what is in it. " * 3 + "Describe it"
 LENGTHS = {f"again-{k}": _LONG + " again" * k + "." for k in range(4)}
 

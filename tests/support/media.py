@@ -136,7 +136,7 @@ def frameless_video() -> bytes:
 
 def media_cases() -> dict:
     """The media end-to-end cases by family: ``case -> [(kind, bytes)]``. Clips are made at the servers'
-    sampling rate (--video-fps 2), so every frame is sampled. ``short-video`` has fewer temporal patches than
+    sampling rate (media_limits.video_fps 2), so every frame is sampled. ``short-video`` has fewer temporal patches than
     its frames' larger side has merged patches; the other clips have more, where transformers 5.19's Qwen2-VL
     positions after a clip differ from Qwen's (and vLLM's): see the vLLM media test."""
     video = ("video", video_bytes(make_frames(10, 96, 64, 2), fps=2))
@@ -173,7 +173,7 @@ def bad_media(arch: str, prompt) -> dict:
             "truncated mp4": (one_video, {"video": [b64(video[: len(video) // 3])]}, "video 0 could not be decoded as a video"),
             "zero frames": (one_video, {"video": [b64(frameless_video())]}, "video 0 has no frames"),
             "4-hour header": (one_video, {"video": [b64(long_header_video(4))]},
-                              "video 0 is 14400.0 s long, more than 600 s (--video-max-seconds)"),
+                              "video 0 is 14400.0 s long, more than 600 s (media_limits.video_max_seconds)"),
             "audio as video": (one_video, {"video": [b64(audio_bytes(make_wave(1.0)))]}, "video 0 has no video stream"),
             "placeholder mismatch": (prompt(["image"]), {"video": [b64(video)]},
                                      "the prompt has 1 image placeholder(s) '<|vision_start|><|image_pad|><|vision_end|>' "
@@ -184,7 +184,7 @@ def bad_media(arch: str, prompt) -> dict:
         }
     return {
         "10-minute clip": (one_audio, {"audio": [b64(audio_bytes(make_wave(600.0, seed=4), fmt="mp3"))]},
-                           "audio 0 is 600.0 s long, more than 30 s (--audio-max-seconds)"),
+                           "audio 0 is 600.0 s long, more than 30 s (media_limits.audio_max_seconds)"),
         "not audio": (one_audio, {"audio": [b64(b"RIFF but not really a wave file at all")]},
                       "audio 0 could not be decoded as audio"),
         "placeholder mismatch": (one_audio, {"audio": [b64(audio_bytes(make_wave(1.0)))] * 2},

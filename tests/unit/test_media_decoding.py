@@ -42,7 +42,7 @@ def test_a_long_clip_is_sampled_evenly_to_the_frame_limit():
 @pytest.mark.parametrize("raw, message", [
     (lambda: video_bytes(make_frames(12, 64, 48, 1))[:2000], "video 0 could not be decoded as a video"),
     (frameless_video, "video 0 has no frames"),
-    (lambda: long_header_video(4), "video 0 is 14400.0 s long, more than 600 s (--video-max-seconds)"),
+    (lambda: long_header_video(4), "video 0 is 14400.0 s long, more than 600 s (media_limits.video_max_seconds)"),
     (lambda: audio_bytes(make_wave(1.0)), "video 0 has no video stream (it holds audio"),
 ])
 def test_bad_video_is_refused_with_its_problem(raw, message):
@@ -73,7 +73,7 @@ def test_audio_is_resampled_and_mixed_down():
 
 
 def test_bad_audio_is_refused_with_its_problem():
-    with pytest.raises(InvalidRequest, match=r"audio 0 is 40.0 s long, more than 30 s \(--audio-max-seconds\)"):
+    with pytest.raises(InvalidRequest, match=r"audio 0 is 40.0 s long, more than 30 s \(media_limits.audio_max_seconds\)"):
         MediaItem(audio_bytes(make_wave(40.0)), 0, "audio").open()
     with pytest.raises(InvalidRequest, match="audio 1 could not be decoded as audio"):
         MediaItem(b"garbage" * 20, 1, "audio").open()
@@ -147,7 +147,7 @@ def test_records_check_their_media_kinds():
 
 
 def test_qwen2_5vl_positions_follow_the_clip_s_time(demo_models):
-    """A clip longer than --video-max-frames allows at 2 fps is sampled evenly (here 2.5 s per temporal patch):
+    """A clip longer than media_limits.video_max_frames allows at 2 fps is sampled evenly (here 2.5 s per temporal patch):
     the staged prefill, given the seconds the encoder measured, continues as model.generate() given them."""
     import torch
 

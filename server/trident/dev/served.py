@@ -19,25 +19,37 @@ __all__ = ["Server", "descendants", "held"]  # descendants: for the tests and th
 
 
 class Server:
-    """`trident serve` on free localhost ports; stopped with SIGTERM like a user's Ctrl-C."""
+    """`trident serve` on free localhost ports; stopped with SIGTERM like a user's Ctrl-C.
+
+    ``config`` holds settings of its config file (``--config``: keys of docs/configuration.md, nested as dicts),
+    ``extra`` more command-line arguments. The config file and the access-token file are written beside the
+    workspace, in ``<workspace>.serve/``."""
 
     def __init__(
         self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
-        extra: list[str] | None = None,
+        extra: list[str] | None = None, config: dict | None = None,
     ) -> None:
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         self.model_path = model
-        self.workspace = workspace
+        self.workspace = workspace = Path(workspace)
         self.token = "test-token-123"
+        files = workspace.with_name(workspace.name + ".serve")
+        files.mkdir(parents=True, exist_ok=True)
+        token_file = files / "access-token"
+        token_file.touch(mode=0o600)
+        token_file.chmod(0o600)  # trident refuses a secret file others may read
+        token_file.write_text(self.token)
+        config = dict(config or {}, **({"load": load} if load is not None else {}))
         cmd = [
             sys.executable, "-m", "trident.cli", "serve", "--model", model,
             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
-            "--workspace", str(workspace), *(extra or []),
-            "--access-token", self.token, "--mode", *(modes or ["all"]),
+            "--workspace", str(workspace), "--access-token-file", str(token_file), "--mode", *(modes or ["all"]),
         ]
-        if load is not None:
-            cmd += ["--load", *load]
+        if config:
+            (files / "serve.json").write_text(json.dumps(config, indent=1))
+            cmd += ["--config", str(files / "serve.json")]
+        cmd += extra or []
         self.log: list[str] = []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, HF_HUB_OFFLINE="1"))

@@ -17,7 +17,7 @@ class BodyLimit:
         self.limit = limit
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"the request body is larger than {self.limit} bytes, this server's limit (--max-body-mib)"
+        message = f"the request body is larger than {self.limit} bytes, this server's limit (frontend.max_body_bytes)"
         await JSONResponse(error_body(message, 413), status_code=413)(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -26,10 +26,11 @@ MODALITIES: tuple[Modality, ...] = ("image", "video", "audio")
 """The entry inputs that carry media, in the order a request's items are held (images, videos, audio)."""
 
 LIMITS = MediaLimits.from_env()
-"""This process's media limits (``trident serve --max-images / --video-fps / --audio-max-seconds ...``)."""
+"""This process's media limits (``trident serve``'s ``media_limits``: ``max_images``, ``video_fps`` ...)."""
 
-_COUNT_FLAG = {"image": "--max-images", "video": "--max-videos", "audio": "--max-audios"}
-_BYTES_FLAG = {"image": "--max-image-mib", "video": "--max-video-mib", "audio": "--max-audio-mib"}
+_COUNT_KEY = {"image": "media_limits.max_images", "video": "media_limits.max_videos", "audio": "media_limits.max_audios"}
+_BYTES_KEY = {"image": "media_limits.max_bytes", "video": "media_limits.video_max_bytes",
+              "audio": "media_limits.audio_max_bytes"}  # the settings keys the errors name
 
 
 def max_count(kind: str) -> int:
@@ -44,7 +45,7 @@ def check_count(kind: str, count: int) -> None:
     """A request may carry at most so many items of a kind (checked before any is decoded)."""
     if count > max_count(kind):
         raise InvalidRequest(
-            f"the request carries {count} {plural(kind)}; at most {max_count(kind)} are accepted ({_COUNT_FLAG[kind]})"
+            f"the request carries {count} {plural(kind)}; at most {max_count(kind)} are accepted ({_COUNT_KEY[kind]})"
         )
 
 
@@ -73,7 +74,7 @@ def base64_text(data: bytes | str, index: int = 0, kind: str = "image") -> str:
 
 
 def _too_large(kind: str, index: int) -> str:
-    return f"{kind} {index} is larger than {max_bytes(kind)} bytes ({_BYTES_FLAG[kind]})"
+    return f"{kind} {index} is larger than {max_bytes(kind)} bytes ({_BYTES_KEY[kind]})"
 
 
 def decode_base64(data: bytes | str, index: int = 0, kind: str = "image") -> bytes:

@@ -50,7 +50,7 @@ def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
 def _check_length(seconds: float, name: str) -> None:
     if seconds > LIMITS.audio_max_seconds:
         raise InvalidRequest(
-            f"{name} is {seconds:.1f} s long, more than {LIMITS.audio_max_seconds:g} s (--audio-max-seconds)"
+            f"{name} is {seconds:.1f} s long, more than {LIMITS.audio_max_seconds:g} s (media_limits.audio_max_seconds)"
         )
 
 

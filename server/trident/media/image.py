@@ -23,7 +23,7 @@ def open_image(raw: bytes, index: int = 0) -> Image.Image:
         with Image.open(io.BytesIO(raw)) as img:
             if img.width * img.height > LIMITS.max_pixels:
                 raise InvalidRequest(
-                    f"image {index} has {img.width}x{img.height} pixels, more than {LIMITS.max_pixels} (--max-image-pixels)"
+                    f"image {index} has {img.width}x{img.height} pixels, more than {LIMITS.max_pixels} (media_limits.max_pixels)"
                 )
             return img.convert("RGB")
     except InvalidRequest:

@@ -47,7 +47,7 @@ async def resolve_public(host: str, port: int, policy: MediaPolicy) -> str:
             if not is_public_address(addr):
                 raise InvalidRequest(
                     f"media URL host {host!r} resolves to the non-public address {addr}; "
-                    "start the server with --allow-private-media-urls to allow it"
+                    "the server allows it with frontend.media.allow_private_urls"
                 )
     return str(addrs[0])
 
@@ -104,7 +104,7 @@ async def media_url_to_base64(url: str, policy: MediaPolicy, index: int = 0, kin
         if root is None or not path.is_relative_to(root.resolve()):
             raise InvalidRequest(
                 f"{kind} {index} path {str(path)!r} is outside the allowed media folder"
-                + ("" if root else " (none is set: start the server with --allowed-media-dir)")
+                + ("" if root else " (none is set: the server's frontend.media.allowed_media_dir)")
             )
         if not path.is_file():
             raise InvalidRequest(f"{kind} {index} path {str(path)!r} is not a file")

@@ -62,12 +62,12 @@ def open_video(raw: bytes, index: int = 0) -> Video:
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > LIMITS.max_pixels:
             raise InvalidRequest(
-                f"{name} has {width}x{height} pixels per frame, more than {LIMITS.max_pixels} (--max-image-pixels)"
+                f"{name} has {width}x{height} pixels per frame, more than {LIMITS.max_pixels} (media_limits.max_pixels)"
             )
         duration = _header_duration(container, stream)
         if duration is not None and duration > LIMITS.video_max_seconds:
             raise InvalidRequest(
-                f"{name} is {duration:.1f} s long, more than {LIMITS.video_max_seconds:g} s (--video-max-seconds)"
+                f"{name} is {duration:.1f} s long, more than {LIMITS.video_max_seconds:g} s (media_limits.video_max_seconds)"
             )
         return _sample(container, stream, duration, name)
 
@@ -90,12 +90,12 @@ def _sample(container, stream, duration: float | None, name: str) -> Video:
             decoded += 1
             if t > LIMITS.video_max_seconds:
                 raise InvalidRequest(
-                    f"{name} runs past {LIMITS.video_max_seconds:g} s (--video-max-seconds) although its header "
+                    f"{name} runs past {LIMITS.video_max_seconds:g} s (media_limits.video_max_seconds) although its header "
                     "says otherwise"
                 )
             if frame.width * frame.height > LIMITS.max_pixels:
                 raise InvalidRequest(f"{name} has a frame of {frame.width}x{frame.height} pixels, more than "
-                                     f"{LIMITS.max_pixels} (--max-image-pixels)")
+                                     f"{LIMITS.max_pixels} (media_limits.max_pixels)")
             last = max(last, t)
             taken = None
             while len(times) < len(targets) and t + half >= targets[len(times)]:
