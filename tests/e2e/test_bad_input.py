@@ -26,8 +26,11 @@ import numpy as np
 import pytest
 import requests
 
-from support import Server, b64, build_reference, drain_kv, grpc_generate, http_generate, make_image, png_bytes, strings
-from trident import errors
+from support import (
+    Server, b64, build_reference, credential, drain_kv, grpc_generate, http_generate, make_image, png_bytes, strings,
+)
+from trident import auth, errors
+from trident.protocol import parse_instance
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +83,15 @@ def _grpc_tensors(inputs: dict) -> list:
     return _grpc_inputs(grpcclient, inputs)
 
 
-def stream(server, model: str, inputs: dict) -> Got:
+def _proof(model: str, proof) -> dict | None:
+    """The parameters a call of ``model`` carries: a stage model's, the stage credential (``proof``: True, the
+    deployment's own; a string, that value; False, none), an entry model's, none."""
+    if parse_instance(model) is None or proof is False:
+        return None
+    return credential() if proof is True else {auth.CREDENTIAL: proof}
+
+
+def stream(server, model: str, inputs: dict, proof=True) -> Got:
     """A decoupled model (an entry model, the decode stage) over a gRPC stream, to its end or first error."""
     import queue
 
@@ -90,7 +101,8 @@ def stream(server, model: str, inputs: dict) -> Got:
     client = grpcclient.InferenceServerClient(server.grpc)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
-        client.async_stream_infer(model, _grpc_tensors(inputs), enable_empty_final_response=True)
+        client.async_stream_infer(model, _grpc_tensors(inputs), enable_empty_final_response=True,
+                                  parameters=_proof(model, proof))
         while True:
             result, error = q.get(timeout=60)
             if error is not None:
@@ -121,13 +133,14 @@ def entry_http(server, ref, text=None, images=None, params=GREEDY, model="e_p_d"
     return Got(status, body.get("error", "served"))
 
 
-def infer_grpc(server, model: str, inputs: dict) -> Got:
-    """A stage model (not decoupled) called with ``infer``, as any client can."""
+def infer_grpc(server, model: str, inputs: dict, proof=True) -> Got:
+    """A stage model (not decoupled) called with ``infer``, as the deployment's own callers do (``proof``: see
+    :func:`_proof`)."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(server.grpc)
     try:
-        result = client.infer(model, _grpc_tensors(inputs), client_timeout=60)
+        result = client.infer(model, _grpc_tensors(inputs), client_timeout=60, parameters=_proof(model, proof))
     except Exception as e:  # noqa: BLE001 - the error is what the case checks
         return Got(GRPC_TO_HTTP.get(str(e.status())), e.message())
     finally:
@@ -138,7 +151,9 @@ def infer_grpc(server, model: str, inputs: dict) -> Got:
     return Got(200, "served")
 
 
-def infer_http(server, model: str, body: dict) -> Got:
+def infer_http(server, model: str, body: dict, proof=True) -> Got:
+    if _proof(model, proof):
+        body = {**body, "parameters": _proof(model, proof)}
     r = requests.post(f"http://{server.http}/v2/models/{model}/infer", json=body, timeout=60)
     return Got(r.status_code, r.json().get("error", "served"))
 
@@ -280,6 +295,10 @@ def _outside_pool(server) -> Got:
     return _prefill_with(server, msgspec.structs.replace(record, transfer=moved).encode())
 
 
+def _prefill_inputs() -> dict:
+    return {"text_input": strings("USER: What is it? ASSISTANT:"), "sampling_parameters": strings(json.dumps(GREEDY))}
+
+
 def _prefill_with(server, record: bytes) -> Got:
     return infer_grpc(server, "prefill", {"text_input": strings("USER: <image>\nWhat is it? ASSISTANT:"),
                                           "embedding_meta": strings(record)})
@@ -333,7 +352,18 @@ CORPUS = [
     Bad("http: invalid base64", lambda s, r: entry_http(s, r, images=["%%%"]), 400, "not valid base64"),
     Bad("http: sampling not JSON", lambda s, r: entry_http(s, r, params="{"), 400, "sampling_parameters is not valid JSON"),
     Bad("http: text not UTF-8", lambda s, r: _http_raw(s, "e_p_d", b'{"text_input": "USER: \xff hi"}'), 400, "UTF-8"),
-    # the stage models called directly
+    # the stage models called directly: closed to callers without the deployment's stage credential
+    Bad("stage: no credential, prefill over gRPC", lambda s, r: infer_grpc(s, "prefill", _prefill_inputs(), proof=False),
+        401, "carries no valid trident_stage_key"),
+    Bad("stage: wrong credential, encode over gRPC",
+        lambda s, r: infer_grpc(s, "encode", {"image": strings(_png(32, 32))}, proof="0" * 64), 401, "Unauthenticated"),
+    Bad("stage: no credential, encode over HTTP", lambda s, r: infer_http(s, "encode", {"inputs": [
+        {"name": "image", "shape": [1], "datatype": "BYTES", "data": [_png(32, 32)]}]}, proof=False), 401,
+        "answers only the deployment's own callers"),
+    Bad("stage: no credential, decode stream", lambda s, r: stream(s, "decode", {"kv_meta": strings(b"x"),
+        "text_input": strings("hi")}, proof=False), 401, "Unauthenticated"),
+    Bad("stage: no credential, prefill_decode stream", lambda s, r: stream(s, "prefill_decode", {
+        "text_input": strings("hi")}, proof=False), 401, "Unauthenticated"),
     Bad("stage: wrong dtype", lambda s, r: infer_grpc(s, "prefill", {"text_input": (np.array([1], np.int32), "INT32")}),
         400, "data-type is 'INT32', but model 'prefill' expects 'BYTES'"),
     Bad("stage: wrong shape", lambda s, r: infer_http(s, "encode", {"inputs": [
@@ -345,12 +375,12 @@ CORPUS = [
         "could not be decoded as an image"),
     Bad("stage: encode, too many images", lambda s, r: infer_grpc(s, "encode", {"image": strings(*[_png(32, 32)] * 5)}),
         400, "at most 4 are accepted"),
-    Bad("stage: garbage record", lambda s, r: _prefill_with(s, b"\x93not a record"), 400, "too short to carry its signature"),
+    Bad("stage: garbage record", lambda s, r: _prefill_with(s, b"\x93not a record"), 400, "not a sealed record"),
     Bad("stage: forged record (a byte changed)", lambda s, r: _prefill_with(s, _flipped(_encode_record(s))), 403,
-        "signature does not match this deployment's key"),
+        "not sealed with this deployment's key"),
     Bad("stage: another deployment's key", lambda s, r: _prefill_with(s, _other_deployment(_encode_record(s))), 403,
-        "signature does not match"),
-    Bad("stage: truncated record", lambda s, r: _prefill_with(s, _encode_record(s)[:-7]), 403, "signature does not match"),
+        "not sealed with this deployment's key"),
+    Bad("stage: truncated record", lambda s, r: _prefill_with(s, _encode_record(s)[:-7]), 403, "not sealed with this deployment's key"),
     Bad("stage: replayed record", lambda s, r: _replayed(s), 403, "already used"),
     Bad("stage: regions outside the pool", lambda s, r: _outside_pool(s), 403, "outside the producer's pool"),
     Bad("stage: kv record given as embeddings", lambda s, r: _prefill_with(s, _kv_record(s)), 400, "MalformedRecord"),
@@ -358,7 +388,7 @@ CORPUS = [
         "MalformedRecord"),
     Bad("stage: kv first_token out of vocabulary", lambda s, r: decode_stream(s, _resigned(_kv_record(s), first_token=10**6)),
         400, "outside the vocabulary"),
-    Bad("stage: kv record, forged", lambda s, r: decode_stream(s, _flipped(_kv_record(s))), 403, "signature does not match"),
+    Bad("stage: kv record, forged", lambda s, r: decode_stream(s, _flipped(_kv_record(s))), 403, "not sealed with this deployment's key"),
     # the OpenAI API
     Bad("openai: unknown model", lambda s, r: openai(s, {**chat("hi"), "model": "gpt-17"}), 404, "'gpt-17' does not exist"),
     Bad("openai: unknown mode", lambda s, r: openai(s, {**chat("hi"), "model": f"{NAME}:xyz"}), 404, "does not exist"),

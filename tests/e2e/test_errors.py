@@ -15,7 +15,7 @@ import multiprocessing as mp
 import pytest
 import requests
 
-from support import Server, grpc_generate, http_generate, strings
+from support import Server, credential, grpc_generate, http_generate, strings
 from trident import errors
 from trident.errors import (
     InvalidRequest, LeaseExpired, MalformedRecord, PeerUnavailable, PoolExhausted, TransferTimeout, TridentError,
@@ -87,6 +87,7 @@ def _infer_prefill(server, text: str, embedding_meta: bytes | None = None):
         # binary data in the JSON body is awkward: send it over gRPC only
         grpc_inputs["embedding_meta"] = strings(embedding_meta)
         body = None
+    body = {**body, "parameters": credential()} if body else None  # as the deployment's own callers
     http = requests.post(f"http://{server.http}/v2/models/prefill/infer", json=body, timeout=60) if body else None
     client = grpcclient.InferenceServerClient(server.grpc)
     tensors = []
@@ -95,7 +96,7 @@ def _infer_prefill(server, text: str, embedding_meta: bytes | None = None):
         t.set_data_from_numpy(arr)
         tensors.append(t)
     with pytest.raises(Exception) as info:
-        client.infer("prefill", tensors)
+        client.infer("prefill", tensors, parameters=credential())
     return http, info.value
 
 
@@ -146,7 +147,7 @@ def test_garbage_records_are_400(server, client):
 
     http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=b"\x93not a record")
     assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
-    assert "MalformedRecord: transfer record of 13 bytes is too short to carry its signature" in grpc_error.message()
+    assert "MalformedRecord: transfer record of 13 bytes is not a sealed record" in grpc_error.message()
     # signed (as by a worker of this deployment with a bug): refused as what it is
     http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=sign(b"\x93not a record"))
     assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
@@ -256,7 +257,7 @@ def _read_ok(server, embedding_meta: bytes) -> None:
         t.set_data_from_numpy(arr)
         tensors.append(t)
     try:
-        client.async_stream_infer("prefill_decode", tensors)
+        client.async_stream_infer("prefill_decode", tensors, parameters=credential())
         result, error = q.get(timeout=60)
         assert error is None, error.message()
     finally:
@@ -278,11 +279,18 @@ def test_forged_records_are_refused_before_any_read(server, client, monkeypatch)
     monkeypatch.setenv(signing.ENV, "another deployment's secret")
     other_key = record.encode()
     monkeypatch.undo()
-    unsigned = good[: -signing.MAC_BYTES]  # the msgpack alone, as a hand-made record would be
-    for data in (bytes(flipped), other_key, unsigned, msgspec.msgpack.encode(["embeddings/3", []]) + b"\0" * 40):
+    forged = "ForgedRecord: transfer record is not sealed with this deployment's key"
+    cases = [
+        (bytes(flipped), forged),
+        (other_key, forged),
+        (good[: -signing.MAC_BYTES], forged),  # without its tag
+        (msgspec.msgpack.encode(["embeddings/3", []]) + b"\0" * 40, "MalformedRecord: transfer record of 55 bytes is "
+                                                                     "not a sealed record"),  # hand-made msgpack
+    ]
+    for data, says in cases:
         _, grpc_error = _infer_prefill(server, IMAGE_PROMPT, embedding_meta=data)
         assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
-        assert "ForgedRecord: transfer record signature does not match this deployment's key" in grpc_error.message()
+        assert says in grpc_error.message()
     assert server.stats()["prefill"]["fetched"] == fetched  # nothing was read
     _read_ok(server, good)  # the real record still works (the peer was not dropped)
     _still_serving(server, client)

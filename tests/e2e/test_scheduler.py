@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from support import build_reference, cancellable_stream, grpc_generate, http_generate, serving
+from support import build_reference, cancellable_stream, credential, grpc_generate, http_generate, serving
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
 
     client = grpcclient.InferenceServerClient(server.grpc)
     with pytest.raises(Exception) as info:
-        client.infer("prefill-2", _grpc_inputs(grpcclient, inputs))
+        client.infer("prefill-2", _grpc_inputs(grpcclient, inputs), parameters=credential())
     assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
     assert "ReplayedRecord: record of lease" in info.value.message() and "was read after its lease ended" in info.value.message()
     assert server.stats()["prefill-2"]["fetched"] == before  # (a refused read is not counted as fetched)
@@ -291,12 +291,12 @@ def test_a_client_cannot_use_the_record_hand_off_through_triton(server, ref):
     before = _handoff(server)
     hand_to = json.dumps({"instance": "prefill", "token": "client-token", "above": -1})
     encoded = client.infer("encode", _grpc_inputs(grpcclient, {"image": strings(*c["images"])}),
-                           parameters={"trident_hand_to": hand_to})
+                           parameters={"trident_hand_to": hand_to, **credential()})
     record = encoded.as_numpy("embedding_meta").reshape(-1)[0]
     assert "handed" not in json.loads(encoded.as_numpy("encode_report").reshape(-1)[0])
     start = time.monotonic()
     inputs = {"text_input": strings(c["text"]), "embedding_meta": strings(record)}
-    kv = client.infer("prefill", _grpc_inputs(grpcclient, inputs), parameters={"trident_await_record": "client-token"})
+    kv = client.infer("prefill", _grpc_inputs(grpcclient, inputs), parameters={"trident_await_record": "client-token", **credential()})
     assert time.monotonic() - start < 10  # it did not wait (the backstop is 300 s)
     drain_kv(server.grpc, kv.as_numpy("kv_meta").reshape(-1)[0])
     assert _inbox_empty(server) == before

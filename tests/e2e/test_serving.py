@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support import (
+    credential,
     BAD_REQUESTS, IMAGE_CASES, MODES, Server, b64, bad_request, build_reference, drain_kv, grpc_generate,
     http_generate, make_image, png_bytes, stage_output, strings, wait_drained,
 )
@@ -93,9 +94,12 @@ def test_ensemble_equals_bls_scheduler(server, reference, mode):
         for kind in ("ensemble", "bls"):
             server.swap_scheduler(mode, kind)
             for case, c in reference.items():
-                streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
+                # an ensemble's steps are the stage models: its clients prove the deployment secret
+                extra = credential() if kind == "ensemble" else None
+                streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True,
+                                         parameters=extra)
                 assert streamed.text == c["expected"], (kind, case)
-                status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+                status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY, parameters=extra)
                 assert status == 200 and body["text_output"] == c["expected"], (kind, case)
     finally:
         server.swap_scheduler(mode, "bls")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from support import (
+    credential,
     MODES, Server, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
     grpc_generate, http_generate, make_frames, make_wave, media_prompt, stage_output, strings, video_bytes,
     vllm_python, wait_drained,
@@ -102,8 +103,10 @@ def test_ensemble_equals_bls_scheduler(server, reference, mode):
             server.swap_scheduler(mode, kind)
             for case in ("one-image", "text-only"):
                 c = reference[case]
-                assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
-                status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+                extra = credential() if kind == "ensemble" else None  # an ensemble's clients prove the secret
+                assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True,
+                                     parameters=extra).text == c["expected"]
+                status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY, parameters=extra)
                 assert status == 200 and body["text_output"] == c["expected"], (kind, case, body)
     finally:
         server.swap_scheduler(mode, "bls")

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def credential() -> dict:
+    """The request parameters of a caller that proves the deployment secret (the tests share the servers' secret:
+    tests/conftest.py), as the BLS does for each stage call."""
+    from trident import auth
+
+    return {auth.CREDENTIAL: auth.credential()}
+
+
 @dataclass
 class Result:
     text: str
@@ -51,7 +59,8 @@ def _scalar(result, name):
     return v.decode() if isinstance(v, bytes) else int(v)
 
 
-def grpc_generate(url: str, model: str, text: str, images, params, stream: bool, timeout: float = 120) -> Result:
+def grpc_generate(url: str, model: str, text: str, images, params, stream: bool, timeout: float = 120,
+                  parameters: dict | None = None) -> Result:
     import tritonclient.grpc as grpcclient
 
     inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in entry_inputs(text, images, params, stream)})
@@ -59,7 +68,7 @@ def grpc_generate(url: str, model: str, text: str, images, params, stream: bool,
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
         parts, last, n = [], {}, 0
         while True:
             result, error = q.get(timeout=timeout)
@@ -82,7 +91,7 @@ def grpc_generate(url: str, model: str, text: str, images, params, stream: bool,
     return Result("".join(parts), last.get("finish_reason"), last.get("num_input_tokens"), last.get("num_output_tokens"), n)
 
 
-def http_generate(url: str, model: str, text: str, images, params, timeout: float = 120):
+def http_generate(url: str, model: str, text: str, images, params, timeout: float = 120, parameters: dict | None = None):
     """POST /v2/models/<model>/generate; returns (status code, JSON body). ``images`` as for
     :func:`entry_inputs`."""
     import requests
@@ -92,6 +101,7 @@ def http_generate(url: str, model: str, text: str, images, params, timeout: floa
     body.update(by_kind(images))
     if params is not None:
         body["sampling_parameters"] = params if isinstance(params, str) else json.dumps(params)
+    body.update(parameters or {})  # keys that name no input are the request's parameters
     r = requests.post(f"http://{url}/v2/models/{model}/generate", json=body, timeout=timeout)
     return r.status_code, r.json()
 
@@ -141,7 +151,7 @@ def stage_output(url: str, model: str, inputs: dict) -> bytes:
 
     client = grpcclient.InferenceServerClient(url)
     out_name = "embedding_meta" if model == "encode" else "kv_meta"
-    value = client.infer(model, _grpc_inputs(grpcclient, inputs)).as_numpy(out_name).reshape(-1)[0]
+    value = client.infer(model, _grpc_inputs(grpcclient, inputs), parameters=credential()).as_numpy(out_name).reshape(-1)[0]
     assert isinstance(value, bytes)
     return value
 
@@ -157,7 +167,7 @@ def drain_kv(url: str, kv: bytes, text: str | None = None) -> None:
     if text is not None:  # the vllm decode stage needs the prompt
         inputs["text_input"] = strings(text)
     try:
-        client.async_stream_infer("decode", _grpc_inputs(grpcclient, inputs))
+        client.async_stream_infer("decode", _grpc_inputs(grpcclient, inputs), parameters=credential())
         result, error = q.get(timeout=60)
         assert error is None, error
     finally:

@@ -1,0 +1,171 @@
+"""The closed trust boundary on a live server (docs/security.md): what a client that talks to Triton and to NIXL
+itself can and cannot do, and where the server listens.
+
+One `trident serve --host 127.0.0.1` (LLaVA demo, e_p_d) for the module:
+
+- a client calling a stage model without the stage credential is refused and gets no record;
+- a client holding a record (leaked, say) reads nothing useful out of it: no agent metadata, no regions, no lease
+  id, so its own NIXL agent (the project's :class:`~trident.transfer.agent.NixlAgent`) can neither READ, WRITE
+  nor release anything of the producer's;
+- a party that knows a lease's id and the producer's agent (as one that can read the producer's stamp table
+  would) still cannot end the lease: the release needs the key that only the record carries;
+- every TCP/UDP listener of the server's processes is on loopback.
+
+The attack is written as a client would run it, against whatever the server gives: on the code before the trust
+boundary it succeeds (the stage answered any client, records were signed but readable, a notification naming the
+lease id released it, UCX listened on every interface).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import msgspec
+import pytest
+import torch
+
+from support import b64, drain_kv, make_image, png_bytes, serving, stage_output, strings
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "USER: <image>\nWhat is it? ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def server(demo_models, tmp_path_factory):
+    with serving(demo_models["llava"], tmp_path_factory.mktemp("trust") / "ws", modes=["e_p_d"],
+                 extra=["--host", "127.0.0.1"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return {"text": PROMPT, "images": [b64(png_bytes(make_image(64, 48, 5)))]}
+
+
+def _prefill_inputs(server, ref) -> dict:
+    record = stage_output(server.grpc, "encode", {"image": strings(*ref["images"])})
+    return {"text_input": strings(ref["text"]), "embedding_meta": strings(record),
+            "sampling_parameters": strings(json.dumps({"max_tokens": 4, "temperature": 0}))}
+
+
+def _client_prefill(server, inputs: dict) -> tuple[bytes | None, str]:
+    """``prefill`` called as a client: no stage credential. (record or None, error message)."""
+    import tritonclient.grpc as grpcclient
+
+    from support.clients import _grpc_inputs
+
+    client = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        result = client.infer("prefill", _grpc_inputs(grpcclient, inputs))
+    except Exception as e:  # noqa: BLE001 - the refusal is what is checked
+        return None, e.message()
+    finally:
+        client.close()
+    return result.as_numpy("kv_meta").reshape(-1)[0], ""
+
+
+def attacker_view(data: bytes) -> dict | None:
+    """What a client reads out of record bytes without the deployment's key: the producer's agent, its metadata,
+    the regions and the lease, when the bytes are msgpack (alone, or followed by a MAC of 16 or 32 bytes)."""
+    for cut in (data, data[:-32], data[:-16]):
+        try:
+            head = msgspec.msgpack.decode(cut)
+        except (msgspec.DecodeError, ValueError):
+            continue
+        if isinstance(head, list) and len(head) > 1 and isinstance(head[1], list) and len(head[1]) >= 8:
+            agent, meta, pool, regions, _tensors, lease_id, _expires, stamp = head[1][:8]
+            return {"agent": agent, "meta": meta, "regions": [tuple(r) for r in regions], "lease_id": lease_id,
+                    "stamp": stamp}
+    return None
+
+
+def _attack(view: dict) -> dict[str, bool]:
+    """READ the producer's region, WRITE into it, and release its lease, with an agent of our own."""
+    from trident.transfer.agent import NixlAgent
+
+    agent = NixlAgent(name="attacker")
+    addr, length = view["regions"][0]
+    buf = torch.zeros(length + 256, dtype=torch.uint8)
+    agent.register(buf)
+    done = {"read": False, "write": False, "release": False}
+    try:
+        agent.read(view["agent"], view["meta"], [(addr, length)], buf.data_ptr(), b"", 10.0)
+        done["read"] = bool(buf[:length].any())
+    except Exception:  # noqa: BLE001 - a refused READ is the point
+        pass
+    try:
+        raw = agent._agent
+        marker = torch.full((16,), 0x5A, dtype=torch.uint8)
+        agent.register(marker)
+        handle = raw.initialize_xfer("WRITE", raw.get_xfer_descs([(marker.data_ptr(), 16, 0)], "DRAM"),
+                                     raw.get_xfer_descs([(addr, 16, 0)], "DRAM"), view["agent"], b"")
+        state = raw.transfer(handle)
+        while state == "PROC":
+            state = raw.check_xfer_state(handle)
+        done["write"] = state == "DONE"
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        agent.notify(view["agent"], view["meta"], view["lease_id"].encode())
+        done["release"] = True  # (sent: whether it released is checked by reading the record afterwards)
+    except Exception:  # noqa: BLE001
+        pass
+    return done
+
+
+def test_a_client_gets_no_record_and_a_leaked_one_opens_nothing(server, ref):
+    inputs = _prefill_inputs(server, ref)
+    # 1. the stage model, called as any client can: refused before any work, no record
+    record, error = _client_prefill(server, inputs)
+    # 2. a record in a client's hands all the same (leaked from a deployment process)
+    leaked = record if record is not None else stage_output(server.grpc, "prefill", inputs)
+    view = attacker_view(leaked)
+    done = _attack(view) if view is not None else {}
+    released_by_attacker = False
+    try:
+        drain_kv(server.grpc, leaked)  # the deployment's own decode still reads it: nothing was taken from it
+    except Exception as e:  # noqa: BLE001
+        released_by_attacker = "ReplayedRecord" in str(e) or "lease" in str(e)
+    assert record is None, f"a client without the stage credential got a record; its attack did {done}"
+    assert "Unauthenticated: stage model prefill answers only the deployment's own callers" in error
+    assert view is None and not released_by_attacker, f"a leaked record opened the producer's memory: {done}"
+
+
+def test_a_lease_id_alone_does_not_end_a_lease(server, ref):
+    """A party that knows the producer's agent and a lease's id (what the stamp table holds) sends the release
+    notification: the lease stays open and the record's consumer reads it as if nothing happened."""
+    from trident.protocol import decode_record
+    from trident.transfer.agent import NixlAgent
+
+    kv = stage_output(server.grpc, "prefill", _prefill_inputs(server, ref))
+    t = decode_record(kv).transfer  # (with the deployment's key: the most an insider of the stamp table knows)
+    released = server.stats(settled=True)["prefill"]["released"]
+    NixlAgent(name="stamp-reader").notify(t.agent, t.agent_meta, t.lease_id.encode())
+    assert server.stats(settled=True)["prefill"]["released"] == released, "a lease id alone released the lease"
+    drain_kv(server.grpc, kv)  # the decode reads its record: the lease was still open
+    assert server.stats(settled=True)["prefill"]["released"] == released + 1
+
+
+def _listeners(pids: set[int]) -> list[tuple[str, str]]:
+    """(local address:port, process) of every TCP and UDP listener of ``pids``."""
+    out = subprocess.run(["ss", "-H", "-ltunp"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            fields = line.split()
+            found.append((fields[4], ",".join(re.findall(r'"([^"]+)"', line))))
+    return found
+
+
+def test_every_listener_is_on_loopback(server):
+    from support import descendants
+
+    pids = {server.proc.pid, *descendants(server.proc.pid)}
+    found = _listeners(pids)
+    assert len(found) >= 5, found  # Triton's HTTP, gRPC and metrics ports, the OpenAI port, UCX's listeners
+    outside = [(addr, who) for addr, who in found if not addr.startswith(("127.", "[::1]:", "[::ffff:127."))]
+    assert not outside, f"listeners outside loopback: {outside}"
