@@ -17,7 +17,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from . import signing, timings
@@ -118,13 +120,16 @@ class Launcher:
                 scheduler=self.s.scheduler, scheduling=self.s.scheduling, model_path=str(self.model_path),
             )
         load = self.s.load if self.s.load is not None else self.s.modes
-        early = self.s.scheduler == "bls"
-        for mode in load if early else ():
-            self.load_entry_model(mode)
+        # A BLS entry model's load returns once a route of its plan has live stage instances (it is READY only
+        # then): it starts now, beside the workers, and ends as they bind.
+        early = [self._load_beside(mode) for mode in load] if self.s.scheduler == "bls" else []
         self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
         self._wait_ready(names)
+        for loading in early:
+            loading.result()
         for mode in () if early else load:
             self.load_entry_model(mode)
+        self._close_gate(open_=True, through=load[0] if load else None)  # READY from here: each entry model is
         if self.s.warm_up and load:
             self._warm_up(load)
         openai = ""
@@ -180,10 +185,14 @@ class Launcher:
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
         )
+        from .workers.bind import bind_when_live
+
+        bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
+        self._close_gate(open_=False)
         config = TritonConfig(
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
             metrics_port=self.s.metrics_port, exit_timeout_secs=3, log_verbose=0,
-            log_file=self.workspace / "triton.log",
+            log_file=self.workspace / "triton.log", exit_on_error=False,  # (the gate fails to load, by design)
         )
         self.triton = Triton(
             config=config,
@@ -316,9 +325,48 @@ class Launcher:
                     break
         self.out(f"[trident] warmed up {', '.join(modes)} in {time.monotonic() - t0:.1f} s")
 
+    def _close_gate(self, open_: bool, through: str | None = None) -> None:
+        """The start-up gate: a model that fails to load (its backend does not exist, so nothing starts), put in
+        Triton's start-up repository so that, with Triton's strict readiness, ``/v2/health/ready`` says not ready
+        from the moment Triton listens until the entry models are loaded. A failed model counts against readiness
+        until it is unloaded, and Triton unloads only a model that loaded: ``open_`` loads it again as an ensemble
+        over the loaded entry model ``through`` (nothing starts), then unloads it."""
+        folder = self.model_store / GATE
+        if not open_:
+            (folder / "1").mkdir(parents=True, exist_ok=True)
+            (folder / "config.pbtxt").write_text(GATE_CONFIG)
+            return
+        client = self._client()
+        try:
+            if through is not None:
+                client.load_model(GATE, config=json.dumps(_gate_ensemble(through)), headers=self.headers)
+            client.unload_model(GATE, headers=self.headers)
+        except Exception as e:  # noqa: BLE001 - the server stays not READY: say so, do not stop serving
+            self.out(f"[trident] could not open the start-up gate ({e}); /v2/health/ready stays not ready")
+        shutil.rmtree(folder, ignore_errors=True)
+
     def load_entry_model(self, mode: str) -> None:
-        self._client().load_model(mode, headers=self.headers)
+        import tritonclient.http as httpclient
+
+        # a BLS entry model's load lasts until its stages are live: the client waits as long as start-up may
+        client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}",
+                                                  network_timeout=self.s.startup_timeout_s + 30)
+        client.load_model(mode, headers=self.headers)
         self.out(f"[trident] entry model {mode} loaded")
+
+    def _load_beside(self, mode: str) -> Future:
+        """:meth:`load_entry_model` on a thread of its own; its future raises what the load raised."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                self.load_entry_model(mode)
+                future.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting start-up
+                future.set_exception(e)
+
+        threading.Thread(target=run, name=f"trident-load-{mode}", daemon=True).start()
+        return future
 
     # -- run and stop -------------------------------------------------------------------------------
     def supervise(self) -> None:
@@ -446,6 +494,27 @@ def _remove_direct_socket(model_dir: Path) -> None:
         return
     if path.name == DIRECT_SOCKET and path.parent.name.startswith(DIRECT_DIR_PREFIX):
         shutil.rmtree(path.parent, ignore_errors=True)
+
+
+GATE = "trident_starting"
+GATE_CONFIG = f"""name: "{GATE}"
+backend: "{GATE}"
+max_batch_size: 0
+input [{{ name: "x" data_type: TYPE_BOOL dims: [1] }}]
+output [{{ name: "y" data_type: TYPE_BOOL dims: [1] }}]
+"""
+
+
+def _gate_ensemble(entry: str) -> dict:
+    """The start-up gate as a model that loads: an ensemble over a loaded entry model."""
+    return {
+        "name": GATE, "platform": "ensemble",
+        "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
+        "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}],
+        "ensemble_scheduling": {"step": [{"model_name": entry, "model_version": -1,
+                                          "input_map": {"text_input": "text_input"},
+                                          "output_map": {"text_output": "text_output"}}]},
+    }
 
 
 def descendants(pid: int) -> list[int]:

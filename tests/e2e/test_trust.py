@@ -26,18 +26,58 @@ import msgspec
 import pytest
 import torch
 
-from support import b64, drain_kv, make_image, png_bytes, serving, stage_output, strings
+import threading
+import time
+
+import requests
+
+from support import Server, b64, drain_kv, http_generate, make_image, png_bytes, stage_output, strings
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "USER: <image>\nWhat is it? ASSISTANT:"
 
 
+def _first_ready(url: str, ask, found: dict, key: str, stop: threading.Event) -> None:
+    """Poll ``url`` from start-up; at its first 200, send ``ask()`` at once and keep what it answered."""
+    while not stop.is_set():
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                found[key] = ask()
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
-    with serving(demo_models["llava"], tmp_path_factory.mktemp("trust") / "ws", modes=["e_p_d"],
-                 extra=["--host", "127.0.0.1"]) as srv:
+    """The server, with what a request sent at the first READY of the entry model and of the server got."""
+    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("trust") / "ws", modes=["e_p_d"],
+                 extra=["--host", "127.0.0.1"])
+    image = b64(png_bytes(make_image(64, 48, 7)))
+    ask = lambda: http_generate(srv.http, "e_p_d", PROMPT, [image], {"max_tokens": 2, "temperature": 0}, timeout=120)
+    srv.first_ready, stop = {}, threading.Event()
+    probes = [threading.Thread(target=_first_ready, args=(f"http://{srv.http}{path}", ask, srv.first_ready, key, stop),
+                               daemon=True)
+              for key, path in (("model", "/v2/models/e_p_d/ready"), ("server", "/v2/health/ready"))]
+    for probe in probes:
+        probe.start()
+    try:
+        srv.wait_ready(timeout=240)
+        for probe in probes:
+            probe.join(120)
         yield srv
+    finally:
+        stop.set()
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+
+def test_readiness_tells_the_truth(server):
+    """From the first moment Triton reports the entry model READY, and the server READY, a request is served."""
+    for key in ("model", "server"):
+        status, body = server.first_ready[key]
+        assert status == 200 and body.get("text_output"), (key, status, body)
 
 
 @pytest.fixture(scope="module")

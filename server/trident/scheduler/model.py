@@ -113,7 +113,23 @@ class TritonPythonModel:
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             self._measure = PromptLength(self.model_path)
-        self._refresh(force=True)
+        self._wait_for_a_route()
+
+    def _wait_for_a_route(self) -> None:
+        """Block the load until a request with media would be served: Triton reports this entry model READY only
+        once its plan (its own stages, or a fallback mode's) has a live instance of every stage it calls. Past
+        ``ready_timeout_s`` the load fails, naming the stages missing."""
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while True:
+            self._refresh(force=True)
+            live = {s for s, names in self.live.items() if names}
+            if plan(self.mode, 1, live, self.cfg.local_encode_images) is not None:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(MODES[self.mode]) - live)
+                raise RuntimeError(f"{self.mode}: no live instance of stage(s) {', '.join(missing)} after "
+                                   f"{self.cfg.ready_timeout_s:.0f} s; start their workers, then load {self.mode} again")
+            time.sleep(min(self.cfg.refresh_s, 0.1))
 
     # -- stage instances -------------------------------------------------------------------------------
     def _ready(self, name: str) -> bool:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -103,6 +104,38 @@ def _install_proxy_model() -> None:
     generate_model._trident = True
     Model.generate_model = generate_model
     Model.get_proxy_model_files = get_proxy_model_files
+
+
+def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
+    """Until Triton answers as live (``client``: a tritonclient client), at most ``timeout_s``."""
+    from pytriton.client.exceptions import PyTritonClientTimeoutError
+
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else 120.0)
+    while True:
+        try:
+            if client.is_server_live(headers=headers):
+                return
+        except Exception:  # noqa: BLE001 - not up yet (tritonclient raises its own and socket errors)
+            pass
+        if time.monotonic() > deadline:
+            raise PyTritonClientTimeoutError("Waiting for the server to be live timed out.")
+        time.sleep(0.1)
+
+
+WAITS_FOR_READY = ("pytriton.triton", "pytriton.models.manager", "pytriton.client.client")
+"""PyTriton's modules that call ``pytriton.client.utils.wait_for_server_ready`` (imported by name)."""
+
+
+def bind_when_live() -> None:
+    """PyTriton 0.7 limitation: it waits for the whole server to be READY before it starts, connects or binds a
+    model (``Triton.connect``, its log-level check, ``ModelManager.clean``, ``ModelClient.wait_for_server``). A
+    Trident server is not READY until start-up is over (the launcher's start-up gate, and entry models LOADING
+    until a route of their plan has live stage instances), so the launcher and the workers wait for it to be live.
+    ``tests/unit/test_pytriton_patches.py`` fails when the patched function changes."""
+    import importlib
+
+    for name in WAITS_FOR_READY:
+        importlib.import_module(name).wait_for_server_ready = _wait_for_server_live
 
 
 def _remote_triton(url: str, access_token: str | None, model_store: str | None):
@@ -206,6 +239,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
 
     pytriton.proxy.inference.traceback = _WireErrors()
     _install_proxy_model()
+    bind_when_live()
     spec = STAGES[settings.stage]
     if settings.backend == "vllm":
         # vLLM's engine processes talk over ZeroMQ IPC socket files in VLLM_RPC_BASE_PATH (default: the system's
