@@ -106,9 +106,9 @@ bench-engine: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident bench transfer
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident bench decode
 
-# Both engines in every mode vs vLLM's own OpenAI server (TTFT, tokens/s, start-up); -> docs/benchmarks-vllm.md
+# Both engines in every mode vs vLLM's own OpenAI server (TTFT, tokens/s, start-up); -> docs/benchmarks.md
 bench-vllm: install install-vllm
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_engines.py --vllm-python $(VLLM_PY) --report docs/benchmarks-vllm.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_engines.py --vllm-python $(VLLM_PY) --report docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .pytest_cache

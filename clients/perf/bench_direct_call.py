@@ -11,7 +11,8 @@ Each side stamps its steps on the host's monotonic clock; the table gives the me
 - scheduler: the answer read by the connection's reader thread, handed to the event loop, the call's
   coroutine resumed with the outputs.
 
-    make bench-hops                 (after the TTFT breakdown; the table goes into docs/benchmarks.md)
+    make bench-hops                 (after the TTFT breakdown; the table goes into docs/benchmarks.md, section
+                                     `bench-direct-call`)
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import numpy as np
 
 from report import write_section
 
-SECTION = "<!-- bench-direct-call -->"
-END = "<!-- /bench-direct-call -->"
 STEPS = [
     ("call", "sent", "scheduler: message made, socket written"),
     ("sent", "read", "-> worker: message read on its event loop"),
@@ -203,18 +202,20 @@ def main() -> int:
 
     steps, total = direct_calls(args.calls)
     bare = statistics.median(_ping_pong(args.calls))
-    lines = [SECTION, "## One stage call with no model behind it: the direct call's hand-offs vs a bare socket", "",
-             f"Written by `make bench-hops` (`clients/perf/bench_direct_call.py`): {args.calls} calls one at a time, "
-             "2 ms apart, between two processes; a prefill call's inputs (a prompt, a 1.2 KB record, sampling "
-             "parameters) to a stage that answers a 1.2 KB record at once. Median of each step in us, from both "
-             "sides' stamps on one clock.", "",
-             "| step | p50 us |", "|---|---|"]
+    lines = ["## One stage call with no model behind it (`make bench-hops`)", "",
+             f"`clients/perf/bench_direct_call.py`: {args.calls:,} calls one at a time, 2 ms apart, between two "
+             "processes: a prefill call's inputs (a prompt, a 1.2 KB record, sampling parameters) to a stage that "
+             "answers a 1.2 KB record at once. The median of each step in µs, from both sides' stamps on one clock.",
+             "", "| step | p50 us |", "|---|---|"]
     lines += [f"| {label} | {value:.1f} |" for label, value in steps.items()]
     lines += [f"| **direct call, round trip** | **{total:.1f}** |",
-              f"| bare Unix socket, 64 bytes there and back (two processes) | {bare:.1f} |", "", END]
+              f"| bare Unix socket, 64 bytes there and back (two processes) | {bare:.1f} |", "",
+              f"Each step takes {min(steps.values()):.0f}-{max(steps.values()):.0f} µs of Python that runs cold after "
+              "the process slept. Calls that come through Triton go from the stage's python-backend stub to its "
+              "worker over Trident's channel (one Unix socket per stage instance, tensors inline as msgpack)."]
     print("\n".join(lines))
     if args.report:
-        write_section(args.report, lines, SECTION, END, "## Stage stub <-> worker")
+        write_section(args.report, "bench-direct-call", lines, before="bench-scheduler")
     return 0
 
 

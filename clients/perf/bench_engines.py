@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Both engines in every mode, side by side with vLLM's own OpenAI server, in one run.
+"""Both engines in every mode, side by side with vLLM's own OpenAI server.
 
 For each engine (hf, vllm) and mode, starts `trident serve --mode <mode>` and times its start-up; starts
 `python -m vllm.entrypoints.openai.api_server` on the same checkpoint and times its start-up too. Then the
@@ -10,7 +10,10 @@ Trident's embedding cache nor vLLM's prefix cache is hit. Start-up CPU is the CP
 used until it answered (sampled every 0.2 s): on a machine whose cores are busy throughout start-up, wall
 time follows it.
 
-    make bench-vllm                       (LLaVA demo; 32 requests at concurrency 8, 32 new tokens)
+With --report, the table goes into the report's section `bench-vllm`; the notes that follow the section's
+table there are kept.
+
+    make bench-vllm                       (LLaVA demo; 32 requests at concurrency 8, 32 new tokens; docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from report import read_section, settings_text, write_section
 from trident.launcher import descendants
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
-NOTES = "<!-- notes -->"  # the report keeps everything from this line on
+SECTION = "bench-vllm"  # the report's section; what follows its table there (notes people wrote) is kept
 VLLM_ENV = {  # what vLLM's own server needs on this CPU machine (Trident's vllm workers set the same)
     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
@@ -215,6 +219,40 @@ def _keep_logs(workspace: Path, server: Process, name: str) -> None:
     print(f"[bench] {name} failed; its logs are in {kept}", file=sys.stderr, flush=True)
 
 
+def notes_after_table(section: str | None) -> list[str]:
+    """The lines of ``section`` that follow its first table."""
+    lines = (section or "").strip("\n").splitlines()
+    i = next((k for k, line in enumerate(lines) if line.startswith("|")), len(lines))
+    while i < len(lines) and lines[i].startswith("|"):
+        i += 1
+    return lines[i:]
+
+
+def write_report(args, header: list[str], lines: list[list[str]]) -> None:
+    from trident.cli import load_config_file
+
+    model = "the LLaVA demo" if args.model_is_demo else f"`{Path(args.model).name}`"
+    serve = [f"`{args.serve_args}`"] if args.serve_args else []
+    if args.serve_config:
+        serve.append(f"`{settings_text(load_config_file(args.serve_config))}`")
+    md = [
+        "## The vLLM engine vs vLLM's own server (`make bench-vllm`)", "",
+        f"`clients/perf/bench_engines.py`: per engine ({', '.join(args.backends)}) and mode a `trident serve "
+        "--backend B --mode X`, and vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`: one "
+        "engine doing all three stages) on the same checkpoint, each started in turn"
+        + (f" (Trident's servers with {' and '.join(serve)})" if serve else "") + ". The same OpenAI chat client "
+        f"sends {args.rounds} rounds of {args.requests} streaming requests at concurrency {args.concurrency} to each, "
+        "one new 224 px image per request (no cache hit on either side), "
+        f"{args.max_tokens} new tokens (greedy, `ignore_eos`); {model}. Start-up: until `[trident] ready`, or until "
+        "vLLM's `/v1/models` answers; start-up CPU: the CPU time the server's processes used until then. Each ratio "
+        "is to vLLM's server, the first row.",
+        "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(line) + " |" for line in lines),
+    ]
+    notes = notes_after_table(read_section(args.report, SECTION))
+    write_section(args.report, SECTION, md + notes, before="bench-engine")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint folder (default: the LLaVA demo model)")
@@ -229,8 +267,9 @@ def main() -> int:
     p.add_argument("--serve-config", metavar="FILE",
                    help="`trident serve` config file (YAML or JSON) of every trident server, e.g. one with "
                    "`vllm: {prefill_calls: 2}`")
-    p.add_argument("--report", help="also write the table to this Markdown file")
+    p.add_argument("--report", type=Path, help="also write the table into this Markdown file (its section `bench-vllm`)")
     args = p.parse_args()
+    args.model_is_demo = args.model is None
     if args.model is None:
         from trident.dev.demo import default_demo_model
 
@@ -263,12 +302,7 @@ def main() -> int:
     print(caption)
     print("\n".join(table))
     if args.report:
-        md = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        md += ["| " + " | ".join(line) + " |" for line in lines]
-        report = Path(args.report)
-        old = report.read_text() if report.exists() else ""
-        notes = old[old.index(NOTES):] if NOTES in old else ""  # what people wrote below the table is kept
-        report.write_text(f"# Engines vs vLLM's own server\n\n{caption}\n\n" + "\n".join(md) + "\n\n" + notes)
+        write_report(args, header, lines)
     return 0
 
 

@@ -9,7 +9,7 @@ run through the ``generate`` stage's engine in this process (no Triton, no trans
 
 Prints, per mode, the median over the requests of each hop in ms, and TTFT against in-process.
 
-    make bench-hops                          (LLaVA demo; the table goes into docs/benchmarks.md)
+    make bench-hops                          (LLaVA demo; the tables go into docs/benchmarks.md, section `bench-hops`)
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench_scheduler import PROMPT, Serve, Stream, image_b64
-from report import write_section
+from report import DEMO_NAMES, write_section
 
 MODES = ("e_p_d", "ep_d")
-SECTION = "<!-- bench-hops -->"
-END = "<!-- /bench-hops -->"
 
 Steps = dict[str, list[tuple[int, int]]]  # "process/step" -> [(t0, t1)] inside the request's window
 
@@ -218,11 +216,11 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
         engine.close()
 
 
-CALLS = {  # the servers, in the order run: (label, how the scheduler calls the record stages: its `scheduling`)
-    "direct": ("stages called direct", {"stage_calls": "direct"}),
-    "bls_handoff": ("stages called direct, the BLS passing the encode's record on",
-                    {"stage_calls": "direct", "record_handoff": "scheduler"}),
-    "triton": ("through Triton", {"stage_calls": "triton"}),
+CALLS = {  # the servers, in the order run: (label in the report, how the scheduler calls the record stages: its
+    # `scheduling` config-file settings, internal ones)
+    "direct": ("", {"stage_calls": "direct"}),  # the default: stage calls straight at the workers
+    "bls_handoff": ("record passed by the scheduler", {"stage_calls": "direct", "record_handoff": "scheduler"}),
+    "triton": ("stage calls through Triton", {"stage_calls": "triton"}),
 }
 
 
@@ -287,15 +285,15 @@ def main() -> int:
     clocks, steps = runs["direct"]
     local_steps = read_steps(trace_dir / "local")
 
-    lines = [SECTION, f"## Where TTFT goes: one request at a time ({args.arch} demo, hf engine)", "",
-             "Written by `make bench-hops` (`clients/perf/bench_hops.py`): `trident serve` with `trace_dir` set, one "
-             f"gRPC stream (tritonclient) kept open for {args.requests} requests per mode, each with a new 224 px image, {args.max_tokens} new "
-             "tokens, one at a time; the median (p50) and 90th percentile (p90) of each hop in ms over the requests, "
-             "from the step timings the BLS, the stage stubs "
-             "and the workers write on one clock. The scheduler calls the stages straight at their workers "
-             "(`scheduling.stage_calls: direct`, the default), and in E/P/D the encode worker hands its record straight to the "
-             "prefill worker, whose call the BLS posted beside the encode's (`scheduling.record_handoff: worker`, the "
-             "default): the prefill call's rows then start when its record is in. In-process: the same requests through the `generate` stage "
+    lines = ["## Where TTFT goes (`make bench-hops`)", "",
+             "`clients/perf/bench_hops.py`: `trident serve` with step timings on (`trace_dir`), the "
+             f"{DEMO_NAMES.get(args.arch, args.arch)} demo and the hf engine, one gRPC stream (tritonclient) kept open "
+             f"for {args.requests} requests per mode, each with a new 224 px image and {args.max_tokens} new tokens, "
+             "one at a time. The table gives the median (p50) and 90th percentile (p90) of each hop in ms over the "
+             "requests, from the step timings that the BLS, the stage stubs and the workers write on one clock. The "
+             "scheduler calls the stages straight at their workers (`(direct)`), and in E/P/D the encode worker hands "
+             "its record straight to the prefill worker, whose call the BLS posts beside the encode's: the prefill "
+             "call's rows start when its record is in. In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
     in_rows = []
     for c in local:
@@ -318,10 +316,12 @@ def main() -> int:
         cells = [f"{statistics.median(table[label][m]):.2f} | {_p90(table[label][m]):.2f}" if m in table.get(label, {})
                  else " | " for m in MODES]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "The first text from the prefill's `kv_meta`: the BLS sends it before it calls the decode stage "
-              "(the decode rows above are those of the other requests, whose first token had no text of its own). "
-              "The same requests' TTFT had the BLS waited for the decode's first response (its arrival at the BLS, "
-              "plus that request's own send and way to the client), from the same run:", "",
+    lines += ["", "The BLS sends a streaming client the first text from the prefill's `kv_meta` before it calls the "
+              "decode stage; the decode rows above are those of the other requests, whose first token had no text of "
+              "its own (the demo's random weights pick such tokens, e.g. one byte of a UTF-8 character, whose first "
+              "response waits for the next token). What the same requests' TTFT would have been had the BLS waited "
+              "for the decode's first response (its arrival at the BLS, plus that request's own send and way to the "
+              "client):", "",
               "| mode | requests with an early first text | TTFT p50 ms | waiting for the decode, p50 ms | saved p50 ms |",
               "|---|---|---|---|---|"]
     for mode in MODES:
@@ -337,32 +337,35 @@ def main() -> int:
     local_ttft = statistics.median(r["TTFT"] for r in in_rows)
     local_rest = statistics.median(r["TTFT - compute"] for r in in_rows)
     lines += ["", "Added TTFT: the median of TTFT minus the model's own work (image decode, preprocess, vision tower, "
-              "prefill, which vary by some ms between runs), against the same in-process.", "",
-              "| mode | TTFT p50 ms | in-process p50 ms | TTFT - compute | in-process TTFT - compute | added ms | target |",
+              "prefill, which vary by some ms between runs), against the same in-process. For comparison, the same "
+              "requests go to two more servers, one after the other: one whose BLS passes the encode's record on to "
+              "the prefill itself, after the encode call (record passed by the scheduler), and one whose scheduler "
+              "calls every stage through Triton (stage calls through Triton).", "",
+              "| server | TTFT p50 ms | in-process p50 ms | TTFT - compute | in-process TTFT - compute | added ms | target |",
               "|---|---|---|---|---|---|---|"]
-    for calls in CALLS:
+    for calls, (label, _) in CALLS.items():
         added = added_ttft(*runs[calls])
         for mode in MODES:
             ttft, rest = added[mode]
-            lines.append(f"| {mode}, {CALLS[calls][0]} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | {local_rest:.1f} | "
-                         f"{rest - local_rest:+.1f} | <= +5 |")
-    lines += ["", "E/P/D's way from the encode to the prefill alone (no compute in it, so it moves less than TTFT "
-              "between servers): from the encode worker's record made (its `record_encode` step's end) to the "
-              "prefill call running on its worker (its `infer` step's start), per request.", "",
+            lines.append(f"| {mode}{', ' + label if label else ''} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | "
+                         f"{local_rest:.1f} | {rest - local_rest:+.1f} | <= +5 |")
+    lines += ["", "The added TTFT is a difference of two medians: EP/D, which has no record to hand on, shows in its "
+              "row with the record passed by the scheduler how much it moves from one server to the next. E/P/D's way "
+              "from the encode to the prefill has no compute in it and shows what the hand-off saves: from the encode "
+              "worker's record made (its `record_encode` step's end) to the prefill call running on its worker (its "
+              "`infer` step's start), per request:", "",
               "| server | p25 ms | p50 ms | p75 ms |", "|---|---|---|---|"]
-    for calls in ("direct", "bls_handoff"):
+    for calls, label in (("direct", "the encode worker hands the record to the prefill worker"),
+                         ("bls_handoff", CALLS["bls_handoff"][0])):
         gaps = [g for g in (encode_to_prefill(window(runs[calls][1], c)) for c in runs[calls][0]["e_p_d"]) if g is not None]
         if len(gaps) > 1:
             q = statistics.quantiles(gaps, n=4)
-            lines.append(f"| {CALLS[calls][0]} | {q[0]:.2f} | {statistics.median(gaps):.2f} | {q[2]:.2f} |")
-    lines += ["", "The same run, the same requests, one server after the other: the scheduler's stage calls "
-              "straight at the workers (`scheduling.stage_calls: direct`) with the encode's record handed worker to worker, "
-              "then passed on by the BLS (`scheduling.record_handoff: scheduler`), then every call through Triton "
-              "(`scheduling.stage_calls: triton`).",
-              "", END]
+            lines.append(f"| {label} | {q[0]:.2f} | {statistics.median(gaps):.2f} | {q[2]:.2f} |")
+    lines += ["", "The bench runs one server at a time: servers up side by side each run cold one request in three, "
+              "which raises every server's numbers."]
     print("\n".join(lines), flush=True)
     if args.report:
-        write_section(args.report, lines, SECTION, END, "<!-- bench-scheduler -->")
+        write_section(args.report, "bench-hops", lines, before="bench-direct-call")
     return 0
 
 

@@ -6,9 +6,9 @@ Qwen2-VL demo with video clips, the Qwen2-Audio demo with audio clips. For each 
 perf_analyzer (tritonclient 2.51 wheel) over gRPC streaming with inputs from make_inputs.py, and, given
 --aiperf, aiperf against /v1/chat/completions with synthetic images. The same requests also run through
 the hf engine in this process. Prints a table per mode (throughput, TTFT p50/p99, ITL, tokens/s) and,
-given --report, writes it as Markdown with a PNG chart beside it.
+given --report, writes it into the report's section `bench-modes`, with a PNG chart beside the report.
 
-    make bench        (installs perf_analyzer's system library and aiperf first)
+    make bench        (installs perf_analyzer's system library and aiperf first; docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from make_inputs import perf_analyzer_inputs
+from report import DEMO_NAMES, write_section
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
@@ -173,8 +174,8 @@ def in_process(model_path: str, text: str, item, params_json: str, concurrency: 
 
 
 WORKLOADS = {  # media -> (demo family, perf_analyzer inputs, what one request carries)
-    "image": ("llava", {"n_images": 1}, "1 image 224 px"),
-    "video": ("qwen2vl", {"n_images": 0, "n_videos": 1, "frames": 8}, "1 video clip, 8 frames 224 px"),
+    "image": ("llava", {"n_images": 1}, "1 image of 224 px"),
+    "video": ("qwen2vl", {"n_images": 0, "n_videos": 1, "frames": 8}, "1 video clip of 8 frames of 224 px"),
     "audio": ("qwen2audio", {"n_images": 0, "n_audios": 1, "seconds": 5.0}, "1 audio clip of 5 s"),
 }
 
@@ -251,7 +252,7 @@ def main() -> int:
         print(" | ".join(v.rjust(w) for v, w in zip(line, widths)))
     if args.report:
         image_rows = [(m, t, c, r) for media, m, t, c, r in rows if media == "image"]
-        write_report(Path(args.report), title, header, lines, image_rows, args.concurrency)
+        write_report(Path(args.report), title, header, lines, image_rows, args)
     return 0
 
 
@@ -264,7 +265,9 @@ def _media_item(entry: dict, media: str):
     return MediaItem(base64.b64decode(entry[media]["content"][0]), 0, media)
 
 
-def write_report(path: Path, title: str, header: list[str], lines: list[list[str]], rows, concurrency) -> None:
+def write_report(path: Path, title: str, header: list[str], lines: list[list[str]], rows, args) -> None:
+    """The report's section `bench-modes` (the rest of the report stays as it is), and the chart of the image
+    rows beside the report (its name, ending in .png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,6 +277,7 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [*MODES, "in-process"]
     tools = ["perf_analyzer", "aiperf (OpenAI)", "hf engine"]
+    concurrency = args.concurrency
     width = 0.8 / (len(tools) * len(concurrency))
     for ax, key, ylabel in ((axes[0], "tok_s", "output tokens/s"), (axes[1], "ttft_p50", "TTFT p50 (ms)")):
         k = 0
@@ -293,23 +297,27 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(chart, dpi=110)
+    carried = []  # what one request carries, per workload
+    for media in args.media:
+        arch = WORKLOADS[media][0]
+        model = f"`{Path(args.model).name}`" if media == "image" and args.model else DEMO_NAMES.get(arch, arch)
+        carried.append(f"{WORKLOADS[media][2]} ({model})")
+    carried_text = carried[0] if len(carried) == 1 else ", ".join(carried[:-1]) + " or " + carried[-1]
+    clients = ("perf_analyzer drives the Triton entry models over gRPC streaming, "
+             + ("aiperf drives the OpenAI-compatible `/v1/chat/completions` with synthetic images, " if args.aiperf else "")
+             + "and `hf engine` runs the same requests through the engine roles in one process (no Triton, no transfers)")
     md = [
-        "# Benchmarks", "", title, "",
-        "Written by `make bench` (`clients/perf/bench_modes.py`). perf_analyzer drives the Triton entry models over "
-        "gRPC streaming; aiperf drives the OpenAI-compatible `/v1/chat/completions` with synthetic images; "
-        "`hf engine` runs the same requests through the engine roles in one process (no Triton, no transfers). "
-        "The server runs with its embedding cache off (`embedding_cache_mib: 0`): perf_analyzer sends the same "
-        "few inputs in every mode, and every request encodes its media, as in-process.",
+        "## Every mode, every client (`make bench`)", "",
+        f"`clients/perf/bench_modes.py`: {clients}. Per request: {carried_text}, and a prompt; {args.new_tokens} new "
+        "tokens, greedy, streaming; hf engine. `make bench` runs its server with the embedding cache off "
+        "(`embedding_cache_mib: 0`): perf_analyzer sends the same few inputs in every mode, and every request "
+        "encodes its media, as in-process does.",
         "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
         *("| " + " | ".join(line) + " |" for line in lines),
-        "", f"![throughput and TTFT per mode]({chart.name})", "",
+        "", f"![throughput and TTFT per mode]({chart.name})",
     ]
-    # the sections of make bench-openai, bench-hops and bench-scheduler (from the first one's marker on) stay
-    text = path.read_text() if path.exists() else ""
-    markers = ("<!-- bench-openai -->", "<!-- bench-hops -->", "<!-- bench-scheduler -->")
-    starts = [i for i in (text.find(m) for m in markers) if i >= 0]
-    path.write_text("\n".join(md) + ("\n" + text[min(starts):] if starts else ""))
-    print(f"wrote {path} and {chart}")
+    write_section(path, "bench-modes", md, before="bench-split")
+    print(f"wrote {chart}")
 
 
 if __name__ == "__main__":

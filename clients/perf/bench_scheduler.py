@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from report import DEMO_NAMES, write_section
 from trident import auth, signing
 from trident.netutil import free_ports
 
@@ -42,7 +43,7 @@ signing.secret()  # made here when unset: the servers this bench starts inherit 
 
 MODES = ["e_pd", "e_p_d"]
 PROMPT = "Describe the picture in detail, please."
-SECTION = "<!-- bench-scheduler -->"
+BLS_ROUNDS = 3  # BLS / ensemble: how many times each kind runs, alternating
 
 
 def image_b64(seed: int, size: int = 224) -> str:
@@ -269,15 +270,23 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--size", type=int, default=224, help="image side, px (default: 224)")
-    ap.add_argument("--report", type=Path, help="markdown file to put the tables into (its scheduler section)")
+    ap.add_argument("--report", type=Path, help="markdown file to put the tables into (its section `bench-scheduler`)")
     args = ap.parse_args()
-    lines = [SECTION, "## Scheduler (BLS)", ""]
+    lines = ["## Scheduler (`make bench-scheduler`)", "",
+             "`clients/perf/bench_scheduler.py`, with the same gRPC streaming client for every row; hf engine. Reuse "
+             f"runs: {args.requests} requests at concurrency {args.concurrency} over a pool of {args.pool} images "
+             f"({1 - args.pool / args.requests:.0%} reuse), {args.max_tokens} new tokens, with the encode worker's "
+             f"embedding cache on and off. BLS / ensemble: 48 requests with unique images, 32 new tokens, each kind "
+             f"{BLS_ROUNDS} times, alternating, on one server. CPU s: each process's user + system time over the "
+             f"{args.requests} requests (`triton`: the server with its python-backend stubs, the BLS among them). On "
+             f"saturated cores ({os.cpu_count()} here) the cache can cut TTFT by at most the share of the CPU it "
+             "saves, which the \"best TTFT ratio\" rows give.", ""]
     for arch in args.arch:
         rows = run_arch(arch, args)
         lines += table(arch, rows, args)
         print("\n".join(lines), flush=True)
     if args.report:
-        write_section(args.report, lines)
+        write_section(args.report, "bench-scheduler", lines, before="bench-vllm")
     return 0
 
 
@@ -315,7 +324,7 @@ def run_arch(arch: str, args) -> dict[str, dict]:
                     rows[f"text/{mode}"] = load(url, mode, [(text_only, [])] * 30, 1, args.max_tokens)
                 continue
             for mode in MODES:  # the scheduler's own cost: BLS and ensemble alternating, unique images
-                for round_ in range(3):
+                for round_ in range(BLS_ROUNDS):
                     for kind in ("bls", "ensemble"):
                         server.swap(mode, kind)
                         seed = 50_000 + 1000 * round_ + (100 if kind == "ensemble" else 0)
@@ -331,15 +340,7 @@ def run_arch(arch: str, args) -> dict[str, dict]:
 
 def table(arch: str, rows: dict, args) -> list[str]:
     out = [
-        f"### {arch} demo, {args.size} px images",
-        "",
-        f"Written by `make bench-scheduler` (`clients/perf/bench_scheduler.py`), one run, the same gRPC streaming client "
-        f"for every row; hf engine, 2 CPU cores. Reuse runs: {args.requests} requests at concurrency "
-        f"{args.concurrency} over a pool of {args.pool} images (80% reuse), {args.max_tokens} new tokens. BLS / "
-        "ensemble: 48 requests with unique images, 32 new tokens, each kind three times, alternating, on one server. "
-        "CPU s: each process's utime + stime over the 200 requests (`triton`: the server with its python-backend "
-        "stubs, the BLS among them); on 2 saturated cores the cache can cut TTFT by at most the share of the CPU "
-        "it saves.",
+        f"### {DEMO_NAMES.get(arch, arch)} demo, {args.size} px images",
         "", "| measure | mode | value | target |", "|---|---|---|---|",
     ]
     for mode in MODES:
@@ -364,14 +365,6 @@ def table(arch: str, rows: dict, args) -> list[str]:
         out.append(f"| tok/s BLS / ensemble, one instance each, concurrency {args.concurrency} "
                    f"({bls:.0f} / {ens:.0f}) | {mode} | {bls / ens:.2f} | >= 0.97 |")
     return out + [""]
-
-
-def write_section(path: Path, lines: list[str]) -> None:
-    """Replace the scheduler section of ``path`` (everything from its marker on), or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    head = text.split(SECTION)[0].rstrip("\n")
-    path.write_text(head + "\n\n" + "\n".join(lines))
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

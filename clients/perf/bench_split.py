@@ -10,8 +10,8 @@ one stream per request, as Triton's vLLM-backend clients send); in-process reque
 streamed text the same way the worker serves them. The server's process tree's CPU seconds per round are
 kept, to show where the time goes.
 
-Prints, per mode, tokens/s and TTFT of both and their ratio per round; with --report the table goes into
-docs/benchmarks.md.
+Prints, per mode, tokens/s and TTFT of both and their ratio per round; with --report the table goes into the
+report's section `bench-split` (docs/benchmarks.md).
 
     make bench-split
 """
@@ -31,8 +31,6 @@ from bench_scheduler import PROMPT, Serve, image_b64
 from report import write_section
 
 MODES = ("epd", "e_pd", "e_p_d", "ep_d")
-SECTION = "<!-- bench-split -->"
-END = "<!-- /bench-split -->"
 
 
 class InProcess:
@@ -124,63 +122,58 @@ async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: 
     return rounds
 
 
-OTHER_SERVERS = {  # --compare-<way>: (what the second server does, its settings: config-file keys)
-    "stage_calls": ("whose scheduler calls the stages through Triton", {"scheduling": {"stage_calls": "triton"}}),
-    "record_handoff": ("whose scheduler passes the encode's record on itself",
+OTHER_SERVERS = {  # --compare-<way>: (its column, what the other server does, its settings: config-file keys)
+    "stage_calls": ("stage calls through Triton",
+                    "whose scheduler calls the stages through Triton, as an ensemble does, instead of straight at "
+                    "their workers", {"scheduling": {"stage_calls": "triton"}}),
+    "record_handoff": ("record passed by the scheduler",
+                       "whose scheduler passes the encode's record on to the prefill itself, after the encode call, "
+                       "instead of the encode worker handing it to the prefill worker (E/P/D)",
                        {"scheduling": {"record_handoff": "scheduler"}}),
 }
 
 
-def settings_text(config: dict, prefix: str = "") -> str:
-    """``{"scheduling": {"stage_calls": "triton"}}`` as ``scheduling.stage_calls: triton``."""
-    return ", ".join(settings_text(v, f"{prefix}{k}.") if isinstance(v, dict) else f"{prefix}{k}: {v}"
-                     for k, v in config.items())
-
-
 def table(results: dict[str, list[dict]], args) -> list[str]:
+    ways = [way for way in OTHER_SERVERS if any(way in r for rounds in results.values() for r in rounds)]
+    others_text = "".join(f" {column[0].upper() + column[1:]}: the same rounds against another server {what}."
+                          for column, what, _ in (OTHER_SERVERS[way] for way in ways))
     lines = [
-        SECTION, "## Single-mode servers vs in-process: tokens/s at concurrency %d" % args.concurrency, "",
-        "Written by `make bench-split` (`clients/perf/bench_split.py`), one run: per mode a `trident serve --mode X` "
-        "(LLaVA demo, hf engine, BLS scheduler, OpenAI frontend off) and the `generate` stage engine in the "
-        "benchmark's process (no Triton, no transfers, 1 torch thread as a worker), rounds alternating between the "
-        f"two. A round: the same {args.requests} requests both ways, a new 224 px image each (no embedding-cache "
-        f"hit), {args.max_tokens} new tokens, greedy, {args.concurrency} at a time; the server through one asyncio "
-        "gRPC client (one stream per request). CPU s: the server's processes over its round (`triton`: Triton with "
-        "its python-backend stubs, the BLS among them); in-process CPU s: the benchmark's process over its round "
-        "(the engine; no client); client CPU s: the benchmark's process over a server round. 2 CPU cores.", "",
-        "| mode | server tok/s | in-process tok/s | server / in-process (per round) | TTFT p50 server / in-process ms "
-        "| server CPU s per round | in-process CPU s | client CPU s | target |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "## Single-mode servers vs in-process (`make bench-split`)", "",
+        "`clients/perf/bench_split.py`: per mode a `trident serve --mode X` (LLaVA demo, hf engine, BLS scheduler, "
+        "OpenAI frontend off) and the `generate` stage engine in the benchmark's own process (no Triton, no "
+        "transfers, 1 torch thread as in a worker), in rounds alternating between the two. A round: the same "
+        f"{args.requests} requests both ways, a new 224 px image each (no embedding-cache hit), {args.max_tokens} new "
+        f"tokens, greedy, {args.concurrency} at a time; the server through one asyncio gRPC client (one stream per "
+        f"request). server / in-process: the median of {args.rounds} rounds' ratios.{others_text} CPU s: the "
+        "server's processes over a round (`triton`: Triton with its python-backend stubs, the BLS among them); "
+        "in-process CPU s: the benchmark's process over its round (the engine; no client); client CPU s: the "
+        "benchmark's process over a server round.", "",
+        "| mode | server tok/s | in-process tok/s | server / in-process | "
+        + "".join(f"{OTHER_SERVERS[way][0]} / in-process | " for way in ways)
+        + "TTFT p50 server / in-process ms | server CPU s per round | in-process CPU s | client CPU s | target |",
+        "|---|---|---|---|" + "---|" * len(ways) + "---|---|---|---|---|",
     ]
-    compared: dict[str, list[str]] = {way: [] for way in OTHER_SERVERS}
+    follows = []  # per mode: all the server's CPU s per round / in-process's CPU s
     for mode, rounds in results.items():
         ratios = [r["server"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
-        for way in OTHER_SERVERS:
-            if way in rounds[0]:
-                other = [r[way]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
-                compared[way].append(f"| {mode} | **{statistics.median(ratios):.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | "
-                                     f"{statistics.median(other):.2f} ({', '.join(f'{x:.2f}' for x in other)}) |")
+        others = "".join(f"{statistics.median(r[way]['tok_s'] / r['in-process']['tok_s'] for r in rounds):.2f} | "
+                         if way in rounds[0] else " | " for way in ways)
         cpu: dict[str, float] = {}
         for r in rounds:
             for k, v in r["cpu"].items():
                 cpu[k] = cpu.get(k, 0.0) + v / len(rounds)
         cpu_text = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        local_cpu = statistics.median(r["in-process"]["own_cpu"] for r in rounds)
+        follows.append(f"{mode} {sum(cpu.values()):.1f} / {local_cpu:.1f}")
         lines.append(
             f"| {mode} | {statistics.median(r['server']['tok_s'] for r in rounds):.1f} | "
-            f"{statistics.median(r['in-process']['tok_s'] for r in rounds):.1f} | **{statistics.median(ratios):.2f}** "
-            f"({', '.join(f'{x:.2f}' for x in ratios)}) | "
-            f"{statistics.median(r['server']['ttft_p50'] for r in rounds):.0f} / "
-            f"{statistics.median(r['in-process']['ttft_p50'] for r in rounds):.0f} | {cpu_text} | "
-            f"{statistics.median(r['in-process']['own_cpu'] for r in rounds):.1f} | "
+            f"{statistics.median(r['in-process']['tok_s'] for r in rounds):.1f} | **{statistics.median(ratios):.2f}** | "
+            f"{others}{statistics.median(r['server']['ttft_p50'] for r in rounds):.0f} / "
+            f"{statistics.median(r['in-process']['ttft_p50'] for r in rounds):.0f} | {cpu_text} | {local_cpu:.1f} | "
             f"{statistics.median(r['server']['own_cpu'] for r in rounds):.1f} | >= 0.9 |")
-    for way, rows in compared.items():
-        if rows:
-            label, config = OTHER_SERVERS[way]
-            lines += ["", f"The same rounds, another way: a second server {label} (`{settings_text(config)}`; the server "
-                      "above runs the defaults), both up for the whole mode.", "",
-                      f"| mode | default / in-process (per round) | `{settings_text(config)}` / in-process (per round) |",
-                      "|---|---|---|", *rows]
-    return lines + [END, ""]
+    lines += ["", "Throughput follows CPU. CPU s per round, all the server's processes / in-process: "
+              + ", ".join(follows) + "."]
+    return lines
 
 
 def main() -> int:
@@ -192,11 +185,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
     ap.add_argument("--compare-stage-calls", action="store_true",
-                    help="also run a server whose scheduler calls the stages through Triton (scheduling.stage_calls: "
-                    "triton)")
+                    help="also run a server whose scheduler calls the stages through Triton (its config file: "
+                    "scheduling.stage_calls: triton)")
     ap.add_argument("--compare-record-handoff", action="store_true",
                     help="also run a server whose scheduler passes the encode's record on itself "
-                    "(scheduling.record_handoff: scheduler; E/P/D)")
+                    "(its config file: scheduling.record_handoff: scheduler; E/P/D)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -213,7 +206,7 @@ def main() -> int:
         for k, mode in enumerate(args.modes):
             servers = {"server": Serve(model, [], modes=(mode,))}
             try:
-                for way, (_, config) in OTHER_SERVERS.items():
+                for way, (_, _, config) in OTHER_SERVERS.items():
                     if getattr(args, f"compare_{way}"):
                         servers[way] = Serve(model, [], modes=(mode,), config=config)
                 results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
@@ -225,7 +218,7 @@ def main() -> int:
     lines = table(results, args)
     print("\n".join(lines))
     if args.report:
-        write_section(args.report, lines, SECTION, END, "<!-- bench-openai -->")
+        write_section(args.report, "bench-split", lines, before="bench-openai")
     return 0
 
 
