@@ -161,10 +161,6 @@ class SchedulerConfig(_Settings):
         "encode (encode_prefill, generate) when one runs (0: never)"
     )
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
-    ready_timeout_s: float = Field(
-        600.0, gt=0, description="an entry model's load waits this long for a route of its plan to have live stage "
-        "instances (it is READY only then), and fails after it"
-    )
     stage_calls: Literal["direct", "triton"] = Field(
         "direct", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; how the "
         "scheduler calls the stage models: direct (straight to the worker of an "

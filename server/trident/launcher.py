@@ -120,15 +120,13 @@ class Launcher:
                 scheduler=self.s.scheduler, scheduling=self.s.scheduling, model_path=str(self.model_path),
             )
         load = self.s.load if self.s.load is not None else self.s.modes
-        # A BLS entry model's load returns once a route of its plan has live stage instances (it is READY only
-        # then): it starts now, beside the workers, and ends as they bind.
-        early = [self._load_beside(mode) for mode in load] if self.s.scheduler == "bls" else []
         self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
         self._wait_ready(names)
-        for loading in early:
-            loading.result()
-        for mode in () if early else load:
-            self.load_entry_model(mode)
+        # once their stages are bound: an entry model loads only when a request to it would be served (the BLS
+        # refuses to load otherwise, an ensemble needs its steps)
+        loading = [self._load_beside(mode) for mode in load]
+        for done in loading:
+            done.result()
         self._close_gate(open_=True, through=load[0] if load else None)  # READY from here: each entry model is
         if self.s.warm_up and load:
             self._warm_up(load)
@@ -348,9 +346,9 @@ class Launcher:
     def load_entry_model(self, mode: str) -> None:
         import tritonclient.http as httpclient
 
-        # a BLS entry model's load lasts until its stages are live: the client waits as long as start-up may
+        # Triton loads one model at a time: a load may wait for the others
         client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}",
-                                                  network_timeout=self.s.startup_timeout_s + 30)
+                                                  network_timeout=self.s.startup_timeout_s)
         client.load_model(mode, headers=self.headers)
         self.out(f"[trident] entry model {mode} loaded")
 

@@ -116,20 +116,16 @@ class TritonPythonModel:
         self._wait_for_a_route()
 
     def _wait_for_a_route(self) -> None:
-        """Block the load until a request with media would be served: Triton reports this entry model READY only
-        once its plan (its own stages, or a fallback mode's) has a live instance of every stage it calls. Past
-        ``ready_timeout_s`` the load fails, naming the stages missing."""
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        while True:
-            self._refresh(force=True)
-            live = {s for s, names in self.live.items() if names}
-            if plan(self.mode, 1, live, self.cfg.local_encode_images) is not None:
-                return
-            if time.monotonic() > deadline:
-                missing = sorted(set(MODES[self.mode]) - live)
-                raise RuntimeError(f"{self.mode}: no live instance of stage(s) {', '.join(missing)} after "
-                                   f"{self.cfg.ready_timeout_s:.0f} s; start their workers, then load {self.mode} again")
-            time.sleep(min(self.cfg.refresh_s, 0.1))
+        """Load only when a request with media would be served: Triton reports this entry model READY only if its
+        plan (its own stages, or a fallback mode's) has a live instance of every stage it calls; otherwise the load
+        fails at once, naming the stages missing. (It does not wait: Triton serializes loads, and a load that waited
+        here would hold up the stage models' own.)"""
+        self._refresh(force=True)
+        live = {s for s, names in self.live.items() if names}
+        if plan(self.mode, 1, live, self.cfg.local_encode_images) is None:
+            missing = sorted(set(MODES[self.mode]) - live)
+            raise RuntimeError(f"{self.mode}: no live instance of stage(s) {', '.join(missing)}; start their workers, "
+                               f"then load {self.mode}")
 
     # -- stage instances -------------------------------------------------------------------------------
     def _ready(self, name: str) -> bool:
