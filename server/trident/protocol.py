@@ -82,30 +82,64 @@ class StageSpec:
 
 
 REQUEST_ID = "trident_request"
-"""Request parameter: the scheduler's id of a request it streams from a stage."""
+"""Request parameter: the scheduler's id of a request it streams from a stage (what a :class:`Cancel` names)."""
 CANCEL = "trident_cancel"
-"""Request parameter of a control request to a streaming stage: stop the stream with this id (Triton 2.51's
-python backend cannot cancel a BLS request itself)."""
+"""Request parameter of a cancel through Triton, for a stage instance the scheduler reaches only through Triton
+(Triton 2.51's python backend cannot cancel a BLS request itself). On a stage socket a cancel is a
+:class:`Cancel` message."""
 
 HAND_TO = "trident_hand_to"
 """Request parameter of the scheduler's encode call, JSON ``{"instance", "token", "above"}``: hand the record
-straight to that prefill instance's worker, for its call waiting on ``token``, when the items' embedding rows
-number more than ``above`` (fewer: the prompt is short enough for the decode worker to prefill). See
-:mod:`trident.workers.record_handoff`."""
+straight to that prefill instance's worker (a :class:`Deliver` message), for its call waiting on ``token``, when
+the items' embedding rows number more than ``above`` (fewer: the prompt is short enough for the decode worker to
+prefill). See :mod:`trident.workers.record_handoff`."""
 AWAIT_RECORD = "trident_await_record"
 """Request parameter of a prefill call the scheduler posts beside the encode call: its ``embedding_meta`` comes
 from the encode worker under this token."""
-DELIVER = "trident_deliver"
-"""Request parameter of a control request to a prefill stage: its ``embedding_meta`` is the record for the call
-waiting on this token (sent by the encode worker)."""
-WITHDRAW = "trident_withdraw"
-"""Request parameter of a control request to a prefill stage: the call waiting on this token gets no record
-(the encode failed, or did not hand it on)."""
 
-DIRECT_ONLY = (HAND_TO, AWAIT_RECORD, DELIVER, WITHDRAW)
-"""Parameters a worker honours only on its direct socket (the scheduler's calls, and the encode worker's
-deliveries): from a request through Triton they are dropped, so that no client can make a prefill call wait or
-an encode worker hand its record elsewhere."""
+DIRECT_ONLY = (HAND_TO, AWAIT_RECORD)
+"""Parameters a worker honours only on its stage socket (the scheduler's calls): from a request through Triton
+they are dropped, so that no caller through Triton can make a prefill call wait or an encode worker hand its
+record elsewhere."""
+
+
+# -- control messages on a stage socket ------------------------------------------------------------------------
+class Cancel(msgspec.Struct, array_like=True, frozen=True, tag="cancel"):
+    """Stop the stream the scheduler started with ``REQUEST_ID`` = ``request_id`` (at its next token)."""
+
+    request_id: str
+
+
+class Deliver(msgspec.Struct, array_like=True, frozen=True, tag="deliver"):
+    """The embeddings record for the prefill call posted under ``token`` (from the encode worker)."""
+
+    token: str
+    record: bytes
+
+
+class Withdraw(msgspec.Struct, array_like=True, frozen=True, tag="withdraw"):
+    """The prefill call posted under ``token`` gets no record (the encode failed, or did not hand it on)."""
+
+    token: str
+
+
+Control = Union[Cancel, Deliver, Withdraw]
+"""What a caller tells a stage worker besides calls: each a message of its own on the stage socket, never a
+parameter of an inference request, and never through Triton."""
+_control_decoder = msgspec.msgpack.Decoder(Control)
+
+
+def encode_control(message: Control) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_control(data: bytes) -> Control:
+    """A control message; :class:`MalformedRecord` names what is wrong with bytes that are not one."""
+    try:
+        return _control_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MalformedRecord(f"not a stage control message: {e}") from None
+
 
 STAGE_ERROR_MARK = b"\x00trident_error:"
 """Starts a decoupled stage's last ``finish_reason`` when it carries the error envelope of a failure after

@@ -246,8 +246,8 @@ def test_at_most_keeps_calls_at_once():
 @pytest.fixture
 def streaming(tmp_path, monkeypatch):
     """A decoupled stage's worker channel: ``n`` tokens a call (the text's number), an error after two with
-    ``fail``, and the scheduler's cancel control call (:class:`trident.workers.infer.Streams`)."""
-    from trident.protocol import CANCEL, REQUEST_ID
+    ``fail``, and the scheduler's Cancel message (:class:`trident.workers.infer.Streams`)."""
+    from trident.protocol import REQUEST_ID
     from trident.workers.infer import Streams
 
     monkeypatch.setattr(channel, "_direct", {})
@@ -264,13 +264,10 @@ def streaming(tmp_path, monkeypatch):
 
     async def generate(requests):
         request = requests[0]
-        cancel = request.parameters.get(CANCEL)
-        if cancel is not None:
-            streams.cancel(cancel)
-            return
         async for item in streams.relay(request.parameters.get(REQUEST_ID), tokens(request.data["text_input"][0].decode())):
             yield item
 
+    channel.take_control(lambda message: streams.cancel(message.request_id))  # as StageHandler.control does
     for served in _serve(tmp_path, "decode", generate, decoupled=True):
         yield {**served, "streams": streams}
 
@@ -283,7 +280,7 @@ def _convert(flags: int, payload: bytes) -> list:
 
 def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = None):
     """The stream's items as the relay thread reads them (in a thread, as the BLS does)."""
-    from trident.protocol import CANCEL, REQUEST_ID
+    from trident.protocol import REQUEST_ID
 
     async def go():
         calls = DirectCalls(store)
@@ -299,7 +296,7 @@ def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = N
 
             await asyncio.get_running_loop().run_in_executor(None, relay)
             if stop_after is not None:
-                await calls.cancel("decode", {CANCEL: request_id})
+                await calls.cancel("decode", request_id)
                 await asyncio.get_running_loop().run_in_executor(None, lambda: items.extend(stream))
             return items
         finally:
@@ -323,3 +320,44 @@ def test_a_cancelled_stream_stops_at_the_cancel(streaming):
     items = _stream(streaming["store"], "forever", request_id="gone", stop_after=1)
     assert items[0] == b"t0" and len(items) < 3 and streaming["streams"].cancelled == 1
     assert time.monotonic() - started < 10
+
+
+def test_control_messages_reach_the_stage_hooks_on_the_stage_socket_only(worker):
+    """Deliver and Withdraw are messages of their own on the stage socket, handed to the stage's hooks (here a
+    prefill's record inbox); a message the stage has no hook for is refused by name; a control frame on the stub's
+    connection (through Triton) is refused."""
+    from trident.errors import InvalidRequest, Unauthenticated
+    from trident.protocol import STAGES, Deliver, encode_control
+    from trident.workers.infer import StageHandler
+    from trident.workers.record_handoff import Inbox
+
+    freed: list[bytes] = []
+    handler = StageHandler(STAGES["prefill"], infer=None, inbox=Inbox(freed.append))
+    channel.take_control(handler.control)
+
+    async def go():
+        calls = DirectCalls(worker["store"])
+        try:
+            assert await calls.deliver("prefill", "tok-1", b"record one")
+            assert await calls.withdraw("prefill", "tok-2")
+            with pytest.raises(InvalidRequest, match="the prefill stage takes no Cancel message"):
+                await calls.cancel("prefill", "r1")  # (answered in order: the two posts are in by now)
+            return await handler.inbox.take("tok-1", wait_s=5)
+        finally:
+            calls.close()
+
+    assert _run(go()) == b"record one"
+    assert handler.inbox.stats()["delivered"] == 1 and handler.inbox.stats()["withdrawn"] == 1
+    # the stub's connection (what Triton's requests come on) carries no control messages
+    stub = worker["stub"]
+    deadline = time.monotonic() + 5
+    while stub.conn is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    frame = encode_control(Deliver("tok-3", b"forged"))
+    stub.conn.sendall(channel.HEADER.pack(len(frame), 7, channel.CONTROL) + frame)
+    head = stub.conn.recv(channel.HEADER.size)
+    size, rid, flags = channel.HEADER.unpack(head)
+    body = stub.conn.recv(size)
+    assert rid == 7 and flags & channel.ERROR and b"Unauthenticated" in body, body
+    assert handler.inbox.stats()["delivered"] == 1
+    assert Unauthenticated.http_status == 401

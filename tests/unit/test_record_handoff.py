@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from trident.errors import InvalidRequest, Unavailable
-from trident.protocol import DELIVER, EmbeddingsRecord, TensorSpec, Transfer
+from trident.protocol import EmbeddingsRecord, TensorSpec, Transfer
 from trident.workers import record_handoff
 from trident.workers.record_handoff import HandTo, Inbox, hand_on, parse_hand_to
 
@@ -159,8 +159,8 @@ class _Calls:
         self.posts: list[tuple] = []
         self.written = written
 
-    async def post(self, instance, inputs, parameters):
-        self.posts.append((instance, inputs, parameters))
+    async def deliver(self, instance, token, record):
+        self.posts.append((instance, token, record))
         return self.written
 
 
@@ -170,7 +170,5 @@ def test_the_encode_worker_hands_on_only_a_prompt_too_long_for_the_decode_worker
     assert not run(hand_on(calls, HandTo("prefill-2", "tok", above=150), record))  # 150 rows: not above
     assert calls.posts == []
     assert run(hand_on(calls, HandTo("prefill-2", "tok", above=149), record))
-    (instance, inputs, parameters), = calls.posts
-    assert (instance, parameters) == ("prefill-2", {DELIVER: "tok"})
-    assert inputs["embedding_meta"].tolist() == [record]
+    assert calls.posts == [("prefill-2", "tok", record)]  # a Deliver message: the record, for the call's token
     assert not run(hand_on(_Calls(written=False), HandTo("prefill", "tok"), record))  # no socket to write to

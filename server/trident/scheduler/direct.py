@@ -32,8 +32,8 @@ from pytriton.proxy.types import Request
 
 from .. import auth
 from ..errors import TridentError, Unavailable, from_wire, to_wire
-from ..protocol import WORKER_FILE
-from ..workers.channel import EOS, ERROR, GONE, HEADER, recv_exact
+from ..protocol import WORKER_FILE, Cancel, Deliver, Withdraw, encode_control
+from ..workers.channel import CONTROL, EOS, ERROR, GONE, HEADER, recv_exact
 from ..workers.wire import InlineSerializer
 
 _wire = InlineSerializer()
@@ -116,18 +116,27 @@ class _Connection:
         """Send a streamed call; its messages go to ``stream`` as they come."""
         self._send(payload, stream)
 
-    def post(self, payload: bytes) -> None:
-        """Send a call whose answer is dropped."""
-        self._send(payload, None)
+    def post(self, payload: bytes, flags: int = 0) -> None:
+        """Send a frame whose answer is dropped."""
+        self._send(payload, None, flags)
 
-    def _send(self, payload: bytes, target) -> int:
+    async def control(self, payload: bytes) -> tuple[int, bytes]:
+        """``(flags, payload)`` of a control message's answer."""
+        answer = self._loop.create_future()
+        rid = self._send(payload, answer, CONTROL)
+        try:
+            return await answer
+        finally:
+            self._pending.pop(rid, None)
+
+    def _send(self, payload: bytes, target, flags: int = 0) -> int:
         rid = next(self._ids) % 2**32
         self._pending[rid] = target
         try:
             if self._closed:
                 raise OSError("closed")
             with self._send_lock:  # one write: the worker wakes once
-                self._sock.sendall(HEADER.pack(len(payload), rid, 0) + payload)
+                self._sock.sendall(HEADER.pack(len(payload), rid, flags) + payload)
         except OSError:
             self._pending.pop(rid, None)
             raise NotSent from None
@@ -213,25 +222,36 @@ class DirectCalls:
             return None
         return stream
 
-    async def cancel(self, instance: str, parameters: dict) -> None:
-        """A control call (``parameters`` name the stream to stop), answered with nothing."""
+    async def cancel(self, instance: str, request_id: str) -> None:
+        """Stop the stream started with ``request_id`` (a :class:`~trident.protocol.Cancel` message), once the
+        worker has taken it."""
         connection = await self._connection(instance)
         if connection is None:
             raise Unavailable(f"stage instance {instance} has no direct socket any more")
-        request = Request(data={"text_input": np.array([b""], dtype=np.object_)}, parameters=parameters)
         try:
-            await self._answer(connection, request)
+            flags, payload = await connection.control(encode_control(Cancel(request_id)))
         except NotSent:
             raise Unavailable(f"the worker of stage instance {instance} has gone") from None
+        if flags & ERROR:
+            raise from_wire(payload.decode("utf-8", "replace"))
 
-    async def post(self, instance: str, inputs: dict[str, np.ndarray], parameters: dict) -> bool:
-        """Write a control request whose answer nobody waits for (it is dropped when it comes); False when it
-        could not be written (no direct socket, or its worker has gone)."""
+    async def deliver(self, instance: str, token: str, record: bytes) -> bool:
+        """Hand ``record`` to the prefill call posted on ``instance`` under ``token`` (a
+        :class:`~trident.protocol.Deliver` message), without waiting for the worker (its event loop may be in a
+        prefill); False when it could not be written (no direct socket, or its worker has gone)."""
+        return await self._post(instance, encode_control(Deliver(token, record)))
+
+    async def withdraw(self, instance: str, token: str) -> bool:
+        """The prefill call posted on ``instance`` under ``token`` gets no record (a
+        :class:`~trident.protocol.Withdraw` message, not waited for)."""
+        return await self._post(instance, encode_control(Withdraw(token)))
+
+    async def _post(self, instance: str, payload: bytes) -> bool:
         connection = await self._connection(instance)
         if connection is None:
             return False
         try:
-            connection.post(_wire.serialize_requests([Request(data=inputs, parameters=parameters)]))
+            connection.post(payload, CONTROL)
         except NotSent:
             return False
         return True

@@ -36,7 +36,7 @@ from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
-    AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, WITHDRAW, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
+    AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
     VLLMKVRecord, decode_record, instance_name, parse_instance,
 )
 from .bls_streams import StreamKeeper, drain
@@ -318,7 +318,7 @@ class TritonPythonModel:
         """The posted prefill call gets no record: its worker ends it (its error is nobody's)."""
         posted.call.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            await self._direct.post(posted.instance, {}, {WITHDRAW: posted.token})
+            await self._direct.withdraw(posted.instance, posted.token)
         except Exception as e:  # the call still ends, at the latest when its wait does
             self.logger.log_warn(f"[trident] {self.mode}: could not withdraw a prefill call on {posted.instance}: {e}")
 
@@ -610,7 +610,7 @@ class TritonPythonModel:
         """Stop a stage's stream whose client went away."""
         if isinstance(stream, DirectStream):
             try:
-                await self._direct.cancel(instance, {CANCEL: request_id})
+                await self._direct.cancel(instance, request_id)
             except Exception as e:  # the stream still ends with its max_tokens
                 self.logger.log_warn(f"[trident] {self.mode}: could not cancel a {stage} stream on {instance}: {e}")
             return

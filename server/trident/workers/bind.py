@@ -153,20 +153,18 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
     return triton
 
 
-def _at_most(infer, count: int):
+def _at_most(infer, count: int, before=None):
     """``infer`` with at most ``count`` calls running at once (on the loop it runs on). Triton hands a one-answer
     stage's ``count`` instances one request each; the scheduler's direct calls (:mod:`.channel`) come beside
-    those, and the engine is built for ``count`` (``calls_at_once``). ``infer.before_slot(requests)``, where it
-    has one, runs first, outside the limit: it answers control requests itself (it returns their answer), and a
-    call it returns None for then waits for its slot."""
+    those, and the engine is built for ``count`` (``calls_at_once``). ``before(requests)`` runs first, outside
+    the limit (a prefill call posted ahead of its record waits for it there)."""
     slots: asyncio.Semaphore | None = None
-    before = getattr(infer, "before_slot", None)
 
     @functools.wraps(infer)
     async def limited(requests):
         nonlocal slots
-        if before is not None and (answer := await before(requests)) is not None:
-            return answer
+        if before is not None:
+            await before(requests)
         slots = slots or asyncio.Semaphore(count)
         async with slots:
             return await infer(requests)
@@ -235,7 +233,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
 
     from .. import timings
     from ..engines import build_engine
-    from .infer import make_infer
+    from . import channel
+    from .infer import make_handler
 
     pytriton.proxy.inference.traceback = _WireErrors()
     _install_proxy_model()
@@ -245,8 +244,6 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         # vLLM's engine processes talk over ZeroMQ IPC socket files in VLLM_RPC_BASE_PATH (default: the system's
         # temporary folder, where they stayed after the server stopped): this worker's own folder, which goes
         # when the worker stops (the server removes it when the worker was killed)
-        from . import channel
-
         os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.dirname(channel.direct_path()))
     engine = build_engine(settings)
     name = _claim_name(settings, access_token)
@@ -256,12 +253,13 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         engine.close()
         return NAME_TAKEN_EXIT
     timings.start(name)
-    infer = make_infer(spec, engine, settings.fault_injection, settings.max_inflight, settings.model_store)
+    handler = make_handler(spec, engine, settings.fault_injection, settings.max_inflight, settings.model_store)
+    channel.take_control(handler.control)
     stop = threading.Event()
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
         threading.Thread(
-            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{name}.json", stop, getattr(infer, "inbox", None)),
+            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{name}.json", stop, handler.inbox),
             daemon=True
         ).start()
 
@@ -276,7 +274,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
                 model_name=name,
-                infer_func=_instances(infer if spec.decoupled else _at_most(infer, engine.calls_at_once),
+                infer_func=_instances(handler.infer if spec.decoupled else
+                                      _at_most(handler.infer, engine.calls_at_once, handler.before_slot),
                                       engine.calls_at_once),
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),

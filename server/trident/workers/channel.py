@@ -47,6 +47,7 @@ from typing import Callable
 from .. import auth
 
 EOS, ERROR, GONE = 1, 2, 4  # response flags (GONE: a direct call the stopping worker did not take)
+CONTROL = 8  # a caller's frame that carries a control message (:data:`trident.protocol.Control`), not a call
 HEADER = struct.Struct("!IIB")  # payload bytes, call id, flags
 SEND_TIMEOUT_S = 10.0  # a call that no worker takes within this is refused (503)
 CONNECT_TIMEOUT_S = 60.0  # how long a worker waits for its stub's socket
@@ -75,7 +76,13 @@ def direct_path() -> str:
     return _direct["path"]
 
 
-_direct: dict = {}  # this worker's direct socket: {"path": ..., "host": the WorkerChannel serving it}
+_direct: dict = {}  # this worker's direct socket: {"path": ..., "host": the WorkerChannel serving it,
+#                    "control": the stage handler's control(message), :func:`take_control`}
+
+
+def take_control(handle: Callable) -> None:
+    """``handle(message)`` gets the control messages that come on this worker's stage socket."""
+    _direct["control"] = handle
 
 
 def recv_exact(conn: socket.socket, n: int) -> bytearray | None:
@@ -326,8 +333,11 @@ class WorkerChannel(threading.Thread):
         tasks: set[asyncio.Task] = set()
         try:
             while True:
-                size, rid, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
+                size, rid, flags = HEADER.unpack(await reader.readexactly(HEADER.size))
                 payload = await reader.readexactly(size) if size else b""
+                if flags & CONTROL:  # (only the stage socket carries them: the stub never sends one)
+                    await self._control(writer, rid, payload, direct)
+                    continue
                 if direct and self._stopping:
                     await self._write(writer, rid, EOS | GONE, b"")
                     continue
@@ -351,6 +361,24 @@ class WorkerChannel(threading.Thread):
             return
         writer.writelines((HEADER.pack(len(payload), rid, flags), payload))  # one write: the stub wakes once
         await writer.drain()
+
+    async def _control(self, writer: asyncio.StreamWriter, rid: int, payload: bytes, direct: bool) -> None:
+        """A control message: handed to the stage's handler (:meth:`StageHandler.control
+        <trident.workers.infer.StageHandler.control>`) on this loop, answered with its end (or its error)."""
+        from ..errors import TridentError, Unauthenticated, to_wire
+        from ..protocol import decode_control
+
+        try:
+            handle = _direct.get("control")
+            if not direct:
+                raise Unauthenticated("control messages come on the stage socket only")
+            if handle is None:
+                raise TridentError("this stage takes no control messages")
+            handle(decode_control(payload))
+            await self._write(writer, rid, EOS, b"")
+        except Exception as e:  # noqa: BLE001 - the caller gets the error, the connection serves on
+            log.info("stage control message refused: %s", e)
+            await self._write(writer, rid, EOS | ERROR, to_wire(e).encode())
 
     async def _handle(self, writer: asyncio.StreamWriter, rid: int, payload: bytes, direct: bool = False) -> None:
         from ..errors import TridentError, client_message, to_wire

@@ -14,8 +14,9 @@ import functools
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,7 +25,10 @@ from ..errors import ERRORS, InvalidRequest, Unavailable
 from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
-from ..protocol import AWAIT_RECORD, CANCEL, DELIVER, ENCODE_REPORT, HAND_TO, RECORD_TENSOR, REQUEST_ID, WITHDRAW, StageSpec
+from ..protocol import (
+    AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, RECORD_TENSOR, REQUEST_ID, Cancel, Control, Deliver, StageSpec,
+    Withdraw,
+)
 from . import record_handoff
 
 _FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?(?:#(\d+))?\]\]")
@@ -174,7 +178,7 @@ class Admission:
     def enter(self) -> None:
         if self.inflight >= self.limit:
             raise Unavailable(
-                f"the {self.stage} stage has {self.inflight} requests in flight, its limit (--max-inflight); retry later"
+                f"the {self.stage} stage has {self.inflight} requests in flight, its limit (max_inflight); retry later"
             )
         self.inflight += 1
 
@@ -182,35 +186,50 @@ class Admission:
         self.inflight -= 1
 
 
-async def _handed_records(spec: StageSpec, inbox: record_handoff.Inbox, requests) -> list | None:
-    """Before a prefill call takes its slot: a record delivered by the encode worker, or withdrawn, is answered
-    here (an empty record); a call posted ahead gets its record from ``inbox`` once it is there. None: run the
-    call."""
+async def _await_record(inbox: record_handoff.Inbox, requests) -> None:
+    """Before a prefill call posted ahead of its record takes its slot: its record, from ``inbox`` once the encode
+    worker has delivered it."""
     request = _single(requests)
     embeddings = RECORD_TENSOR["embeddings"]
-    if (token := _parameter(request, DELIVER)) is not None:
-        record = record_input(request, embeddings)
-        if record is None:
-            raise InvalidRequest(f"a record delivery ({DELIVER}) needs {embeddings}")
-        inbox.deliver(token, record)
-        return record_output(spec, None)
-    if (token := _parameter(request, WITHDRAW)) is not None:
-        inbox.withdraw(token)
-        return record_output(spec, None)
     if (token := _parameter(request, AWAIT_RECORD)) is not None:
         if record_input(request, embeddings) is not None:
             raise InvalidRequest(f"a prefill call waiting for its record ({AWAIT_RECORD}) brings no {embeddings}")
         with timings.step("await_record"):
             record = await inbox.take(token)
         request.data[embeddings] = np.array([record], dtype=np.object_)
-    return None
 
 
-def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64,
-               model_store: str | None = None):
-    """The async inference function PyTriton binds for ``spec`` over ``engine``. ``model_store``: the server's
-    model repository, where the encode stage finds the prefill worker it hands a record to
-    (:mod:`.record_handoff`)."""
+@dataclass
+class StageHandler:
+    """A stage's handling in its worker: ``infer``, the function PyTriton binds (one answer, or a stream for a stage
+    that hands on tokens), and the hooks the worker's stage socket calls: :meth:`before_slot` before a one-answer
+    call takes its slot, :meth:`control` for each control message."""
+
+    spec: StageSpec
+    infer: Callable
+    inbox: record_handoff.Inbox | None = None  # a prefill stage's records delivered by the encode worker
+    streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
+
+    async def before_slot(self, requests) -> None:
+        if self.inbox is not None:
+            await _await_record(self.inbox, requests)
+
+    def control(self, message: Control) -> None:
+        """A control message from a caller on the stage socket (:data:`trident.protocol.Control`)."""
+        if isinstance(message, Cancel) and self.streams is not None:
+            self.streams.cancel(message.request_id)
+        elif isinstance(message, Deliver) and self.inbox is not None:
+            self.inbox.deliver(message.token, message.record)
+        elif isinstance(message, Withdraw) and self.inbox is not None:
+            self.inbox.withdraw(message.token)
+        else:
+            raise InvalidRequest(f"the {self.spec.name} stage takes no {type(message).__name__} message")
+
+
+def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64,
+                 model_store: str | None = None) -> StageHandler:
+    """The :class:`StageHandler` of ``spec`` over ``engine``. ``model_store``: the server's model repository, where
+    the encode stage finds the prefill worker it hands a record to (:mod:`.record_handoff`)."""
     names = spec.input_names
     admission = Admission(spec.name, max_inflight)
     record_names = [RECORD_TENSOR[kind] for kind in (spec.takes, spec.also_takes) if kind is not None]
@@ -297,7 +316,7 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
             timings.mark("infer", t0)
             return outputs
 
-        return encode
+        return StageHandler(spec, encode)
 
     if spec.hands_on == "kv":
         @admitted
@@ -308,17 +327,15 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
             timings.mark("infer", t0)
             return outputs
 
-        if spec.takes == "embeddings":
-            prefill.inbox = inbox = record_handoff.Inbox(engine.discard)
-            prefill.before_slot = functools.partial(_handed_records, spec, inbox)
-        return prefill
+        inbox = record_handoff.Inbox(engine.discard) if spec.takes == "embeddings" else None
+        return StageHandler(spec, prefill, inbox=inbox)
 
     streams = Streams()
 
     async def generate(requests):
         request = _single(requests)
         cancel = _parameter(request, CANCEL)
-        if cancel is not None:  # a control request: nothing to generate
+        if cancel is not None:  # a cancel through Triton (on the stage socket: a Cancel message)
             streams.cancel(cancel)
             return
         t0, first = time.monotonic_ns(), True
@@ -341,5 +358,4 @@ def make_infer(spec: StageSpec, engine, fault_injection: bool = False, max_infli
             admission.leave()
         timings.mark("infer", t0)
 
-    generate.streams = streams
-    return generate
+    return StageHandler(spec, generate, streams=streams)

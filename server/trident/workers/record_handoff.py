@@ -5,13 +5,13 @@ turn and the prefill call's way in, each a process hand-off (``make bench-hops``
 the prefill call beside the encode call (:data:`~trident.protocol.AWAIT_RECORD`: a token instead of the
 record) and tells the encode worker where the record goes (:data:`~trident.protocol.HAND_TO`). The encode
 worker writes the record to that prefill worker's direct socket as a control request
-(:data:`~trident.protocol.DELIVER`) before it answers the scheduler, and the prefill call, waiting for it before
+(a :class:`~trident.protocol.Deliver` message) before it answers the scheduler, and the prefill call, waiting for it before
 it takes its slot, then runs as if it had brought the record itself.
 
 Who frees what: a delivered record belongs to the prefill worker's :class:`Inbox`, which reads it (the call
 waiting for it) or discards it (its producer frees it at once): a record whose call does not come within
 :data:`EARLY_S`, one pushed out of a full inbox, or one whose token was withdrawn. The scheduler withdraws
-(:data:`~trident.protocol.WITHDRAW`) every posted call whose record will not come: the encode failed, or did
+(a :class:`~trident.protocol.Withdraw` message) every posted call whose record will not come: the encode failed, or did
 not hand the record on (a prompt short enough for the decode worker to prefill, or no socket to write to).
 A call whose token was withdrawn or whose record was discarded fails at once (503); one that waits longer
 than :data:`WAIT_S` fails too, a backstop only.
@@ -29,16 +29,14 @@ from collections import OrderedDict
 from typing import Callable
 
 import msgspec
-import numpy as np
 
 from ..errors import InvalidRequest, TridentError, Unavailable
-from ..protocol import DELIVER, RECORD_TENSOR, EmbeddingsRecord, decode_record, parse_instance
+from ..protocol import EmbeddingsRecord, decode_record, parse_instance
 
 EARLY_S = 30.0  # how long a record waits for its call (the two come on different sockets, in either order)
 WAIT_S = 300.0  # how long a call waits for its record at most (the scheduler withdraws it before, as a rule)
 MAX_EARLY = 64  # records waiting for their calls; one more pushes the oldest out
 MAX_TOKEN = 64  # characters of a token
-_EMBEDDINGS = RECORD_TENSOR["embeddings"]
 
 
 class HandTo(msgspec.Struct, frozen=True):
@@ -75,8 +73,7 @@ async def hand_on(calls, hand: HandTo, record: bytes) -> bool:
     event loop may be in a prefill for the next 100 ms, and this encode worker has the next image to encode)."""
     if sum(decode_record(record, EmbeddingsRecord).token_counts) <= hand.above:
         return False
-    inputs = {_EMBEDDINGS: np.array([record], dtype=np.object_)}
-    return await calls.post(hand.instance, inputs, {DELIVER: hand.token})
+    return await calls.deliver(hand.instance, hand.token, record)
 
 
 class Inbox:
