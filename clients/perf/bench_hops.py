@@ -224,12 +224,12 @@ CALLS = {  # the servers, in the order run: (label in the report, how the schedu
 }
 
 
-def serve_requests(model: str, text: str, args, trace_dir: Path, scheduling: dict):
+def serve_requests(model: str, text: str, args, trace_dir: Path, scheduling: dict, python: str | None = None):
     """``args.requests`` requests per mode, one at a time, into a server started with these ``scheduling``
-    settings: (the clocks per mode, every process's steps)."""
+    settings (from another environment's ``python``): (the clocks per mode, every process's steps)."""
     print(f"[bench-hops] starting the server, scheduling {scheduling} (steps in {trace_dir})", flush=True)
     # every request takes its mode's full path (no prefill on the decode side for short prompts)
-    server = Serve(model, [], modes=(*MODES, "epd"), config={
+    server = Serve(model, [], modes=(*MODES, "epd"), python=python, config={
         "trace_dir": str(trace_dir), "scheduling": {"local_prefill_tokens": 0, **scheduling}})
     clocks: dict[str, list[dict]] = {}
     try:
@@ -267,6 +267,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=20, help="requests per mode (default: 20)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per request (default: 4)")
     ap.add_argument("--report", type=Path, help="markdown file to put the table into (its hops section)")
+    ap.add_argument("--baseline-python", help="also run the default server from another environment (e.g. a copy of "
+                    ".venv whose trident is an older commit's checkout) and add its rows")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -280,6 +282,8 @@ def main() -> int:
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
     runs = {calls: serve_requests(model, text, args, trace_dir / calls, scheduling)
             for calls, (_, scheduling) in CALLS.items()}
+    if args.baseline_python:
+        runs["baseline"] = serve_requests(model, text, args, trace_dir / "baseline", {}, python=args.baseline_python)
     images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
     clocks, steps = runs["direct"]
@@ -343,7 +347,10 @@ def main() -> int:
               "calls every stage through Triton (stage calls through Triton).", "",
               "| server | TTFT p50 ms | in-process p50 ms | TTFT - compute | in-process TTFT - compute | added ms | target |",
               "|---|---|---|---|---|---|---|"]
-    for calls, (label, _) in CALLS.items():
+    labels = {**{calls: label for calls, (label, _) in CALLS.items()}, "baseline": "baseline (older commit)"}
+    for calls, label in labels.items():
+        if calls not in runs:
+            continue
         added = added_ttft(*runs[calls])
         for mode in MODES:
             ttft, rest = added[mode]

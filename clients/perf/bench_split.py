@@ -122,7 +122,8 @@ async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: 
     return rounds
 
 
-OTHER_SERVERS = {  # --compare-<way>: (its column, what the other server does, its settings: config-file keys)
+OTHER_SERVERS = {  # --compare-<way> (or --baseline-python): (its column, what the other server does, its settings)
+    "baseline": ("baseline", "started from the --baseline-python environment (an older commit)", None),
     "stage_calls": ("stage calls through Triton",
                     "whose scheduler calls the stages through Triton, as an ensemble does, instead of straight at "
                     "their workers", {"scheduling": {"stage_calls": "triton"}}),
@@ -190,6 +191,8 @@ def main() -> int:
     ap.add_argument("--compare-record-handoff", action="store_true",
                     help="also run a server whose scheduler passes the encode's record on itself "
                     "(its config file: scheduling.record_handoff: scheduler; E/P/D)")
+    ap.add_argument("--baseline-python", help="also run a server from another environment (e.g. a copy of .venv "
+                    "whose trident is an older commit's checkout): the same rounds side by side")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -205,9 +208,11 @@ def main() -> int:
     try:
         for k, mode in enumerate(args.modes):
             servers = {"server": Serve(model, [], modes=(mode,))}
+            if args.baseline_python:
+                servers["baseline"] = Serve(model, [], modes=(mode,), python=args.baseline_python)
             try:
                 for way, (_, _, config) in OTHER_SERVERS.items():
-                    if getattr(args, f"compare_{way}"):
+                    if way != "baseline" and getattr(args, f"compare_{way}"):
                         servers[way] = Serve(model, [], modes=(mode,), config=config)
                 results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
             finally:
