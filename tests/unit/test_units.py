@@ -146,8 +146,13 @@ def test_stage_instances_run_their_calls_on_one_loop_at_once():
         inside -= 1
         return [{"n": requests[0]}]
 
-    assert _instances(infer, 1) is infer
-    funcs = _instances(infer, 3)
+    control_loops: set = set()
+
+    def control(message):
+        control_loops.add(asyncio.get_running_loop())
+
+    assert _instances(infer, 1, control) == (infer, control)
+    funcs, on_loop = _instances(infer, 3, control)
     assert len(funcs) == 3
     results: list = []
     threads = [threading.Thread(target=lambda f=f, i=i: results.append(asyncio.run(f([i])))) for i, f in enumerate(funcs)]
@@ -157,6 +162,12 @@ def test_stage_instances_run_their_calls_on_one_loop_at_once():
         t.join(10)
     assert sorted(r[0]["n"] for r in results) == [0, 1, 2]
     assert len(loops) == 1 and peak == 3
+
+    async def send_control():
+        await on_loop("withdraw")  # a control message runs on the engine's loop too (the inbox's calls wait there)
+
+    asyncio.run(send_control())
+    assert control_loops == loops
 
 
 def test_a_later_stage_instance_waits_for_the_first_one_s_config_socket(tmp_path, monkeypatch):

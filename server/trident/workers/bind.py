@@ -172,20 +172,27 @@ def _at_most(infer, count: int, before=None):
     return limited
 
 
-def _instances(infer, count: int):
-    """What PyTriton binds for ``count`` instances of a stage model: ``infer`` itself for one, else ``count``
-    callables. PyTriton runs each instance's calls on an event loop of its own, and the engine's asynchronous
-    objects (vLLM's ``AsyncLLM``) belong to the loop they first ran on, so every instance runs ``infer`` on one
-    loop thread of this worker's."""
+def _instances(infer, count: int, control):
+    """What PyTriton binds for ``count`` instances of a stage model (``infer`` itself for one, else ``count``
+    callables), and the stage's ``control`` hook as the worker's stage socket calls it. PyTriton runs each
+    instance's calls on an event loop of its own, and the engine's asynchronous objects (vLLM's ``AsyncLLM``, the
+    record inbox's waiting calls) belong to the loop they first ran on, so every instance runs ``infer``, and every
+    control message runs, on one loop thread of this worker's."""
     if count == 1:
-        return infer
+        return infer, control  # (the one instance's loop serves the stage socket too)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="trident-engine-loop", daemon=True).start()
 
     async def on_engine_loop(requests):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(infer(requests), loop))
 
-    return [on_engine_loop] * count
+    async def run_control(message):
+        control(message)
+
+    def control_on_engine_loop(message):
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run_control(message), loop))
+
+    return [on_engine_loop] * count, control_on_engine_loop
 
 
 def _block_bytecode(model_store: str, stage: str) -> None:
@@ -254,7 +261,10 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         return NAME_TAKEN_EXIT
     timings.start(name)
     handler = make_handler(spec, engine, settings.fault_injection, settings.max_inflight, settings.model_store)
-    channel.take_control(handler.control)
+    infer_func, control = _instances(
+        handler.infer if spec.decoupled else _at_most(handler.infer, engine.calls_at_once, handler.before_slot),
+        engine.calls_at_once, handler.control)
+    channel.take_control(control)
     stop = threading.Event()
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
@@ -274,9 +284,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
                 model_name=name,
-                infer_func=_instances(handler.infer if spec.decoupled else
-                                      _at_most(handler.infer, engine.calls_at_once, handler.before_slot),
-                                      engine.calls_at_once),
+                infer_func=infer_func,
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),

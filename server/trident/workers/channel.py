@@ -374,7 +374,9 @@ class WorkerChannel(threading.Thread):
                 raise Unauthenticated("control messages come on the stage socket only")
             if handle is None:
                 raise TridentError("this stage takes no control messages")
-            handle(decode_control(payload))
+            done = handle(decode_control(payload))
+            if done is not None:  # run on the engine's loop (:func:`trident.workers.bind._instances`)
+                await done
             await self._write(writer, rid, EOS, b"")
         except Exception as e:  # noqa: BLE001 - the caller gets the error, the connection serves on
             log.info("stage control message refused: %s", e)
