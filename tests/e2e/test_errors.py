@@ -382,7 +382,7 @@ def test_a_full_stage_refuses_at_once_with_503_and_retry_after(server, client):
                                        max_tokens=4)
     assert time.monotonic() - t0 < 5
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "1"
-    assert "requests in flight, its limit (--max-inflight)" in info.value.body["message"]
+    assert "requests in flight, its limit (max_inflight)" in info.value.body["message"]
     for t in streams:
         t.join(120)
     assert [r.num_output_tokens for r in done] == [160] * MAX_INFLIGHT
