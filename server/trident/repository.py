@@ -116,12 +116,18 @@ def install_entry_model(
         shutil.rmtree(dst)
     if source is None:
         _write_entry_model(dst, mode, scheduler, scheduling, model_path)
-        return dst
-    src = source / mode
-    if not (src / "config.pbtxt").is_file():
-        raise FileNotFoundError(f"no entry model {mode!r} in {source}")
-    shutil.copytree(src, dst)
-    (dst / "1").mkdir(exist_ok=True)
+    else:
+        src = source / mode
+        if not (src / "config.pbtxt").is_file():
+            raise FileNotFoundError(f"no entry model {mode!r} in {source}")
+        shutil.copytree(src, dst)
+        (dst / "1").mkdir(exist_ok=True)
+    # The python-backend stub would write __pycache__ beside model.py: Triton then takes the folder as changed and
+    # reloads the entry model whenever a model that uses it loads (the start-up gate's ensemble). A plain file of
+    # that name keeps the folder as it was loaded.
+    blocker = dst / "1" / "__pycache__"
+    if not blocker.exists():
+        blocker.touch()
     return dst
 
 
