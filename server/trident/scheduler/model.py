@@ -39,7 +39,7 @@ from ..protocol import (
     VLLMKVRecord, decode_record, instance_name,
 )
 from .bls_streams import StreamKeeper, drain
-from .direct import DirectCalls, DirectStream, responses_of
+from ..stagecall import DirectStream, StageClient, responses_of
 from .instances import Instances
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
@@ -102,7 +102,7 @@ class TritonPythonModel:
                                    lambda line: self.logger.log_info(f"[trident] {self.mode}: {line}"))
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
         self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
-        self._direct = DirectCalls(self.store) if self.cfg.stage_calls == "direct" else None
+        self._direct = StageClient(self.store) if self.cfg.stage_calls == "direct" else None
         self._credential = auth.credential()  # every stage call through Triton carries it
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
