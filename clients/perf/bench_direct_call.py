@@ -1,5 +1,5 @@
 """What one stage call's hand-offs cost with no model behind them: the scheduler's direct call
-(:mod:`trident.scheduler.direct`) to a worker channel (:class:`trident.workers.channel.WorkerChannel`) whose stage
+(:mod:`trident.stagecall`) to a worker channel (:class:`trident.workers.channel.WorkerChannel`) whose stage
 answers at once, against a bare Unix-socket ping-pong, each between two processes, one call at a time.
 
 Each side stamps its steps on the host's monotonic clock; the table gives the median of each step in us over
@@ -132,7 +132,7 @@ def _ping_pong(calls: int) -> list[float]:
 def direct_calls(calls: int) -> tuple[dict[str, float], float]:
     """Per step, the median in us; and the median round trip."""
     from trident.protocol import WORKER_FILE
-    from trident.scheduler import direct
+    from trident import stagecall as direct
 
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="bench-direct-")
@@ -161,7 +161,7 @@ def direct_calls(calls: int) -> tuple[dict[str, float], float]:
     direct.recv_exact, direct._settle, direct._Connection._send = stamped_recv, stamped_settle, stamped_send
 
     async def run() -> list[dict[str, int]]:
-        calls_ = direct.DirectCalls(Path(folder) / "store")
+        calls_ = direct.StageClient(Path(folder) / "store")
         while await calls_.call("prefill", INPUTS, ["kv_meta"]) is None:  # until the socket listens
             await asyncio.sleep(0.05)
         out = []

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engines.families import Family, family_of
+from .families import Family, family_of
 from .errors import InvalidRequest
 
 

@@ -53,7 +53,7 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
 
     from transformers import AutoProcessor
 
-    from trident.engines.families.qwen2vl import video_patches
+    from trident.families.qwen2vl import video_patches
     from trident.engines.hf.model import load_model
     from trident.processor import Processor
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from trident.scheduler.bls_streams import StreamKeeper
+from trident.scheduler.request import EntryRequest
 from trident.scheduler.model import StageGone, TritonPythonModel
 
 FINAL = 1
@@ -98,7 +99,8 @@ def bls() -> TritonPythonModel:
 
 def _relay(bls, stream: list[Response], early: bytes | None) -> tuple[str, list]:
     sender = Sender()
-    outcome = bls._relay(iter(stream), "decode", Request(), sender, False, "call:decode", 0, None, early)
+    req = EntryRequest(Request(), sender, None, early=early)  # (no metric updates held)
+    outcome = bls._relay(iter(stream), "decode", req, False, "call:decode", 0)
     return outcome, sender.sent
 
 

@@ -1,4 +1,4 @@
-"""The scheduler's direct calls (:mod:`trident.scheduler.direct`) against a real worker channel
+"""The scheduler's direct calls (:mod:`trident.stagecall`) against a real worker channel
 (:class:`trident.workers.channel.WorkerChannel`) on real Unix sockets, in one process: the stage's answer, its
 error, an instance with no direct socket, a stopping worker, a worker lost mid-call, and the limit on calls at
 once that keeps the engine's ``calls_at_once``."""
@@ -18,7 +18,7 @@ import pytest
 from trident import auth
 from trident.errors import InvalidRequest, Unavailable
 from trident.protocol import WORKER_FILE
-from trident.scheduler.direct import DirectCalls
+from trident.stagecall import StageClient
 from trident.workers import channel
 from trident.workers.wire import InlineSerializer
 
@@ -112,7 +112,7 @@ def _run(coro):
 
 def test_a_call_gets_the_stage_answer(worker):
     async def go():
-        calls = DirectCalls(worker["store"])
+        calls = StageClient(worker["store"])
         try:
             first = await calls.call("prefill", _text("a"), ["kv_meta"])
             second = await calls.call("prefill", _text("b"), ["kv_meta"])  # on the same connection
@@ -154,7 +154,7 @@ def test_a_caller_without_the_secret_gets_nothing(worker):
 
 def test_the_stage_error_is_raised_as_sent(worker):
     async def go():
-        calls = DirectCalls(worker["store"])
+        calls = StageClient(worker["store"])
         try:
             with pytest.raises(InvalidRequest, match="text_input says refuse"):
                 await calls.call("prefill", _text("refuse"), ["kv_meta"])
@@ -172,7 +172,7 @@ def test_no_direct_socket_means_through_triton(worker, tmp_path):
     (worker["store"] / "old" / "1" / WORKER_FILE).write_text(json.dumps({"direct": str(tmp_path / "gone.sock")}))
 
     async def go():
-        calls = DirectCalls(worker["store"])
+        calls = StageClient(worker["store"])
         return [await calls.call(name, _text("x"), ["kv_meta"]) for name in ("missing", "joined", "old")]
 
     assert _run(go()) == [None, None, None]
@@ -180,7 +180,7 @@ def test_no_direct_socket_means_through_triton(worker, tmp_path):
 
 def test_a_stopping_worker_finishes_what_it_took_and_takes_no_more(worker):
     async def go():
-        calls = DirectCalls(worker["store"])
+        calls = StageClient(worker["store"])
         try:
             taken = asyncio.ensure_future(calls.call("prefill", _text("sleep 0.5"), ["kv_meta"]))
             await asyncio.sleep(0.1)
@@ -215,7 +215,7 @@ def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
 
     async def go():
         with pytest.raises(Unavailable, match=r"the encode stage's worker \(pid 77\) exited; the request was lost"):
-            await DirectCalls(tmp_path).call("encode", _text("x"), ["embedding_meta"])
+            await StageClient(tmp_path).call("encode", _text("x"), ["embedding_meta"])
 
     _run(go())
     listener.close()
@@ -273,7 +273,7 @@ def streaming(tmp_path, monkeypatch):
 
 
 def _convert(flags: int, payload: bytes) -> list:
-    from trident.scheduler.direct import responses_of
+    from trident.stagecall import responses_of
 
     return [item if isinstance(item, Exception) else item["text_output"][0] for item in responses_of(flags, payload)]
 
@@ -283,7 +283,7 @@ def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = N
     from trident.protocol import REQUEST_ID
 
     async def go():
-        calls = DirectCalls(store)
+        calls = StageClient(store)
         try:
             stream = await calls.stream("decode", _text(text), ["text_output"], {REQUEST_ID: request_id}, _convert)
             items = []
@@ -336,7 +336,7 @@ def test_control_messages_reach_the_stage_hooks_on_the_stage_socket_only(worker)
     channel.take_control(handler.control)
 
     async def go():
-        calls = DirectCalls(worker["store"])
+        calls = StageClient(worker["store"])
         try:
             assert await calls.deliver("prefill", "tok-1", b"record one")
             assert await calls.withdraw("prefill", "tok-2")

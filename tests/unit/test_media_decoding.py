@@ -105,7 +105,7 @@ def qwen2vl(demo_models):
 def test_two_equal_frames_patch_like_the_image(qwen2vl):
     """A clip of one frame twice is, in Qwen2-VL's layout, the image of that frame (the image processor repeats
     an image over the temporal patch): the video patches follow the video processor's layout."""
-    from trident.engines.families.qwen2vl import video_patches
+    from trident.families.qwen2vl import video_patches
 
     image = make_image(200, 150, 3)
     frame = np.asarray(image)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +36,15 @@ from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_m
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
     AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
-    VLLMKVRecord, decode_record, instance_name, parse_instance,
+    VLLMKVRecord, decode_record, instance_name,
 )
 from .bls_streams import StreamKeeper, drain
-from .direct import DirectCalls, DirectStream, responses_of
+from ..stagecall import DirectStream, StageClient, responses_of
+from .instances import Instances
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
 from .prompt_length import PromptLength
+from .request import EntryRequest
 from .routing import Router, prefix_keys
 
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
@@ -51,13 +52,6 @@ _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _GONE = ("unknown model", "is not ready", "no available versions", "is not found")  # Triton's words for it
 _KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
-
-
-@dataclass
-class _Answer:
-    """What a request's client has had, over the attempts of :meth:`TritonPythonModel._run`."""
-
-    early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
 
 
 @dataclass
@@ -104,11 +98,11 @@ class TritonPythonModel:
         self.metrics = SchedulerMetrics(self.mode, pb_utils)
         self.logger = pb_utils.Logger
         self.stages = sorted({s for m in FALLBACK[self.mode] for s in MODES[m] + LOCAL_ENCODE.get(m, ())})
-        self.live: dict[str, list[str]] = {s: [] for s in self.stages}
-        self._refreshed = 0.0
+        self.instances = Instances(self.stages, self.store, self._ready, self.cfg.refresh_s, self.router.forget,
+                                   lambda line: self.logger.log_info(f"[trident] {self.mode}: {line}"))
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
         self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
-        self._direct = DirectCalls(self.store) if self.cfg.stage_calls == "direct" else None
+        self._direct = StageClient(self.store) if self.cfg.stage_calls == "direct" else None
         self._credential = auth.credential()  # every stage call through Triton carries it
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
@@ -120,8 +114,8 @@ class TritonPythonModel:
         plan (its own stages, or a fallback mode's) has a live instance of every stage it calls; otherwise the load
         fails at once, naming the stages missing. (It does not wait: Triton serializes loads, and a load that waited
         here would hold up the stage models' own.)"""
-        self._refresh(force=True)
-        live = {s for s, names in self.live.items() if names}
+        self.instances.refresh(force=True)
+        live = self.instances.stages()
         if plan(self.mode, 1, live, self.cfg.local_encode_images) is None:
             missing = sorted(set(MODES[self.mode]) - live)
             raise RuntimeError(f"{self.mode}: no live instance of stage(s) {', '.join(missing)}; start their workers, "
@@ -134,43 +128,12 @@ class TritonPythonModel:
         except Exception:
             return False
 
-    def _refresh(self, force: bool = False) -> None:
-        """Look for the live instances of every stage this mode (or its fallbacks) may use."""
-        now = time.monotonic()
-        if not force and now - self._refreshed < self.cfg.refresh_s:
-            return
-        self._refreshed = now
-        try:
-            listed = [n for n in os.listdir(self.store) if parse_instance(n) is not None]
-        except OSError:
-            listed = []
-        for stage in self.stages:
-            known = [n for n in listed + self.live[stage] if parse_instance(n)[0] == stage]
-            top = max((parse_instance(n)[1] for n in known), default=1)
-            # joined workers need not be in this store: probe a few names past the highest seen
-            candidates = dict.fromkeys([*known, *(instance_name(stage, i) for i in range(1, top + 3))])
-            live = sorted((n for n in candidates if self._ready(n)), key=lambda n: parse_instance(n)[1])
-            for name in set(self.live[stage]) - set(live):
-                self.router.forget(name)
-                self.logger.log_info(f"[trident] {self.mode}: stage instance {name} is gone")
-            for name in set(live) - set(self.live[stage]):
-                self.logger.log_info(f"[trident] {self.mode}: stage instance {name} is live")
-            self.live[stage] = live
-
-    def _mark_gone(self, name: str) -> None:
-        stage = parse_instance(name)[0]
-        if name in self.live.get(stage, []):
-            self.live[stage] = [n for n in self.live[stage] if n != name]
-            self.router.forget(name)
-
     def _plan(self, num_images: int) -> Plan:
-        self._refresh()
-        live = {s for s, names in self.live.items() if names}
-        p = plan(self.mode, num_images, live, self.cfg.local_encode_images)
+        self.instances.refresh()
+        p = plan(self.mode, num_images, self.instances.stages(), self.cfg.local_encode_images)
         if p is None:
-            self._refresh(force=True)
-            live = {s for s, names in self.live.items() if names}
-            p = plan(self.mode, num_images, live, self.cfg.local_encode_images)
+            self.instances.refresh(force=True)
+            p = plan(self.mode, num_images, self.instances.stages(), self.cfg.local_encode_images)
         if p is None:
             needed = " or ".join("+".join(MODES[m]) for m in FALLBACK[self.mode])
             raise Unavailable(f"the {self.mode} mode has no live stage instances (it needs {needed})")
@@ -184,32 +147,31 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         pb = self.pb
         timings.mark("execute", time.monotonic_ns())
-        sender = request.get_response_sender()
-        held = self.metrics.held(asyncio.get_running_loop())  # this request's metric updates, sent after its first response
-        answer = _Answer()
+        # its metric updates are held until its first response is out
+        req = EntryRequest(request, request.get_response_sender(), self.metrics.held(asyncio.get_running_loop()))
         try:
-            await self._run(request, sender, held, answer)
+            await self._run(req)
         except (StageError, TridentError) as e:
             code = e.code if isinstance(e, StageError) else getattr(pb.TritonError, e.triton_code, pb.TritonError.INTERNAL)
             message = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
             self.metrics.add("trident_scheduler_errors_total", code=str(code))
-            self._end_with_error(sender, pb.TritonError(message, code), answer)
+            self._end_with_error(req, pb.TritonError(message, code))
         except Exception as e:  # a bug here must not leave the client waiting
             self.logger.log_error(f"[trident] {self.mode}: scheduler failed: {type(e).__name__}: {e}")
             self.metrics.add("trident_scheduler_errors_total", code="INTERNAL")
-            self._end_with_error(sender, pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL), answer)
+            self._end_with_error(req, pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL))
         finally:
-            held.apply()
+            req.held.apply()
 
-    def _end_with_error(self, sender, error, answer: "_Answer") -> None:
+    def _end_with_error(self, req: EntryRequest, error) -> None:
         """The request's last response: ``error``; after a first text, as a response of its own (an error on the
         final response after others is dropped)."""
         pb = self.pb
-        if answer.early is None:
-            sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if req.early is None:
+            req.sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
-            sender.send(pb.InferenceResponse(error=error))
-            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            req.sender.send(pb.InferenceResponse(error=error))
+            req.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _inputs(self, request) -> dict:
         inputs = {}
@@ -219,38 +181,36 @@ class TritonPythonModel:
                 inputs[name] = tensor
         return inputs
 
-    async def _run(self, request, sender, held, answer: "_Answer") -> None:
+    async def _run(self, req: EntryRequest) -> None:
         with timings.step("inputs"):
-            inputs = self._inputs(request)
-            text = _text(inputs.get("text_input"))
-            image_ids, kinds = _media_ids(inputs)
+            req.inputs = self._inputs(req.triton)
+            req.text = _text(req.inputs.get("text_input"))
+            req.image_ids, req.kinds = _media_ids(req.inputs)
+            req.keys = prefix_keys(req.text, req.image_ids)
         retries = 3
         while True:
-            p = self._plan(len(image_ids))
+            p = self._plan(len(req.image_ids))
             try:
-                await self._follow(p, request, sender, inputs, text, image_ids, kinds, held, answer)
+                await self._follow(p, req)
                 return
             except StageGone as gone:
                 retries -= 1
-                self._mark_gone(str(gone))
+                self.instances.mark_gone(str(gone))
                 if retries == 0:
                     raise Unavailable(f"stage instance {gone} went away while serving the request") from None
-                self._refresh(force=True)
+                self.instances.refresh(force=True)
 
-    async def _follow(
-        self, p: Plan, request, sender, inputs: dict, text: str, image_ids: list[str], kinds: list[str], held,
-        answer: "_Answer",
-    ) -> None:
-        records: dict[str, bytes] = {}
+    async def _follow(self, p: Plan, req: EntryRequest) -> None:
+        """One attempt at the request along plan ``p``."""
+        records = req.records = {}
         stages = list(p.stages)
         embeddings = RECORD_TENSOR["embeddings"]
-        keys = prefix_keys(text, image_ids)
         posted = None
         if stages[0] == "encode":
-            posted = self._post_prefill(p, keys, inputs, text, kinds, held)
+            posted = self._post_prefill(p, req)
             try:
-                outputs = await self._call("encode", image_ids, inputs, records, [embeddings, ENCODE_REPORT], held,
-                                           {HAND_TO: posted.hand_to} if posted else None)
+                outputs = await self._call("encode", req, [embeddings, ENCODE_REPORT],
+                                           {HAND_TO: posted.hand_to} if posted else None, keys=req.image_ids)
             except BaseException:
                 if posted is not None:
                     await self._withdraw(posted)
@@ -262,12 +222,13 @@ class TritonPythonModel:
                 posted = None
         if posted is None and needs_prompt_length(p, self.cfg.local_prefill_tokens):  # (a handed record: too long)
             token_counts = decode_record(records[embeddings], EmbeddingsRecord).token_counts if embeddings in records else []
-            length = self._prompt_length(text, token_counts, kinds)
+            length = self._prompt_length(req.text, token_counts, req.kinds)
             if length is not None:
-                p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(image_ids))
+                p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(req.image_ids))
                 stages = [s for s in p.stages if s != "encode"]
-        held.request(p.path, p.decisions, p.runs_as)
-        held.later(self.logger.log_verbose, f"[trident] {self.mode} request: path {p.path} {' '.join(p.decisions)}".rstrip())
+        req.held.request(p.path, p.decisions, p.runs_as)
+        req.held.later(self.logger.log_verbose,
+                       f"[trident] {self.mode} request: path {p.path} {' '.join(p.decisions)}".rstrip())
         for stage in stages[:-1]:  # record stages
             out = RECORD_TENSOR[STAGES[stage].hands_on]
             if posted is not None and stage == "prefill":  # running since the record came: no cancel check here
@@ -277,13 +238,13 @@ class TritonPythonModel:
                     raise StageGone(posted.instance)
                 records[out] = _bytes_of(arrays, [out])[out]
                 continue
-            if request.is_cancelled():
-                return self._cancelled(sender)
-            outputs = await self._call(stage, keys, inputs, records, [out], held)
+            if req.cancelled():
+                return self._cancelled(req.sender)
+            outputs = await self._call(stage, req, [out])
             records[out] = outputs[out]
-        await self._stream(stages[-1], keys, request, sender, inputs, records, p, held, answer)
+        await self._stream(stages[-1], req, p)
 
-    def _post_prefill(self, p: Plan, keys: list[str], inputs: dict, text: str, kinds: list[str], held) -> _Posted | None:
+    def _post_prefill(self, p: Plan, req: EntryRequest) -> _Posted | None:
         """E/P/D with direct stage calls (``record_handoff`` "worker"): the prefill call, posted now, to wait on
         its worker for the record the encode worker will hand it (the encode's answer, this model's turn and
         the prefill call's way in are then off the path). The encode worker hands it on only for a prompt too
@@ -292,13 +253,13 @@ class TritonPythonModel:
             return None
         above = -1
         if needs_prompt_length(p, self.cfg.local_prefill_tokens):
-            text_tokens = self._prompt_length(text, [0] * len(kinds), kinds)  # the prompt less its media's rows
+            text_tokens = self._prompt_length(req.text, [0] * len(req.kinds), req.kinds)  # less its media's rows
             if text_tokens is not None:
                 above = self.cfg.local_prefill_tokens - text_tokens
-        instance = self._route("prefill", keys, held)
+        instance = self._route("prefill", req.keys, req.held)
         token = uuid.uuid4().hex
         hand_to = json.dumps({"instance": instance, "token": token, "above": above})
-        call = asyncio.ensure_future(self._posted_call(instance, inputs, token, held))
+        call = asyncio.ensure_future(self._posted_call(instance, req.inputs, token, req.held))
         return _Posted(instance, token, hand_to, call)
 
     async def _posted_call(self, instance: str, inputs: dict, token: str, held) -> dict | None:
@@ -346,18 +307,20 @@ class TritonPythonModel:
         return (name, records[name]) if name in records else None
 
     def _route(self, stage: str, keys: list[str], held) -> str:
-        instances = self.live.get(stage) or []
+        instances = self.instances.live.get(stage) or []
         if not instances:
             raise StageGone(instance_name(stage, 1))
         instance, _ = self.router.choose(stage, instances, keys)
         held.add("trident_routed_total", stage=stage, instance=instance)
         return instance
 
-    async def _call(self, stage: str, keys: list[str], inputs: dict, records: dict, outputs: list[str], held,
-                    parameters: dict | None = None) -> dict:
-        """One non-streaming stage call; its outputs as bytes."""
-        instance = self._route(stage, keys, held)
-        record = self._record_for(stage, records)
+    async def _call(self, stage: str, req: EntryRequest, outputs: list[str], parameters: dict | None = None,
+                    keys: list[str] | None = None) -> dict:
+        """One non-streaming stage call for ``req`` (routed by ``keys``, default its prefix keys); its outputs as
+        bytes."""
+        inputs, held = req.inputs, req.held
+        instance = self._route(stage, req.keys if keys is None else keys, held)
+        record = self._record_for(stage, req.records)
         self.router.begin(instance)
         try:
             with timings.step(f"call:{stage}"):
@@ -426,52 +389,47 @@ class TritonPythonModel:
             code = error.code() if hasattr(error, "code") else self.pb.TritonError.INTERNAL
             raise StageError(message, code)
 
-    async def _stream(
-        self, stage: str, keys, request, sender, inputs: dict, records: dict, p: Plan, held, answer: "_Answer"
-    ) -> None:
+    async def _stream(self, stage: str, req: EntryRequest, p: Plan) -> None:
         """Call the stage that hands on tokens and pass its responses to the client as they come; the first text
         goes out before the call when the prefill's record tells it (once per request: an attempt after a stage
         instance went away finds it sent)."""
-        record = self._record_for(stage, records, p.local_prefill)  # a decode stage prefilling gets the embeddings
-        if answer.early is None:  # before anything else: this text is the client's first token
-            answer.early = self._send_early(record, inputs, sender, held)
-        early = answer.early
-        instance = self._route(stage, keys, held)
+        record = self._record_for(stage, req.records, p.local_prefill)  # a decode prefilling: the embeddings
+        if req.early is None:  # before anything else: this text is the client's first token
+            req.early = self._send_early(record, req)
+        instance = self._route(stage, req.keys, req.held)
         request_id = uuid.uuid4().hex
         self.router.begin(instance)
         # the stage always says why it stopped: a stream that ends without a finish_reason was cut off
-        wants_reason = _flag(inputs.get("return_finish_reason"))
-        inputs = {**inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
+        wants_reason = _flag(req.inputs.get("return_finish_reason"))
+        inputs = {**req.inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
         try:
             # with the first text out, or a prefill's KV in hand, the decode is called even if the client has gone
             # (a check here would be an IPC round trip before that text; dropped, the KV would wait for its lease):
             # the relay's cancel check at the decode's first response then stops the decode stage, which frees
             # the prefill's KV at once
             holds_kv = record is not None and record[0] == RECORD_TENSOR["kv"]
-            if early is None and not holds_kv and request.is_cancelled():
-                return self._cancelled(sender)
+            if req.early is None and not holds_kv and req.cancelled():
+                return self._cancelled(req.sender)
             t0 = time.monotonic_ns()
-            stream = await self._direct_stream(stage, instance, inputs, record, request_id, held)
+            stream = await self._direct_stream(stage, instance, inputs, record, request_id, req.held)
             if stream is None:
                 call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
                 stream = await call.async_exec(decoupled=True)
             loop = asyncio.get_running_loop()
             outcome = await loop.run_in_executor(
-                self._streams, self._forward, stream, instance, request, sender, wants_reason, f"call:{stage}", t0,
-                held, early,
-            )
+                self._streams, self._forward, stream, instance, req, wants_reason, f"call:{stage}", t0)
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, stream, request_id)
-                self._cancelled(sender)
+                self._cancelled(req.sender)
                 await loop.run_in_executor(self._streams, self._finish, stream)
         finally:
             self.router.end(instance)
 
-    def _send_early(self, record: tuple[str, bytes] | None, inputs: dict, sender, held) -> bytes | None:
+    def _send_early(self, record: tuple[str, bytes] | None, req: EntryRequest) -> bytes | None:
         """Send a streaming client the first response now when the prefill told its text (the ``first_text``
         of ``kv_meta``: see :class:`~trident.protocol.HFKVRecord`), rather than after the decode call's round
         trip. Returns the text sent (the decode's first response, which :meth:`_relay` then drops), or None."""
-        if record is None or record[0] != RECORD_TENSOR["kv"] or not _flag(inputs.get("stream")):
+        if record is None or record[0] != RECORD_TENSOR["kv"] or not _flag(req.inputs.get("stream")):
             return None
         try:
             first_text = decode_record(record[1], _KV_RECORDS).first_text
@@ -481,14 +439,15 @@ class TritonPythonModel:
             return None
         text = first_text.encode("utf-8")
         t1 = time.monotonic_ns()
-        sender.send(self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("text_output", np.array([text], dtype=np.object_))]))
+        req.sender.send(self.pb.InferenceResponse(
+            output_tensors=[self.pb.Tensor("text_output", np.array([text], dtype=np.object_))]))
         timings.mark("first_send", t1)
-        held.add("trident_decisions_total", decision="first_text_from_prefill")
-        held.apply()
+        req.held.add("trident_decisions_total", decision="first_text_from_prefill")
+        req.held.apply()
         return text
 
-    def _forward(self, stream, instance: str, request, sender, wants_reason: bool, step: str = "stream",
-                 t0: int = 0, held=None, early: bytes | None = None) -> str:
+    def _forward(self, stream, instance: str, req: EntryRequest, wants_reason: bool, step: str = "stream",
+                 t0: int = 0) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
         looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled". The call (from
         ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``.
@@ -498,7 +457,7 @@ class TritonPythonModel:
         unloaded while the request was in it): with nothing sent yet the instance counts as gone (the request
         is planned again), after some tokens the client's stream ends with a 503.
 
-        ``early``: the text already sent as the first response (:meth:`_send_early`); the stage's first response,
+        ``req.early``: the text already sent as the first response (:meth:`_send_early`); the stage's first response,
         the same text, is not sent again. A stage gone before it sent anything else is gone as above (the next
         attempt's first response must begin with the same text); a first response that does not (a retry that
         sampled again) ends the client's stream with a 503.
@@ -508,7 +467,7 @@ class TritonPythonModel:
         """
         outcome = None
         try:
-            outcome = self._relay(stream, instance, request, sender, wants_reason, step, t0, held, early)
+            outcome = self._relay(stream, instance, req, wants_reason, step, t0)
             return outcome
         finally:
             if outcome != "cancelled":
@@ -521,10 +480,10 @@ class TritonPythonModel:
         if not isinstance(stream, DirectStream):
             self._finished.keep(stream)
 
-    def _relay(self, stream, instance: str, request, sender, wants_reason: bool, step: str, t0: int, held,
-               early: bytes | None = None) -> str:
+    def _relay(self, stream, instance: str, req: EntryRequest, wants_reason: bool, step: str, t0: int) -> str:
         """:meth:`_forward`'s loop."""
         pb = self.pb
+        request, sender, held, early = req.triton, req.sender, req.held, req.early
         before = int(early is not None)  # responses the client had before this stage's
         sent, finished, check_at = before, False, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:

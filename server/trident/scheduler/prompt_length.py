@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from ..engines.families import family_of
+from ..families import family_of
 
 
 class PromptLength:

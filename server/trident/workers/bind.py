@@ -91,7 +91,7 @@ def _install_proxy_model() -> None:
         version_dir = Path(model_repository) / self.model_name / str(self.model_version)
         shutil.copy(_PROXY_MODEL, version_dir / "model.py")
         # the stub watches this process: requests waiting on a worker that died fail at once (503); the
-        # scheduler calls the worker on its direct socket (:mod:`trident.scheduler.direct`)
+        # scheduler calls the worker on its direct socket (:mod:`trident.stagecall`)
         info = {"pid": os.getpid(), "name": self.model_name, "direct": channel.direct_path()}
         (version_dir / WORKER_FILE).write_text(json.dumps(info))
 

@@ -21,7 +21,7 @@ an error :func:`trident.errors.to_wire`'s envelope. The socket is a file of the 
 (``<instance>-stage.sock``), made by the stub; the worker connects when PyTriton sets the model up. The
 tensors have been checked by Triton against the model's config before they reach the stub.
 
-The worker also takes calls straight from the scheduler (:mod:`trident.scheduler.direct`), on a socket of its
+The worker also takes calls straight from the scheduler (:mod:`trident.stagecall`), on a socket of its
 own (:func:`direct_path`, named in the worker file of its stage model's folder): the same messages, served the
 same way, without the round trip through Triton and the stub. That socket is a file in a folder only this
 user can open, not a port.

@@ -305,9 +305,9 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             if hand is not None:
                 handed = False
                 if encoded is not None and model_store is not None:
-                    from ..scheduler.direct import DirectCalls
+                    from ..stagecall import StageClient
 
-                    calls = calls or DirectCalls(Path(model_store))
+                    calls = calls or StageClient(Path(model_store))
                     with timings.step("hand_on"):
                         handed = await record_handoff.hand_on(calls, hand, encoded.record)
                 report["handed"] = handed

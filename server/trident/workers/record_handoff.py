@@ -68,7 +68,7 @@ def check_token(token: str) -> str:
 
 async def hand_on(calls, hand: HandTo, record: bytes) -> bool:
     """The encode worker's side: write ``record`` to ``hand.instance``'s worker (``calls``: a
-    :class:`~trident.scheduler.direct.DirectCalls`) when the prompt is long enough for a prefill worker. True
+    :class:`~trident.stagecall.StageClient`) when the prompt is long enough for a prefill worker. True
     when written: the prefill worker's inbox has it from then on (its answer is not waited for: that worker's
     event loop may be in a prefill for the next 100 ms, and this encode worker has the next image to encode)."""
     if sum(decode_record(record, EmbeddingsRecord).token_counts) <= hand.above:

@@ -1,5 +1,9 @@
 """``trident serve``: start Triton, the stage workers the chosen modes need, load the entry models, supervise.
 
+The jobs beside starting and supervising have modules of their own: the start-up gate that keeps the server not
+READY until the entry models are loaded (:mod:`.gate`), the warm-up request through each entry model
+(:mod:`.warmup`), and finding and stopping what a server leaves behind (:mod:`.processes`).
+
 Order matters: PyTriton starts Triton with ``--load-model=*`` and an ensemble whose steps are not bound
 fails to load, so the entry models are loaded through the repository API only after every stage model
 is ready. Stopping (Ctrl-C / SIGTERM) stops the workers (they unbind), then Triton.
@@ -7,7 +11,6 @@ is ready. Stopping (Ctrl-C / SIGTERM) stops the workers (they unbind), then Trit
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -22,11 +25,16 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from . import signing, timings
-from .config import MEDIA_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
-from .netutil import listen_ports
-from .protocol import MODES, NAME_TAKEN_EXIT, STAGES, WORKER_FILE, instance_name, parse_instance, stages_for
-from .repository import install_entry_model
+from .. import signing, timings
+from ..config import MEDIA_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
+from ..netutil import listen_ports
+from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
+from ..repository import install_entry_model
+from .gate import close_gate, open_gate
+from .processes import descendants, is_stub, kill_left, remove_direct_socket
+from .warmup import warm_up
+
+__all__ = ["Launcher", "descendants", "serve"]
 
 log = logging.getLogger("trident.launcher")
 
@@ -89,7 +97,7 @@ class Launcher:
             raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
         probe = self._probe_backend()  # answered while the model folder is found
         if self.model_path is None:
-            from .dev.demo import default_demo_model
+            from ..dev.demo import default_demo_model
 
             self.model_path = str(default_demo_model("llava", log=self.out))
         self.out(
@@ -127,9 +135,10 @@ class Launcher:
         loading = [self._load_beside(mode) for mode in load]
         for done in loading:
             done.result()
-        self._close_gate(open_=True, through=load[0] if load else None)  # READY from here: each entry model is
+        # READY from here: each entry model is
+        open_gate(self._client(), self.headers, self.model_store, load[0] if load else None, self.out)
         if self.s.warm_up and load:
-            self._warm_up(load)
+            warm_up(self.http_url, str(self.model_path), load, self.s.instances, self.out)
         openai = ""
         if self.s.openai_port:
             self._wait_frontend(frontend)
@@ -183,10 +192,10 @@ class Launcher:
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
         )
-        from .workers.bind import bind_when_live
+        from ..workers.bind import bind_when_live
 
         bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
-        self._close_gate(open_=False)
+        close_gate(self.model_store)
         config = TritonConfig(
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
             metrics_port=self.s.metrics_port, exit_timeout_secs=3, log_verbose=0,
@@ -289,60 +298,6 @@ class Launcher:
                 raise TimeoutError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
             time.sleep(0.2)
 
-    def _warm_up(self, modes) -> None:
-        """One small request with a media item (of the first kind the model takes: an image, a video clip or an
-        audio clip) through each loaded entry model (one per instance of its busiest stage), so that the first
-        client request pays none of the first-call costs: NIXL connections between the workers, torch's, PIL's
-        and FFmpeg's lazy set-up, Triton's and PyTriton's first call of each model."""
-        import json
-        import urllib.request
-
-        from types import SimpleNamespace
-
-        from .engines.families import family_of
-
-        t0 = time.monotonic()
-        config = json.loads((Path(self.model_path) / "config.json").read_text())  # (transformers takes seconds to import)
-        family = family_of(SimpleNamespace(model_type=config.get("model_type")))
-        kind = family.modalities[0]
-        params = json.dumps({"max_tokens": 2, "temperature": 0})
-        for mode in modes:
-            for i in range(max(self.s.instances.get(stage, 1) for stage in MODES[mode])):
-                body = json.dumps({
-                    "text_input": f"{family.placeholders[kind].text}\nWarm-up.", kind: [_warm_up_item(kind, i)],
-                    "sampling_parameters": params,
-                }).encode()
-                request = urllib.request.Request(
-                    f"{self.http_url}/v2/models/{mode}/generate", data=body, headers={"Content-Type": "application/json"}
-                )
-                try:
-                    with urllib.request.urlopen(request, timeout=120) as reply:
-                        reply.read()
-                except Exception as e:  # serve anyway: the first request will show what is wrong
-                    self.out(f"[trident] warm-up request through {mode} failed: {e}")
-                    break
-        self.out(f"[trident] warmed up {', '.join(modes)} in {time.monotonic() - t0:.1f} s")
-
-    def _close_gate(self, open_: bool, through: str | None = None) -> None:
-        """The start-up gate: a model that fails to load (its backend does not exist, so nothing starts), put in
-        Triton's start-up repository so that, with Triton's strict readiness, ``/v2/health/ready`` says not ready
-        from the moment Triton listens until the entry models are loaded. A failed model counts against readiness
-        until it is unloaded, and Triton unloads only a model that loaded: ``open_`` loads it again as an ensemble
-        over the loaded entry model ``through`` (nothing starts), then unloads it."""
-        folder = self.model_store / GATE
-        if not open_:
-            (folder / "1").mkdir(parents=True, exist_ok=True)
-            (folder / "config.pbtxt").write_text(GATE_CONFIG)
-            return
-        client = self._client()
-        try:
-            if through is not None:
-                client.load_model(GATE, config=json.dumps(_gate_ensemble(through)), headers=self.headers)
-            client.unload_model(GATE, headers=self.headers)
-        except Exception as e:  # noqa: BLE001 - the server stays not READY: say so, do not stop serving
-            self.out(f"[trident] could not open the start-up gate ({e}); /v2/health/ready stays not ready")
-        shutil.rmtree(folder, ignore_errors=True)
-
     def load_entry_model(self, mode: str) -> None:
         import tritonclient.http as httpclient
 
@@ -393,7 +348,7 @@ class Launcher:
 
     def _worker_exited(self, name: str, code: int) -> None:
         self._coming_back.discard(name)
-        _remove_direct_socket(self.model_store / name)
+        remove_direct_socket(self.model_store / name)
         if name == "frontend":  # Triton's own endpoints serve on meanwhile
             self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
         elif code == NAME_TAKEN_EXIT:  # its stage model is another worker's now: leave it loaded
@@ -461,12 +416,12 @@ class Launcher:
                 self.out(f"[trident] worker {stage} did not stop; killing it")
                 proc.kill()
                 proc.wait()
-            left = _kill_left([*trees[stage], *descendants(proc.pid)])
+            left = kill_left([*trees[stage], *descendants(proc.pid)])
             if left:
                 self.out(f"[trident] worker {stage} left {left} process(es) running; killed them")
-            _remove_direct_socket(self.model_store / stage)
+            remove_direct_socket(self.model_store / stage)
         if self.triton is not None:
-            stubs = [pid for pid in descendants(os.getpid()) if _is_stub(pid)]
+            stubs = [pid for pid in descendants(os.getpid()) if is_stub(pid)]
             self.triton.stop()
             self._reap(stubs)
         if self._tmp:
@@ -477,87 +432,8 @@ class Launcher:
     def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
         """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed
         worker: they hang on their way out) are killed, so that a stopped server leaves no process behind."""
-        if killed := _kill_left(stubs, grace_s, running=_is_stub):
+        if killed := kill_left(stubs, grace_s, running=is_stub):
             self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
-
-
-def _remove_direct_socket(model_dir: Path) -> None:
-    """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could
-    not remove itself."""
-    from .workers.channel import DIRECT_DIR_PREFIX, DIRECT_SOCKET
-
-    try:
-        path = Path(json.loads((model_dir / "1" / WORKER_FILE).read_text())["direct"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if path.name == DIRECT_SOCKET and path.parent.name.startswith(DIRECT_DIR_PREFIX):
-        shutil.rmtree(path.parent, ignore_errors=True)
-
-
-GATE = "trident_starting"
-GATE_CONFIG = f"""name: "{GATE}"
-backend: "{GATE}"
-max_batch_size: 0
-input [{{ name: "x" data_type: TYPE_BOOL dims: [1] }}]
-output [{{ name: "y" data_type: TYPE_BOOL dims: [1] }}]
-"""
-
-
-def _gate_ensemble(entry: str) -> dict:
-    """The start-up gate as a model that loads: an ensemble over a loaded entry model."""
-    return {
-        "name": GATE, "platform": "ensemble",
-        "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
-        "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}],
-        "ensemble_scheduling": {"step": [{"model_name": entry, "model_version": -1,
-                                          "input_map": {"text_input": "text_input"},
-                                          "output_map": {"text_output": "text_output"}}]},
-    }
-
-
-def descendants(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (Triton's python-backend stubs, vLLM's engine-core processes, ...)."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            try:
-                kids = [int(k) for k in task.read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def _kill_left(pids: list[int], grace_s: float = 3.0, running=None) -> int:
-    """SIGKILL those of ``pids`` still running (``running(pid)``, by default any live process) after
-    ``grace_s``; how many were."""
-    running = running or _running
-    deadline = time.monotonic() + grace_s
-    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return len(alive)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def _is_stub(pid: int) -> bool:
-    """Whether ``pid`` runs a python-backend stub (not a zombie, not a reused pid of something else)."""
-    try:
-        return _running(pid) and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def _say(line: str) -> None:
@@ -593,33 +469,3 @@ def serve(settings: ServeSettings) -> int:
     return 0
 
 
-def _warm_up_item(kind: str, i: int) -> str:
-    """A small base64 item of ``kind``, different for each ``i`` (so that no cache answers the warm-up)."""
-    import base64
-    import io
-
-    import numpy as np
-
-    buf = io.BytesIO()
-    if kind == "audio":
-        import soundfile
-
-        t = np.arange(16000) / 16000
-        soundfile.write(buf, (0.3 * np.sin(2 * np.pi * (200 + 10 * i) * t)).astype(np.float32), 16000, format="WAV")
-    elif kind == "video":
-        import av
-
-        with av.open(buf, mode="w", format="mp4") as out:
-            stream = out.add_stream("mpeg4", rate=2)
-            stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
-            for level in (40, 200):
-                frame = np.full((64, 64, 3), (17 * i + level) % 256, dtype=np.uint8)
-                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                    out.mux(packet)
-            for packet in stream.encode():
-                out.mux(packet)
-    else:
-        from PIL import Image
-
-        Image.new("RGB", (64, 64), (17 * i % 256, 80, 160)).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()

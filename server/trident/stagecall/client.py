@@ -1,10 +1,13 @@
-"""The scheduler's record-stage calls (encode, prefill, encode_prefill), straight to the stage's worker.
+"""A caller's side of the stage protocol: calls, streams and control messages to a stage worker, on its socket.
 
-Through Triton, one such call crosses BLS -> Triton -> the stage's python-backend stub -> worker and back: four
-hand-offs between processes, 2-3 ms on the 2-core machine (``make bench-hops``). The worker also listens on a
-socket of its own (:func:`trident.workers.channel.direct_path`), named in the worker file of its stage model's
-folder; on it the scheduler sends the same message the stub would (:mod:`trident.workers.wire`) and reads the
-answer, on its own event loop: two hand-offs.
+Every caller of a stage worker uses :class:`StageClient`: the BLS schedulers (the record stages' calls, the
+streaming stages' calls, a stream's :class:`~trident.protocol.Cancel`, a posted call's
+:class:`~trident.protocol.Withdraw`) and the encode worker handing its record to a prefill worker
+(:class:`~trident.protocol.Deliver`). Through Triton, one call crosses BLS -> Triton -> the stage's python-backend
+stub -> worker and back: four hand-offs between processes, 2-3 ms on the 2-core machine (``make bench-hops``).
+The worker also listens on a socket of its own (:func:`trident.workers.channel.direct_path`), named in the worker
+file of its stage model's folder; on it a caller sends the same frames the stub would (:mod:`trident.workers.wire`)
+after both ends proved the deployment secret (:mod:`trident.auth`), and reads the answer: two hand-offs.
 
 What does not change: the stage is still a Triton model (clients and ensembles call it through Triton), the
 scheduler still routes among the instances Triton has ready, and the worker runs the call as it runs one from
@@ -177,8 +180,8 @@ class _Connection:
             pass
 
 
-class DirectCalls:
-    """The scheduler's direct calls, one connection per stage instance (opened on first use, again after the
+class StageClient:
+    """Calls to stage workers, one connection per stage instance (opened on first use, again after the
     worker went away). ``store``: the server's model repository folder, where each local stage instance's
     worker file is."""
 

@@ -1,0 +1,71 @@
+"""The processes a server leaves behind, found and stopped: descendants by ``/proc``, stragglers killed after a grace
+period, python-backend stubs told from reused pids, a killed worker's socket folder removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from ..protocol import WORKER_FILE
+
+
+def remove_direct_socket(model_dir: Path) -> None:
+    """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could
+    not remove itself."""
+    from ..workers.channel import DIRECT_DIR_PREFIX, DIRECT_SOCKET
+
+    try:
+        path = Path(json.loads((model_dir / "1" / WORKER_FILE).read_text())["direct"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if path.name == DIRECT_SOCKET and path.parent.name.startswith(DIRECT_DIR_PREFIX):
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Triton's python-backend stubs, vLLM's engine-core processes, ...)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in task.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def kill_left(pids: list[int], grace_s: float = 3.0, running=None) -> int:
+    """SIGKILL those of ``pids`` still running (``running(pid)``, by default any live process) after
+    ``grace_s``; how many were."""
+    running = running or running_pid
+    deadline = time.monotonic() + grace_s
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(alive)
+
+
+def running_pid(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def is_stub(pid: int) -> bool:
+    """Whether ``pid`` runs a python-backend stub (not a zombie, not a reused pid of something else)."""
+    try:
+        return running_pid(pid) and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

@@ -1,0 +1,27 @@
+"""One client request to an entry model, as the BLS serves it: what it came with and what it has had."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EntryRequest:
+    """A request's state across the attempts of :meth:`TritonPythonModel._run
+    <trident.scheduler.model.TritonPythonModel._run>` (a stage instance that went away makes the request planned
+    again)."""
+
+    triton: Any  # Triton's request (``is_cancelled``)
+    sender: Any  # its response sender
+    held: Any  # its metric updates, held until its first response is out (SchedulerMetrics.held)
+    inputs: dict = field(default_factory=dict)  # entry tensors by name (pb_utils.Tensor, or arrays passed on)
+    text: str = ""
+    image_ids: list[str] = field(default_factory=list)  # content ids of its media items
+    kinds: list[str] = field(default_factory=list)  # each item's modality
+    keys: list[str] = field(default_factory=list)  # its prefix keys, for affinity routing
+    records: dict[str, bytes] = field(default_factory=dict)  # the records of this attempt, by tensor name
+    early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
+
+    def cancelled(self) -> bool:
+        return self.triton.is_cancelled()
