@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import inspect
 import itertools
 import logging
 import os
@@ -375,7 +376,7 @@ class WorkerChannel(threading.Thread):
             if handle is None:
                 raise TridentError("this stage takes no control messages")
             done = handle(decode_control(payload))
-            if done is not None:  # run on the engine's loop (:func:`trident.workers.bind._instances`)
+            if inspect.isawaitable(done):  # run on the engine's loop (:func:`trident.workers.bind._instances`)
                 await done
             await self._write(writer, rid, EOS, b"")
         except Exception as e:  # noqa: BLE001 - the caller gets the error, the connection serves on
