@@ -14,7 +14,7 @@ class Qwen2Audio(Family):
     placeholders = {"audio": Placeholder("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|AUDIO|>")}
 
     def media_inputs(self, processor, kind, items):
-        from ...errors import InvalidRequest
+        from ..errors import InvalidRequest
 
         fe = processor.feature_extractor
         for wave in items:  # the encoder's window: the feature extractor would cut a longer clip silently
