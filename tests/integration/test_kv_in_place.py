@@ -78,7 +78,7 @@ def test_the_record_leases_the_region_the_model_wrote(engine):
         ((address, nbytes),) = record.transfer.regions
         assert nbytes == kv_bytes and sender.pool.address <= address < sender.pool.address + sender.pool.capacity
     finally:
-        assert sender.release(record.transfer.lease_id)
+        assert sender.release(record.transfer.lease_id, record.transfer.release_key)
     assert _pool_regions(engine) == 0 and sender.active_leases == 0
 
 
