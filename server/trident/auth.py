@@ -19,6 +19,7 @@ MACs over fresh random challenges.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -98,38 +99,37 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def accept(sock: socket.socket, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """The accepting side of :class:`Handshake` on a blocking socket; raises :class:`NotAuthenticated`
-    (the caller closes the socket)."""
+@contextlib.contextmanager
+def _handshaking(sock: socket.socket, timeout_s: float):
+    """The blocking socket under ``timeout_s`` for the handshake; a socket error becomes :class:`NotAuthenticated`."""
     previous = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        hello = Handshake.hello()
-        sock.sendall(hello)
-        sock.sendall(Handshake.check(hello, _recv(sock, REPLY_BYTES)))
+        yield
     except NotAuthenticated:
         raise
     except OSError as e:
         raise NotAuthenticated(f"stage handshake failed: {e}") from None
     finally:
         sock.settimeout(previous)
+
+
+def accept(sock: socket.socket, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """The accepting side of :class:`Handshake` on a blocking socket; raises :class:`NotAuthenticated`
+    (the caller closes the socket)."""
+    with _handshaking(sock, timeout_s):
+        hello = Handshake.hello()
+        sock.sendall(hello)
+        sock.sendall(Handshake.check(hello, _recv(sock, REPLY_BYTES)))
 
 
 def connect(sock: socket.socket, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
     """The connecting side of :class:`Handshake` on a blocking socket."""
-    previous = sock.gettimeout()
-    sock.settimeout(timeout_s)
-    try:
+    with _handshaking(sock, timeout_s):
         reply, expected = Handshake.answer(_recv(sock, HELLO_BYTES))
         sock.sendall(reply)
         if not hmac.compare_digest(_recv(sock, PROOF_BYTES), expected):
             raise NotAuthenticated("the stage socket did not prove the deployment secret")
-    except NotAuthenticated:
-        raise
-    except OSError as e:
-        raise NotAuthenticated(f"stage handshake failed: {e}") from None
-    finally:
-        sock.settimeout(previous)
 
 
 # -- asyncio streams -------------------------------------------------------------------------------------------
