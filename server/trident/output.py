@@ -148,7 +148,7 @@ def _response(text: str, event: DecodeEvent | None, opts: OutputOptions, num_inp
 
 async def entry_responses(
     generation: Generation, opts: OutputOptions, prompt: str | None
-) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+) -> AsyncIterator[dict[str, np.ndarray]]:
     """A generation's events -> entry responses: one per event when streaming, else one with the whole text
     (the prompt first unless ``exclude_input_in_output``). Stops the generation if the client goes away."""
     events, n_in = generation.events, generation.num_input_tokens
@@ -156,7 +156,7 @@ async def entry_responses(
         if opts.stream:
             async for event in events:
                 if event.text or event.finish_reason is not None:
-                    yield [_response(event.text, event, opts, n_in)]
+                    yield _response(event.text, event, opts, n_in)
             return
         text, last = [], None
         async for event in events:
@@ -164,6 +164,6 @@ async def entry_responses(
             last = event
         if not opts.exclude_input_in_output and prompt:
             text.insert(0, prompt)
-        yield [_response("".join(text), last, opts, n_in)]
+        yield _response("".join(text), last, opts, n_in)
     finally:
         await events.aclose()

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -23,7 +24,7 @@ import numpy as np
 from pytriton.model_config import Tensor
 
 from . import signing
-from .errors import ForgedRecord, MalformedRecord
+from .errors import ERRORS, ForgedRecord, MalformedRecord, TridentError, as_trident_error
 
 # -- the entry interface (Triton's vLLM backend's) ------------------------------------------------------
 _SAMPLING = Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)
@@ -88,31 +89,67 @@ CANCEL = "trident_cancel"
 (Triton 2.51's python backend cannot cancel a BLS request itself). On a stage socket a cancel is a
 :class:`Cancel` message."""
 
-HAND_TO = "trident_hand_to"
-"""Request parameter of the scheduler's encode call, JSON ``{"instance", "token", "above"}``: hand the record
-straight to that prefill instance's worker (a :class:`Deliver` message), for its call waiting on ``token``, when
-the items' embedding rows number more than ``above`` (fewer: the prompt is short enough for the decode worker to
-prefill). See :mod:`trident.workers.record_handoff`."""
-AWAIT_RECORD = "trident_await_record"
-"""Request parameter of a prefill call the scheduler posts beside the encode call: its ``embedding_meta`` comes
-from the encode worker under this token."""
+# -- the stage protocol: every message between a caller and a stage worker ------------------------------------
+class HandTo(msgspec.Struct, array_like=True, frozen=True):
+    """Of an encode :class:`Call`: hand the record straight to prefill instance ``instance``'s worker (a
+    :class:`Deliver` message), for its call waiting on ``token``, when the items' embedding rows number more than
+    ``above`` (fewer: the prompt is short enough for the decode worker to prefill). See
+    :mod:`trident.workers.record_handoff`."""
 
-DIRECT_ONLY = (HAND_TO, AWAIT_RECORD)
-"""Parameters a worker honours only on its stage socket (the scheduler's calls): from a request through Triton
-they are dropped, so that no caller through Triton can make a prefill call wait or an encode worker hand its
-record elsewhere."""
+    instance: str
+    token: str
+    above: int = -1
 
 
-# -- control messages on a stage socket ------------------------------------------------------------------------
+class Call(msgspec.Struct, array_like=True, tag="call"):
+    """A stage call: the stage model's ``inputs`` (name -> array), the ``outputs`` wanted, the request's
+    ``parameters``; from the scheduler also where its record goes (``hand_to``, an encode call) or that it
+    comes from the encode worker under a token (``await_record``, a prefill call posted beside the encode call).
+    Only the scheduler sets those two: the stage stubs, which carry calls from Triton's clients, never do."""
+
+    id: int
+    inputs: dict[str, Any]
+    outputs: list[str] = []
+    parameters: dict[str, Any] = {}
+    hand_to: HandTo | None = None
+    await_record: str | None = None
+
+
+class Reply(msgspec.Struct, array_like=True, frozen=True, tag="reply"):
+    """A call's answer (one-answer stages: its outputs, ``end``), or one event of a stream; a stream's last
+    message has ``end`` (and may carry no outputs). A control message's answer is an empty one."""
+
+    id: int
+    outputs: dict[str, Any] = {}
+    end: bool = True
+
+
+class Failure(msgspec.Struct, array_like=True, frozen=True, tag="failure"):
+    """A call or control message that failed: its error class (:data:`trident.errors.ERRORS`) and message.
+    It ends the call."""
+
+    id: int
+    error: str
+    message: str
+
+
+class Gone(msgspec.Struct, array_like=True, frozen=True, tag="gone"):
+    """A call the stopping worker did not take (the caller asks Triton what became of the instance)."""
+
+    id: int
+
+
 class Cancel(msgspec.Struct, array_like=True, frozen=True, tag="cancel"):
     """Stop the stream the scheduler started with ``REQUEST_ID`` = ``request_id`` (at its next token)."""
 
+    id: int
     request_id: str
 
 
 class Deliver(msgspec.Struct, array_like=True, frozen=True, tag="deliver"):
     """The embeddings record for the prefill call posted under ``token`` (from the encode worker)."""
 
+    id: int
     token: str
     record: bytes
 
@@ -120,25 +157,73 @@ class Deliver(msgspec.Struct, array_like=True, frozen=True, tag="deliver"):
 class Withdraw(msgspec.Struct, array_like=True, frozen=True, tag="withdraw"):
     """The prefill call posted under ``token`` gets no record (the encode failed, or did not hand it on)."""
 
+    id: int
     token: str
 
 
 Control = Union[Cancel, Deliver, Withdraw]
-"""What a caller tells a stage worker besides calls: each a message of its own on the stage socket, never a
-parameter of an inference request, and never through Triton."""
-_control_decoder = msgspec.msgpack.Decoder(Control)
+"""What a caller tells a stage worker besides calls: each a message of its own, never a parameter of a call."""
+StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw]
+"""Everything that crosses a stage socket, either way. Arrays travel as msgpack extensions (:func:`encode_message`)."""
+
+FRAME = struct.Struct("!I")
+"""A stage socket's frame: this many bytes of one :data:`StageMessage`, then the message."""
+MAX_FRAME = 1 << 30  # bytes; a larger frame ends the connection
+_ARRAY, _BYTES = 1, 2  # msgpack extension codes: a numeric array (dtype, shape, raw bytes); a BYTES one (shape, items)
+_plain = msgspec.msgpack.Encoder()
 
 
-def encode_control(message: Control) -> bytes:
-    return _encoder.encode(message)
+def _encode_array(obj):
+    if not isinstance(obj, np.ndarray):
+        raise TypeError(f"a stage message cannot carry {type(obj).__name__}")
+    if obj.dtype == np.object_ or obj.dtype.kind in "SU":
+        items = [x if isinstance(x, bytes) else str(x).encode() for x in obj.reshape(-1).tolist()]
+        return msgspec.msgpack.Ext(_BYTES, _plain.encode((obj.shape, items)))
+    a = np.ascontiguousarray(obj)
+    return msgspec.msgpack.Ext(_ARRAY, _plain.encode((a.dtype.str, a.shape, a.data)))
 
 
-def decode_control(data: bytes) -> Control:
-    """A control message; :class:`MalformedRecord` names what is wrong with bytes that are not one."""
+def _decode_array(code: int, data: memoryview):
+    if code == _BYTES:
+        shape, items = msgspec.msgpack.decode(data, type=tuple[tuple[int, ...], list[bytes]])
+        out = np.empty(len(items), dtype=np.object_)
+        out[:] = items
+        return out.reshape(shape)
+    if code == _ARRAY:
+        dtype, shape, raw = msgspec.msgpack.decode(data, type=tuple[str, tuple[int, ...], bytes])
+        if np.dtype(dtype).kind not in "biuf":
+            raise ValueError(f"dtype {dtype} is not a stage tensor's")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    raise ValueError(f"unknown msgpack extension {code}")
+
+
+_message_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_array)
+_message_decoder = msgspec.msgpack.Decoder(StageMessage, ext_hook=_decode_array)
+
+
+def failure(id: int, error: BaseException) -> Failure:
+    """``error``'s :class:`Failure` (anything not a Trident error is an internal one, its text kept)."""
+    e = as_trident_error(error)
+    return Failure(id, type(e).__name__, e.message)
+
+
+def error_of(message: Failure) -> TridentError:
+    """The Trident error a :class:`Failure` names (an unknown class is an internal error)."""
+    return ERRORS.get(message.error, TridentError)(message.message)
+
+
+def encode_message(message: StageMessage) -> bytes:
+    """``message`` as one frame (:data:`FRAME` + msgpack)."""
+    body = _message_encoder.encode(message)
+    return FRAME.pack(len(body)) + body
+
+
+def decode_message(body: bytes | memoryview) -> StageMessage:
+    """A frame's message; :class:`MalformedRecord` names what is wrong with bytes that are not one."""
     try:
-        return _control_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise MalformedRecord(f"not a stage control message: {e}") from None
+        return _message_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+        raise MalformedRecord(f"not a stage message: {e}") from None
 
 
 STAGE_ERROR_MARK = b"\x00trident_error:"

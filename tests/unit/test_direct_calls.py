@@ -17,15 +17,9 @@ import pytest
 
 from trident import auth
 from trident.errors import InvalidRequest, Unavailable
-from trident.protocol import WORKER_FILE
+from trident.protocol import WORKER_FILE, Call, encode_message
 from trident.stagecall import StageClient
 from trident.workers import channel
-from trident.workers.wire import InlineSerializer
-
-
-class _Validator:
-    def validate_responses(self, requests, responses) -> None:
-        pass
 
 
 class _Stub:
@@ -66,7 +60,7 @@ def _wait_listening(path: str) -> None:
             probe.close()
 
 
-def _serve(tmp_path: Path, instance: str, infer, decoupled: bool):
+def _serve(tmp_path: Path, instance: str, infer):
     """A worker channel running ``infer``, and the model store whose worker file names its direct socket for
     ``instance`` (pid 123); stopped after the one item it yields."""
     stub = _Stub(tmp_path)
@@ -74,8 +68,8 @@ def _serve(tmp_path: Path, instance: str, infer, decoupled: bool):
     store = tmp_path / "store"
     (store / instance / "1").mkdir(parents=True)
     (store / instance / "1" / WORKER_FILE).write_text(json.dumps({"pid": 123, "name": instance, "direct": path}))
-    chan = channel.WorkerChannel(stub.url, InlineSerializer())
-    chan.attach(infer, _Validator(), decoupled=decoupled)
+    chan = channel.WorkerChannel(stub.url)
+    chan.attach(infer)
     chan.start()
     _wait_listening(path)
     yield {"store": store, "stub": stub, "path": path}
@@ -91,15 +85,15 @@ def worker(tmp_path, monkeypatch):
     the model store whose worker file names that socket for instance ``prefill``."""
     monkeypatch.setattr(channel, "_direct", {})
 
-    async def infer(requests):
-        text = requests[0].data["text_input"][0].decode()
+    async def infer(call):
+        text = call.inputs["text_input"][0].decode()
         if text.startswith("sleep"):
             await asyncio.sleep(float(text.split()[1]))
         if text == "refuse":
             raise InvalidRequest("text_input says refuse")
-        return [{"kv_meta": np.array([f"record of {text}".encode()], dtype=np.object_)}]
+        return {"kv_meta": np.array([f"record of {text}".encode()], dtype=np.object_)}
 
-    yield from _serve(tmp_path, "prefill", infer, decoupled=False)
+    yield from _serve(tmp_path, "prefill", infer)
 
 
 def _text(value: str) -> dict:
@@ -128,9 +122,7 @@ def test_a_caller_without_the_secret_gets_nothing(worker):
     """A connection to the worker's stage socket that does not prove the deployment secret is closed after the
     worker's random challenge: the call it writes is never run and nothing else comes back (another deployment's
     secret: tests/unit/test_auth.py)."""
-    from pytriton.proxy.types import Request
-
-    call = InlineSerializer().serialize_requests([Request(data=_text("steal"), parameters={})])
+    call = encode_message(Call(1, _text("steal")))
 
     def attempt(reply: bytes) -> bytes:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -140,7 +132,7 @@ def test_a_caller_without_the_secret_gets_nothing(worker):
         try:
             hello = sock.recv(64)
             assert hello.startswith(auth.MAGIC) and len(hello) == auth.HELLO_BYTES
-            sock.sendall(reply + channel.HEADER.pack(len(call), 1, 0) + call)
+            sock.sendall(reply + call)
             while chunk := sock.recv(65536):
                 got += chunk
         except ConnectionResetError:
@@ -226,18 +218,18 @@ def test_at_most_keeps_calls_at_once():
 
     state = {"running": 0, "most": 0}
 
-    async def infer(requests):
+    async def infer(call):
         state["running"] += 1
         state["most"] = max(state["most"], state["running"])
         await asyncio.sleep(0.02)
         state["running"] -= 1
-        return requests
+        return call
 
     async def go(count: int):
         limited = _at_most(infer, count)
-        return await asyncio.gather(*(limited([i]) for i in range(6)))
+        return await asyncio.gather(*(limited(i) for i in range(6)))
 
-    assert _run(go(1)) == [[i] for i in range(6)] and state["most"] == 1
+    assert _run(go(1)) == list(range(6)) and state["most"] == 1
     state["most"] = 0
     _run(go(2))
     assert state["most"] == 2
@@ -258,24 +250,23 @@ def streaming(tmp_path, monkeypatch):
             if text == "fail" and i == 2:
                 raise Unavailable("the decode ran out of KV blocks")
             await asyncio.sleep(0.01 if text != "forever" else 0.05)
-            yield [{"text_output": np.array([f"t{i}".encode()], dtype=np.object_)}]
+            yield {"text_output": np.array([f"t{i}".encode()], dtype=np.object_)}
         if text == "forever":
             await asyncio.sleep(30)
 
-    async def generate(requests):
-        request = requests[0]
-        async for item in streams.relay(request.parameters.get(REQUEST_ID), tokens(request.data["text_input"][0].decode())):
+    async def generate(call):
+        async for item in streams.relay(call.parameters.get(REQUEST_ID), tokens(call.inputs["text_input"][0].decode())):
             yield item
 
     channel.take_control(lambda message: streams.cancel(message.request_id))  # as StageHandler.control does
-    for served in _serve(tmp_path, "decode", generate, decoupled=True):
+    for served in _serve(tmp_path, "decode", generate):
         yield {**served, "streams": streams}
 
 
-def _convert(flags: int, payload: bytes) -> list:
+def _convert(message) -> list:
     from trident.stagecall import responses_of
 
-    return [item if isinstance(item, Exception) else item["text_output"][0] for item in responses_of(flags, payload)]
+    return [item if isinstance(item, Exception) else item["text_output"][0] for item in responses_of(message)]
 
 
 def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = None):
@@ -327,7 +318,7 @@ def test_control_messages_reach_the_stage_hooks_on_the_stage_socket_only(worker)
     prefill's record inbox); a message the stage has no hook for is refused by name; a control frame on the stub's
     connection (through Triton) is refused."""
     from trident.errors import InvalidRequest, Unauthenticated
-    from trident.protocol import STAGES, Deliver, encode_control
+    from trident.protocol import STAGES, Deliver, Failure
     from trident.workers.infer import StageHandler
     from trident.workers.record_handoff import Inbox
 
@@ -353,11 +344,9 @@ def test_control_messages_reach_the_stage_hooks_on_the_stage_socket_only(worker)
     deadline = time.monotonic() + 5
     while stub.conn is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    frame = encode_control(Deliver("tok-3", b"forged"))
-    stub.conn.sendall(channel.HEADER.pack(len(frame), 7, channel.CONTROL) + frame)
-    head = stub.conn.recv(channel.HEADER.size)
-    size, rid, flags = channel.HEADER.unpack(head)
-    body = stub.conn.recv(size)
-    assert rid == 7 and flags & channel.ERROR and b"Unauthenticated" in body, body
+    stub.conn.sendall(encode_message(Deliver(7, "tok-3", b"forged")))
+    stub.conn.settimeout(5)
+    answer = channel.recv_message(stub.conn)
+    assert isinstance(answer, Failure) and answer.id == 7 and answer.error == "Unauthenticated", answer
     assert handler.inbox.stats()["delivered"] == 1
     assert Unauthenticated.http_status == 401

@@ -10,7 +10,8 @@ import pytest
 from trident.errors import InvalidRequest, Unavailable
 from trident.protocol import EmbeddingsRecord, TensorSpec, Transfer
 from trident.workers import record_handoff
-from trident.workers.record_handoff import HandTo, Inbox, hand_on, parse_hand_to
+from trident.protocol import HandTo
+from trident.workers.record_handoff import Inbox, check_hand_to, hand_on
 
 
 def _inbox() -> tuple[Inbox, list[bytes]]:
@@ -132,19 +133,18 @@ def test_tokens_are_checked(token):
 
 
 @pytest.mark.parametrize(
-    "value, match",
+    "hand, match",
     [
-        ("not json", "not valid"),
-        ('{"instance": "decode", "token": "t"}', "not a prefill stage instance"),
-        ('{"instance": "../prefill", "token": "t"}', "not a prefill stage instance"),
-        ('{"instance": "prefill-01", "token": "t"}', "not a prefill stage instance"),
-        ('{"instance": "prefill", "token": ""}', "token"),
-        ('{"instance": "prefill", "token": "t", "above": "many"}', "not valid"),
+        (HandTo("decode", "t"), "not a prefill stage instance"),
+        (HandTo("../prefill", "t"), "not a prefill stage instance"),
+        (HandTo("prefill-01", "t"), "not a prefill stage instance"),
+        (HandTo("prefill", ""), "token"),
+        (HandTo("prefill", "t" * 65), "token"),
     ],
 )
-def test_a_bad_hand_to_parameter_is_a_clear_400(value, match):
+def test_a_bad_hand_to_is_a_clear_400(hand, match):
     with pytest.raises(InvalidRequest, match=match):
-        parse_hand_to(value)
+        check_hand_to(hand)
 
 
 def _record(token_counts: list[int]) -> bytes:

@@ -1,62 +1,49 @@
 """The stub <-> worker channel (trident.workers.channel): both ends in this process, a real Unix socket between
-them, PyTriton's request objects and Trident's inline wire; no Triton."""
+them, Trident's stage messages (:data:`trident.protocol.StageMessage`); no Triton."""
 
 from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from trident.errors import InvalidRequest, from_wire
+from trident.errors import InvalidRequest, Unavailable
+from trident.protocol import Call, Failure, Reply, error_of
 from trident.workers import channel
-from trident.workers.wire import InlineSerializer
-
-
-class _Validator:
-    def __init__(self, decoupled: bool) -> None:
-        self._model_config = SimpleNamespace(decoupled=decoupled)
-
-    def validate_responses(self, requests, responses) -> None:
-        assert len(responses) == len(requests)
 
 
 class _Ends:
     """A stub end and a worker end over one socket, serving ``infer``."""
 
-    def __init__(self, tmp_path, infer, decoupled: bool) -> None:
-        from pytriton.proxy.types import Request
-
-        self.Request = Request
+    def __init__(self, tmp_path, infer) -> None:
         url = f"ipc://{tmp_path}/stage_0_0-server.sock"
-        self.serializer = InlineSerializer()
-        self.stub = channel.StubChannel(url, lambda: b'{"error": "Unavailable", "message": "worker gone"}')
+        self.stub = channel.StubChannel(url, lambda: Unavailable("worker gone"))
         self.reader = threading.Thread(target=self.stub.run, daemon=True)
         self.reader.start()
-        self.worker = channel.WorkerChannel(url, self.serializer)
-        self.handler = channel.ChannelInference(infer, self.worker, _Validator(decoupled))
+        self.worker = channel.WorkerChannel(url)
+        self.handler = channel.ChannelInference(infer, self.worker)
         self.worker.start()
         self.handler.start()
 
-    def call(self, text: bytes, timeout: float = 10.0) -> list[tuple[int, bytes]]:
-        """Send one request; every (flags, payload) it gets, up to the end."""
-        got: list[tuple[int, bytes]] = []
+    def call(self, text: bytes, timeout: float = 10.0) -> list:
+        """Send one call; every message it gets, up to the end."""
+        got: list = []
         done = threading.Event()
 
-        def on_response(flags: int, payload: bytes) -> None:
-            got.append((flags, payload))
-            if flags & channel.EOS:
+        def on_message(message) -> None:
+            got.append(message)
+            if channel.ends(message):
                 done.set()
 
-        request = self.Request(data={"text_input": np.array([text], dtype=np.object_)}, parameters={})
-        self.stub.send(self.serializer.serialize_requests([request]), on_response)
+        self.stub.send(Call(0, {"text_input": np.array([text], dtype=np.object_)}), on_message)
         assert done.wait(timeout), f"no end of the call after {timeout} s: {got}"
         return got
 
-    def texts(self, payload: bytes) -> list[bytes]:
-        return [r.data["text_output"][0] for r in self.serializer.deserialize_responses(payload)]
+    @staticmethod
+    def text(message) -> bytes:
+        return message.outputs["text_output"][0]
 
     def close(self) -> None:
         self.handler.stop()
@@ -70,8 +57,8 @@ class _Ends:
 def ends(tmp_path):
     made = []
 
-    def make(infer, decoupled=False):
-        e = _Ends(tmp_path, infer, decoupled)
+    def make(infer):
+        e = _Ends(tmp_path, infer)
         made.append(e)
         return e
 
@@ -80,49 +67,49 @@ def ends(tmp_path):
         e.close()
 
 
-async def _echo(requests):
-    return [{"text_output": np.array([r.data["text_input"][0].upper()], dtype=np.object_)} for r in requests]
+async def _echo(call):
+    return {"text_output": np.array([call.inputs["text_input"][0].upper()], dtype=np.object_)}
 
 
 def test_a_one_answer_call_comes_back_as_one_message(ends):
     e = ends(_echo)
     got = e.call(b"hello")
-    assert [flags for flags, _ in got] == [channel.EOS]  # the response and its end together
-    assert e.texts(got[0][1]) == [b"HELLO"]
+    assert [type(m) for m in got] == [Reply] and got[0].end  # the response and its end together
+    assert e.text(got[0]) == b"HELLO"
     many = [e.call(f"call {i}".encode()) for i in range(20)]  # calls on one connection keep their ids
-    assert [e.texts(g[0][1]) for g in many] == [[f"CALL {i}".encode()] for i in range(20)]
+    assert [e.text(g[0]) for g in many] == [f"CALL {i}".encode() for i in range(20)]
 
 
 def test_a_decoupled_call_streams_each_response_then_the_end(ends):
-    async def stream(requests):
+    async def stream(call):
         for i in range(3):
-            yield [{"text_output": np.array([b"t%d" % i], dtype=np.object_)}]
+            yield {"text_output": np.array([b"t%d" % i], dtype=np.object_)}
 
-    e = ends(stream, decoupled=True)
+    e = ends(stream)
     got = e.call(b"x")
-    assert [flags for flags, _ in got] == [0, 0, 0, channel.EOS]
-    assert [e.texts(p) for _, p in got[:3]] == [[b"t0"], [b"t1"], [b"t2"]]
-    assert got[3][1] == b""
+    assert [m.end for m in got] == [False, False, False, True]
+    assert [e.text(m) for m in got[:3]] == [b"t0", b"t1", b"t2"]
+    assert got[3].outputs == {}
 
 
-def test_an_error_ends_the_call_with_its_envelope_and_the_channel_serves_on(ends):
-    async def picky(requests):
-        if requests[0].data["text_input"][0] == b"bad":
+def test_an_error_ends_the_call_with_its_class_and_the_channel_serves_on(ends):
+    async def picky(call):
+        if call.inputs["text_input"][0] == b"bad":
             raise InvalidRequest("bad input")
-        return await _echo(requests)
+        return await _echo(call)
 
     e = ends(picky)
-    (flags, payload), = e.call(b"bad")
-    assert flags == channel.EOS | channel.ERROR
-    error = from_wire(payload.decode())
+    (message,) = e.call(b"bad")
+    assert isinstance(message, Failure) and message.error == "InvalidRequest"
+    error = error_of(message)
     assert isinstance(error, InvalidRequest) and "bad input" in str(error)
-    assert e.texts(e.call(b"good")[0][1]) == [b"GOOD"]
+    assert e.text(e.call(b"good")[0]) == b"GOOD"
 
 
 def test_calls_waiting_on_a_worker_that_goes_away_fail_at_once(ends):
     started = threading.Event()
 
-    async def hang(requests):
+    async def hang(call):
         started.set()
         import asyncio
 
@@ -137,19 +124,18 @@ def test_calls_waiting_on_a_worker_that_goes_away_fail_at_once(ends):
     e.handler.stop()  # the worker's end closes (as when its process exits)
     waiter.join(20)
     assert time.monotonic() - t0 < 5
-    (flags, payload), = result[0]
-    assert flags & channel.ERROR and flags & channel.EOS
-    assert b"worker" in payload
+    (message,) = result[0]
+    assert isinstance(message, Failure) and message.error == "Unavailable" and "worker gone" in message.message
 
 
 def test_a_call_with_no_worker_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 0.2)
-    stub = channel.StubChannel(f"ipc://{tmp_path}/lonely_0_0-server.sock", lambda: b"")
+    stub = channel.StubChannel(f"ipc://{tmp_path}/lonely_0_0-server.sock", lambda: Unavailable(""))
     reader = threading.Thread(target=stub.run, daemon=True)
     reader.start()
     try:
         with pytest.raises(channel.NoWorker):
-            stub.send(b"payload", lambda flags, payload: None)
+            stub.send(Call(0, {}), lambda message: None)
     finally:
         stub.close()
         reader.join(5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 
 import pytest
 
@@ -204,15 +205,14 @@ def test_a_later_stage_instance_waits_for_the_first_one_s_config_socket(tmp_path
             server.close()
 
 
-def test_stage_messages_carry_their_tensors_inline_and_round_trip():
-    """The stub <-> worker wire (:mod:`trident.workers.wire`): every dtype the stage models use comes back
-    equal, shapes included, with the parameters; nothing is left in a store to release."""
+def test_stage_messages_carry_their_tensors_and_round_trip():
+    """:data:`trident.protocol.StageMessage`: every dtype the stage models use comes back equal, shapes included,
+    with the parameters and the scheduler's fields; a frame that is not a message is refused by name."""
     import numpy as np
-    from pytriton.proxy.types import Request, Response
 
-    from trident.workers.wire import InlineSerializer
+    from trident.errors import InvalidRequest, MalformedRecord
+    from trident.protocol import FRAME, Call, Deliver, Failure, HandTo, Reply, decode_message, encode_message, error_of, failure
 
-    wire = InlineSerializer()
     data = {
         "text_input": np.array([b"USER: <image>\nhi"], dtype=np.object_),
         "image": np.array([b"\x00\xffpng" * 1000, b""], dtype=np.object_),
@@ -220,21 +220,30 @@ def test_stage_messages_carry_their_tensors_inline_and_round_trip():
         "max": np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint32),
         "f": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
     }
-    payload = wire.serialize_requests([Request(data=data, parameters={"trident_request_id": "r1"})])
-    assert isinstance(payload, bytes) and len(payload) > 4000  # the image bytes are in the message
-    (back,) = wire.deserialize_requests(payload)
-    assert back.parameters == {"trident_request_id": "r1"} and back.span is None
-    assert set(back.data) == set(data)
+    frame = encode_message(Call(3, data, ["kv_meta"], {"trident_request": "r1"}, HandTo("prefill-2", "tok", 9)))
+    (size,) = FRAME.unpack(frame[:FRAME.size])
+    assert size == len(frame) - FRAME.size and size > 4000  # the image bytes are in the message
+    back = decode_message(frame[FRAME.size:])
+    assert isinstance(back, Call) and back.id == 3 and back.outputs == ["kv_meta"]
+    assert back.parameters == {"trident_request": "r1"} and back.hand_to == HandTo("prefill-2", "tok", 9)
+    assert back.await_record is None and set(back.inputs) == set(data)
     for name, tensor in data.items():
-        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
-        assert np.array_equal(back[name], tensor), name
+        assert back.inputs[name].dtype == tensor.dtype and back.inputs[name].shape == tensor.shape, name
+        assert np.array_equal(back.inputs[name], tensor), name
+    assert back.inputs["max"].flags.writeable
     out = {"kv_meta": np.array([b"\x01record"], dtype=np.object_), "num_output_tokens": np.array([7], np.uint32)}
-    (resp,) = wire.deserialize_responses(wire.serialize_responses([out]))  # the worker's output dicts
-    assert isinstance(resp, Response) and resp["kv_meta"].tolist() == [b"\x01record"] and resp["num_output_tokens"].tolist() == [7]
-    assert wire.deserialize_responses(b"") == []
+    reply = decode_message(encode_message(Reply(4, out))[FRAME.size:])
+    assert reply.end and reply.outputs["kv_meta"].tolist() == [b"\x01record"] and reply.outputs["num_output_tokens"].tolist() == [7]
+    assert decode_message(encode_message(Deliver(5, "tok", b"rec"))[FRAME.size:]) == Deliver(5, "tok", b"rec")
+    error = error_of(decode_message(encode_message(failure(6, InvalidRequest("no")))[FRAME.size:]))
+    assert isinstance(error, InvalidRequest) and error.message == "no"
+    assert error_of(Failure(7, "NoSuchClass", "x")).message == "x"
+    for bad in (b"\xc1", b"\x92\xa4nope\x01", encode_message(Reply(1, {"x": np.array([1])}))[FRAME.size:].replace(b"<i8", b"|O8")):
+        with pytest.raises(MalformedRecord, match="not a stage message"):
+            decode_message(bad)
 
 
-def test_every_stage_model_runs_trident_s_proxy_with_the_inline_wire(tmp_path):
+def test_every_stage_model_runs_trident_s_proxy_without_pytriton_s_tensor_store(tmp_path, monkeypatch):
     """Written into the server's repository or uploaded by a worker that joins: the stage model's
     ``model.py`` is Trident's proxy (PyTriton's own would read the tensor store the worker no longer writes);
     only the local one gets the worker file (a pid means nothing on another host)."""
@@ -245,12 +254,14 @@ def test_every_stage_model_runs_trident_s_proxy_with_the_inline_wire(tmp_path):
     from pytriton.utils.workspace import Workspace
 
     from trident.protocol import WORKER_FILE
-    from trident.workers import bind, wire
+    from trident.workers import bind
 
+    monkeypatch.setenv("PYTRITON_NO_TENSORSTORE", "")  # (restored after the test)
     bind._install_proxy_model()
-    assert pytriton_model.TensorStoreSerializerDeserializer is wire.InlineSerializer
+    assert os.environ["PYTRITON_NO_TENSORSTORE"] == "1"  # PyTriton's own setting: its tensor store is not started
     model = Model("prefill", 1, lambda requests: requests, [Tensor(name="x", dtype=np.bytes_, shape=(1,))],
                   [Tensor(name="y", dtype=np.bytes_, shape=(1,))], ModelConfig(), Workspace(tmp_path / "ws"), None, False)
+    assert isinstance(model._serializer_deserializer, pytriton_model.Base64SerializerDeserializer)  # no manager process
     ours = bind._PROXY_MODEL.read_bytes()
     assert model.get_proxy_model_files()["file:1/model.py"] == ours
     store = tmp_path / "store"

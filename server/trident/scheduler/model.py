@@ -35,7 +35,7 @@ from ..config import SchedulerConfig
 from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
-    AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, REQUEST_ID, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
+    CANCEL, ENCODE_REPORT, REQUEST_ID, HandTo, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
     VLLMKVRecord, decode_record, instance_name,
 )
 from .bls_streams import StreamKeeper, drain
@@ -61,7 +61,7 @@ class _Posted:
 
     instance: str
     token: str
-    hand_to: str  # the encode call's HAND_TO parameter
+    hand_to: HandTo  # where the encode call's record goes
     call: asyncio.Future  # the call's outputs (arrays), or None when its worker did not take it
 
 
@@ -210,7 +210,7 @@ class TritonPythonModel:
             posted = self._post_prefill(p, req)
             try:
                 outputs = await self._call("encode", req, [embeddings, ENCODE_REPORT],
-                                           {HAND_TO: posted.hand_to} if posted else None, keys=req.image_ids)
+                                           posted.hand_to if posted else None, keys=req.image_ids)
             except BaseException:
                 if posted is not None:
                     await self._withdraw(posted)
@@ -258,7 +258,7 @@ class TritonPythonModel:
                 above = self.cfg.local_prefill_tokens - text_tokens
         instance = self._route("prefill", req.keys, req.held)
         token = uuid.uuid4().hex
-        hand_to = json.dumps({"instance": instance, "token": token, "above": above})
+        hand_to = HandTo(instance, token, above)
         call = asyncio.ensure_future(self._posted_call(instance, req.inputs, token, req.held))
         return _Posted(instance, token, hand_to, call)
 
@@ -268,7 +268,7 @@ class TritonPythonModel:
         try:
             with timings.step("call:prefill"):
                 arrays = await self._direct.call(instance, self._arrays("prefill", inputs, None), [out],
-                                                 {AWAIT_RECORD: token})
+                                                 await_record=token)
         finally:
             self.router.end(instance)
         if arrays is not None:
@@ -314,7 +314,7 @@ class TritonPythonModel:
         held.add("trident_routed_total", stage=stage, instance=instance)
         return instance
 
-    async def _call(self, stage: str, req: EntryRequest, outputs: list[str], parameters: dict | None = None,
+    async def _call(self, stage: str, req: EntryRequest, outputs: list[str], hand_to: HandTo | None = None,
                     keys: list[str] | None = None) -> dict:
         """One non-streaming stage call for ``req`` (routed by ``keys``, default its prefix keys); its outputs as
         bytes."""
@@ -324,9 +324,9 @@ class TritonPythonModel:
         self.router.begin(instance)
         try:
             with timings.step(f"call:{stage}"):
-                arrays = await self._direct_call(stage, instance, inputs, record, outputs, held, parameters)
-                if arrays is None:
-                    response = await self._request(stage, instance, inputs, record, outputs, parameters).async_exec()
+                arrays = await self._direct_call(stage, instance, inputs, record, outputs, held, hand_to)
+                if arrays is None:  # (through Triton the record comes back here: the hand-off is the stage socket's)
+                    response = await self._request(stage, instance, inputs, record, outputs).async_exec()
         finally:
             self.router.end(instance)
         if arrays is None:
@@ -342,11 +342,11 @@ class TritonPythonModel:
         return result
 
     async def _direct_call(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None,
-                           outputs: list[str], held, parameters: dict | None = None) -> dict | None:
+                           outputs: list[str], held, hand_to: HandTo | None = None) -> dict | None:
         """The call's outputs from the worker's direct socket (:mod:`.direct`); None to call it through Triton."""
         if self._direct is None:
             return None
-        result = await self._direct.call(instance, self._arrays(stage, inputs, record), outputs, parameters)
+        result = await self._direct.call(instance, self._arrays(stage, inputs, record), outputs, hand_to=hand_to)
         if result is not None:
             held.add("trident_direct_calls_total", stage=stage, instance=instance)
         return result
@@ -368,11 +368,11 @@ class TritonPythonModel:
         """The stage's inputs as arrays (what its stub would send the worker)."""
         return {name: v if isinstance(v, np.ndarray) else v.as_numpy() for name, v in _stage_inputs(stage, inputs, record)}
 
-    def _as_responses(self, flags: int, payload: bytes) -> list:
+    def _as_responses(self, message) -> list:
         """A direct stream's message as the ``InferenceResponse``s a Triton stream would have given."""
         pb = self.pb
         out = []
-        for item in responses_of(flags, payload):
+        for item in responses_of(message):
             if isinstance(item, TridentError):
                 code = getattr(pb.TritonError, item.triton_code, pb.TritonError.INTERNAL)
                 out.append(pb.InferenceResponse(error=pb.TritonError(client_message(item), code)))

@@ -6,8 +6,9 @@ streaming stages' calls, a stream's :class:`~trident.protocol.Cancel`, a posted 
 (:class:`~trident.protocol.Deliver`). Through Triton, one call crosses BLS -> Triton -> the stage's python-backend
 stub -> worker and back: four hand-offs between processes, 2-3 ms on the 2-core machine (``make bench-hops``).
 The worker also listens on a socket of its own (:func:`trident.workers.channel.direct_path`), named in the worker
-file of its stage model's folder; on it a caller sends the same frames the stub would (:mod:`trident.workers.wire`)
-after both ends proved the deployment secret (:mod:`trident.auth`), and reads the answer: two hand-offs.
+file of its stage model's folder; on it a caller sends the same messages the stub would
+(:data:`trident.protocol.StageMessage`) after both ends proved the deployment secret (:mod:`trident.auth`), and
+reads the answer: two hand-offs.
 
 What does not change: the stage is still a Triton model (clients and ensembles call it through Triton), the
 scheduler still routes among the instances Triton has ready, and the worker runs the call as it runs one from
@@ -31,36 +32,34 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from pytriton.proxy.types import Request
 
 from .. import auth
-from ..errors import TridentError, Unavailable, from_wire, to_wire
-from ..protocol import WORKER_FILE, Cancel, Deliver, Withdraw, encode_control
-from ..workers.channel import CONTROL, EOS, ERROR, GONE, HEADER, recv_exact
-from ..workers.wire import InlineSerializer
-
-_wire = InlineSerializer()
+from ..errors import MalformedRecord, TridentError, Unavailable
+from ..protocol import (
+    WORKER_FILE, Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
+)
+from ..workers.channel import ends, recv_message
 
 
 class DirectStream:
-    """The responses of one streamed direct call, for the thread that relays them: an iterator of what
-    ``convert(flags, payload)`` makes of each message, up to the call's end (an error ends it too)."""
+    """The messages of one streamed call, for the thread that relays them: an iterator of what ``convert(message)``
+    makes of each, up to the call's end (a :class:`~trident.protocol.Failure` ends it too)."""
 
-    def __init__(self, convert: Callable[[int, bytes], list]) -> None:
+    def __init__(self, convert: Callable[[StageMessage], list]) -> None:
         self._convert = convert
         self._messages: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: deque = deque()
         self._ended = False
         self._told = False  # (the reader thread's own)
         self._loop = asyncio.get_running_loop()
-        self.first: asyncio.Future = self._loop.create_future()  # the first message's flags, on the event loop
+        self.first: asyncio.Future = self._loop.create_future()  # the first message, on the event loop
 
-    def put(self, flags: int, payload: bytes) -> None:
+    def put(self, message: StageMessage) -> None:
         """A message from the worker (on the connection's reader thread)."""
         if not self._told:
             self._told = True
-            self._loop.call_soon_threadsafe(_settle, self.first, flags)
-        self._messages.put((flags, payload))
+            self._loop.call_soon_threadsafe(_settle, self.first, message)
+        self._messages.put(message)
 
     def __iter__(self) -> "DirectStream":
         return self
@@ -69,10 +68,10 @@ class DirectStream:
         while not self._ready:
             if self._ended:
                 raise StopIteration
-            flags, payload = self._messages.get()
-            self._ended = bool(flags & EOS)
-            if payload or flags & ERROR:
-                self._ready.extend(self._convert(flags, payload))
+            message = self._messages.get()
+            self._ended = ends(message)
+            if isinstance(message, Failure) or (isinstance(message, Reply) and message.outputs):
+                self._ready.extend(self._convert(message))
         return self._ready.popleft()
 
 
@@ -89,14 +88,14 @@ def _settle(future: asyncio.Future, result=None, error: BaseException | None = N
 
 
 class _Connection:
-    """One open socket to a worker: calls written from the event loop, the answers read by a thread of their own
-    (a streamed call's go to its relaying thread without passing through the event loop)."""
+    """One open socket to a worker: messages written from the event loop, the answers read by a thread of their
+    own (a streamed call's go to its relaying thread without passing through the event loop)."""
 
     def __init__(self, sock: socket.socket, lost: str) -> None:
         self._sock, self._lost = sock, lost
         self._loop = asyncio.get_running_loop()
         self._send_lock = threading.Lock()
-        self._pending: dict[int, asyncio.Future | DirectStream] = {}
+        self._pending: dict[int, asyncio.Future | DirectStream | None] = {}
         self._ids = itertools.count(1)
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="trident-bls-direct", daemon=True)
@@ -106,70 +105,55 @@ class _Connection:
     def open(self) -> bool:
         return not self._closed
 
-    async def call(self, payload: bytes) -> tuple[int, bytes]:
-        """``(flags, payload)`` of the call's one answer."""
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def ask(self, message: StageMessage) -> StageMessage:
+        """The last answer to ``message`` (a one-answer call or a control message)."""
         answer = self._loop.create_future()
-        rid = self._send(payload, answer)
+        self._send(message, answer)
         try:
             return await answer
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(message.id, None)
 
-    def stream(self, payload: bytes, stream: DirectStream) -> None:
+    def stream(self, call: Call, stream: DirectStream) -> None:
         """Send a streamed call; its messages go to ``stream`` as they come."""
-        self._send(payload, stream)
+        self._send(call, stream)
 
-    def post(self, payload: bytes, flags: int = 0) -> None:
-        """Send a frame whose answer is dropped."""
-        self._send(payload, None, flags)
+    def post(self, message: StageMessage) -> None:
+        """Send a message whose answer is dropped."""
+        self._send(message, None)
 
-    async def control(self, payload: bytes) -> tuple[int, bytes]:
-        """``(flags, payload)`` of a control message's answer."""
-        answer = self._loop.create_future()
-        rid = self._send(payload, answer, CONTROL)
-        try:
-            return await answer
-        finally:
-            self._pending.pop(rid, None)
-
-    def _send(self, payload: bytes, target, flags: int = 0) -> int:
-        rid = next(self._ids) % 2**32
-        self._pending[rid] = target
+    def _send(self, message: StageMessage, target) -> None:
+        self._pending[message.id] = target
         try:
             if self._closed:
                 raise OSError("closed")
             with self._send_lock:  # one write: the worker wakes once
-                self._sock.sendall(HEADER.pack(len(payload), rid, flags) + payload)
+                self._sock.sendall(encode_message(message))
         except OSError:
-            self._pending.pop(rid, None)
+            self._pending.pop(message.id, None)
             raise NotSent from None
-        return rid
 
     def _read(self) -> None:
         try:
-            while True:
-                head = recv_exact(self._sock, HEADER.size)
-                if head is None:
-                    return
-                size, rid, flags = HEADER.unpack(head)
-                payload = recv_exact(self._sock, size) if size else bytearray()
-                if payload is None:
-                    return
-                target = self._pending.pop(rid, None) if flags & EOS else self._pending.get(rid)
+            while (message := recv_message(self._sock)) is not None:
+                last = ends(message)
+                target = self._pending.pop(message.id, None) if last else self._pending.get(message.id)
                 if isinstance(target, DirectStream):
-                    target.put(flags, bytes(payload))
-                elif target is not None and flags & EOS:
-                    self._loop.call_soon_threadsafe(_settle, target, (flags, bytes(payload)))
-        except OSError:
+                    target.put(message)
+                elif target is not None and last:
+                    self._loop.call_soon_threadsafe(_settle, target, message)
+        except (OSError, MalformedRecord):
             pass
         finally:
             self._closed = True
             self._sock.close()
-            lost = to_wire(Unavailable(self._lost)).encode()
             for rid in list(self._pending):
                 target = self._pending.pop(rid, None)
                 if isinstance(target, DirectStream):
-                    target.put(EOS | ERROR, lost)
+                    target.put(Failure(rid, "Unavailable", self._lost))
                 elif target is not None:
                     self._loop.call_soon_threadsafe(_settle, target, None, Unavailable(self._lost))
 
@@ -190,38 +174,39 @@ class StageClient:
         self._connections: dict[str, _Connection] = {}
 
     async def call(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str],
-                   parameters: dict | None = None) -> dict[str, np.ndarray] | None:
-        """The outputs of one call of ``instance``; None when it has no direct socket to take it (call it through
+                   parameters: dict | None = None, hand_to: HandTo | None = None,
+                   await_record: str | None = None) -> dict[str, np.ndarray] | None:
+        """The outputs of one call of ``instance``; None when it has no stage socket to take it (call it through
         Triton). Raises the stage's error (a :class:`~trident.errors.TridentError`) as it sent it."""
         connection = await self._connection(instance)
         if connection is None:
             return None
-        request = Request(data=inputs, parameters=parameters or {}, requested_output_names=outputs)
+        call = Call(connection.next_id(), inputs, outputs, parameters or {}, hand_to, await_record)
         try:
-            flags, payload = await self._answer(connection, request)
+            answer = await connection.ask(call)
         except NotSent:
             return None
-        if flags & GONE:  # the worker is stopping: Triton tells what became of the instance
+        if isinstance(answer, Gone):  # the worker is stopping: Triton tells what became of the instance
             return None
-        responses = _wire.deserialize_responses(payload)
-        if not responses:
+        if isinstance(answer, Failure):
+            raise error_of(answer)
+        if not answer.outputs:
             raise TridentError(f"stage instance {instance} answered without outputs")
-        return responses[0].data
+        return answer.outputs
 
     async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters: dict,
-                     convert: Callable[[int, bytes], list]) -> DirectStream | None:
+                     convert: Callable[[StageMessage], list]) -> DirectStream | None:
         """A streamed call of ``instance`` (a decoupled stage), once its first message is in; None when it has no
-        direct socket to take it (call it through Triton)."""
+        stage socket to take it (call it through Triton)."""
         connection = await self._connection(instance)
         if connection is None:
             return None
-        request = Request(data=inputs, parameters=parameters, requested_output_names=outputs)
         stream = DirectStream(convert)
         try:
-            connection.stream(_wire.serialize_requests([request]), stream)
+            connection.stream(Call(connection.next_id(), inputs, outputs, parameters), stream)
         except NotSent:
             return None
-        if await stream.first & GONE:
+        if isinstance(await stream.first, Gone):
             return None
         return stream
 
@@ -230,42 +215,34 @@ class StageClient:
         worker has taken it."""
         connection = await self._connection(instance)
         if connection is None:
-            raise Unavailable(f"stage instance {instance} has no direct socket any more")
+            raise Unavailable(f"stage instance {instance} has no stage socket any more")
         try:
-            flags, payload = await connection.control(encode_control(Cancel(request_id)))
+            answer = await connection.ask(Cancel(connection.next_id(), request_id))
         except NotSent:
             raise Unavailable(f"the worker of stage instance {instance} has gone") from None
-        if flags & ERROR:
-            raise from_wire(payload.decode("utf-8", "replace"))
+        if isinstance(answer, Failure):
+            raise error_of(answer)
 
     async def deliver(self, instance: str, token: str, record: bytes) -> bool:
         """Hand ``record`` to the prefill call posted on ``instance`` under ``token`` (a
         :class:`~trident.protocol.Deliver` message), without waiting for the worker (its event loop may be in a
-        prefill); False when it could not be written (no direct socket, or its worker has gone)."""
-        return await self._post(instance, encode_control(Deliver(token, record)))
+        prefill); False when it could not be written (no stage socket, or its worker has gone)."""
+        return await self._post(instance, lambda id: Deliver(id, token, record))
 
     async def withdraw(self, instance: str, token: str) -> bool:
         """The prefill call posted on ``instance`` under ``token`` gets no record (a
         :class:`~trident.protocol.Withdraw` message, not waited for)."""
-        return await self._post(instance, encode_control(Withdraw(token)))
+        return await self._post(instance, lambda id: Withdraw(id, token))
 
-    async def _post(self, instance: str, payload: bytes) -> bool:
+    async def _post(self, instance: str, make: Callable[[int], StageMessage]) -> bool:
         connection = await self._connection(instance)
         if connection is None:
             return False
         try:
-            connection.post(payload, CONTROL)
+            connection.post(make(connection.next_id()))
         except NotSent:
             return False
         return True
-
-    @staticmethod
-    async def _answer(connection: _Connection, request: Request) -> tuple[int, bytes]:
-        """``(flags, payload)`` of a one-answer call; the stage's error raised as it sent it; :class:`NotSent`."""
-        flags, payload = await connection.call(_wire.serialize_requests([request]))
-        if flags & ERROR:
-            raise from_wire(payload.decode("utf-8", "replace"))
-        return flags, payload
 
     async def _connection(self, instance: str) -> _Connection | None:
         connection = self._connections.get(instance)
@@ -291,9 +268,9 @@ class StageClient:
         self._connections.clear()
 
 
-def responses_of(flags: int, payload: bytes) -> list:
-    """A streamed call's message as data: ``[error]`` (a :class:`~trident.errors.TridentError`), or the output
-    dicts (name -> array) it carries."""
-    if flags & ERROR:
-        return [from_wire(payload.decode("utf-8", "replace"))]
-    return [response.data for response in _wire.deserialize_responses(payload)]
+def responses_of(message: StageMessage) -> list:
+    """A streamed call's message as data: ``[error]`` (a :class:`~trident.errors.TridentError`), or the outputs
+    (name -> array) it carries."""
+    if isinstance(message, Failure):
+        return [error_of(message)]
+    return [message.outputs] if isinstance(message, Reply) and message.outputs else []

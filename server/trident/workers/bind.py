@@ -1,8 +1,8 @@
 """``trident worker``: build the stage's engine, bind its model into a running Triton, serve until stopped.
 
-Errors cross in a structured way: PyTriton sends a failed request's exception to the python-backend stub as
-text, which here is :func:`trident.errors.to_wire`'s envelope; the stub side (:mod:`.proxy_model`) turns it
-into a Triton error with the class's code, so Triton's endpoints answer with the matching status.
+Errors cross in a structured way: a failed call's answer is a :class:`~trident.protocol.Failure` naming the error
+class; the stub side (:mod:`.proxy_model`) turns it into a Triton error with the class's code, so Triton's
+endpoints answer with the matching status.
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 from ..config import WorkerSettings
-from ..errors import TridentError, client_message, to_wire
 from ..protocol import NAME_TAKEN_EXIT, STAGES, WORKER_FILE, instance_name
 
 log = logging.getLogger("trident.worker")
@@ -46,40 +43,18 @@ def _write_stats(engine, path: Path, stop: threading.Event, inbox=None) -> None:
             return
 
 
-class _WireErrors:
-    """Stand-in for the ``traceback`` module inside PyTriton's inference handler, which sends a failed
-    request's exception to the stub as a formatted traceback: it sends :func:`trident.errors.to_wire`'s
-    envelope instead. PyTriton also logs every failure with ``format_exc()``: a Trident error the client
-    caused is one line there, anything else keeps its traceback."""
-
-    def __getattr__(self, name):
-        return getattr(traceback, name)
-
-    @staticmethod
-    def format_exception(exc, value=None, tb=None, *args, **kwargs):
-        error = value if value is not None else exc
-        return [to_wire(error)]
-
-    @staticmethod
-    def format_exc(*args, **kwargs):
-        error = sys.exc_info()[1]
-        if isinstance(error, TridentError) and type(error) is not TridentError:
-            return client_message(error)
-        return traceback.format_exc(*args, **kwargs)
-
-
 def _install_proxy_model() -> None:
     """PyTriton puts its proxy ``model.py`` beside the stage model's config, written into the server's
     repository folder (``--model-store``) or uploaded with the load request (a worker that joins from
-    elsewhere); either way Trident's replaces it. Both sides send tensors inline (:mod:`.wire`), not through
-    PyTriton's tensor store, and over Trident's channel (:mod:`.channel`), not PyTriton's transport, so a stage
-    model must never run PyTriton's own proxy."""
-    from pytriton.models import model as _model
+    elsewhere); either way Trident's replaces it. Both sides speak Trident's stage protocol over Trident's
+    channel (:mod:`.channel`), not PyTriton's transport, so a stage model must never run PyTriton's own proxy.
+    PyTriton's tensor store (a manager process per stage model) is not used: ``PYTRITON_NO_TENSORSTORE``, set here
+    and in Triton's environment, makes both sides skip it."""
     from pytriton.models.model import Model
 
-    from . import channel, wire
+    from . import channel
 
-    _model.TensorStoreSerializerDeserializer = wire.InlineSerializer
+    os.environ["PYTRITON_NO_TENSORSTORE"] = "1"
     channel.install_worker_side()
 
     if getattr(Model.generate_model, "_trident", False):
@@ -156,18 +131,18 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
 def _at_most(infer, count: int, before=None):
     """``infer`` with at most ``count`` calls running at once (on the loop it runs on). Triton hands a one-answer
     stage's ``count`` instances one request each; the scheduler's direct calls (:mod:`.channel`) come beside
-    those, and the engine is built for ``count`` (``calls_at_once``). ``before(requests)`` runs first, outside
+    those, and the engine is built for ``count`` (``calls_at_once``). ``before(call)`` runs first, outside
     the limit (a prefill call posted ahead of its record waits for it there)."""
     slots: asyncio.Semaphore | None = None
 
     @functools.wraps(infer)
-    async def limited(requests):
+    async def limited(call):
         nonlocal slots
         if before is not None:
-            await before(requests)
+            await before(call)
         slots = slots or asyncio.Semaphore(count)
         async with slots:
-            return await infer(requests)
+            return await infer(call)
 
     return limited
 
@@ -183,8 +158,8 @@ def _instances(infer, count: int, control):
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="trident-engine-loop", daemon=True).start()
 
-    async def on_engine_loop(requests):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(infer(requests), loop))
+    async def on_engine_loop(call):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(infer(call), loop))
 
     async def run_control(message):
         control(message)
@@ -235,7 +210,6 @@ def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | Non
 
 
 def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
-    import pytriton.proxy.inference
     from pytriton.model_config import ModelConfig
 
     from .. import timings
@@ -243,7 +217,6 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     from . import channel
     from .infer import make_handler
 
-    pytriton.proxy.inference.traceback = _WireErrors()
     _install_proxy_model()
     bind_when_live()
     spec = STAGES[settings.stage]

@@ -16,8 +16,9 @@ travel the same hops back, each message behind an ``asyncio.wait_for`` of its ow
   ``InferenceHandler``): one thread, one event loop, on which the requests are read, the inference callable
   runs and the responses are written. A one-answer stage's response and its end travel as one message.
 
-A message is a header (payload bytes, call id, flags) and its payload: :mod:`.wire`'s msgpack frames, or for
-an error :func:`trident.errors.to_wire`'s envelope. The socket is a file of the workspace beside PyTriton's
+Every message is one of :data:`trident.protocol.StageMessage` in a frame of its own (:func:`~trident.protocol.encode_message`):
+a :class:`~trident.protocol.Call` one way, its :class:`~trident.protocol.Reply` (s), :class:`~trident.protocol.Failure` or
+:class:`~trident.protocol.Gone` the other, and the control messages, each under the caller's id for it. The socket is a file of the workspace beside PyTriton's
 (``<instance>-stage.sock``), made by the stub; the worker connects when PyTriton sets the model up. The
 tensors have been checked by Triton against the model's config before they reach the stub.
 
@@ -46,10 +47,10 @@ import time
 from typing import Callable
 
 from .. import auth
+from ..errors import MalformedRecord
+from ..protocol import FRAME, MAX_FRAME, Call, Cancel, Deliver, Failure, Gone, Reply, StageMessage, Withdraw, \
+    decode_message, encode_message, failure
 
-EOS, ERROR, GONE = 1, 2, 4  # response flags (GONE: a direct call the stopping worker did not take)
-CONTROL = 8  # a caller's frame that carries a control message (:data:`trident.protocol.Control`), not a call
-HEADER = struct.Struct("!IIB")  # payload bytes, call id, flags
 SEND_TIMEOUT_S = 10.0  # a call that no worker takes within this is refused (503)
 CONNECT_TIMEOUT_S = 60.0  # how long a worker waits for its stub's socket
 DIRECT_SOCKET = "calls.sock"
@@ -98,14 +99,40 @@ def recv_exact(conn: socket.socket, n: int) -> bytearray | None:
     return buf
 
 
+def ends(message: StageMessage) -> bool:
+    """Whether ``message`` is the last of its call."""
+    return not isinstance(message, Reply) or message.end
+
+
+def recv_message(conn: socket.socket) -> StageMessage | None:
+    """The next message on a blocking socket; None at its end. Raises :class:`MalformedRecord` for a frame that
+    is not one (the connection is then useless)."""
+    head = recv_exact(conn, FRAME.size)
+    if head is None:
+        return None
+    (size,) = FRAME.unpack(head)
+    if size > MAX_FRAME:
+        raise MalformedRecord(f"a stage frame of {size} bytes")
+    body = recv_exact(conn, size)
+    return None if body is None else decode_message(body)
+
+
+async def read_message(reader: asyncio.StreamReader) -> StageMessage:
+    """The next message on a stream (``asyncio.IncompleteReadError`` at its end)."""
+    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    if size > MAX_FRAME:
+        raise MalformedRecord(f"a stage frame of {size} bytes")
+    return decode_message(await reader.readexactly(size))
+
+
 # -- stub side ---------------------------------------------------------------------------------------------
 class StubChannel:
     """The stub's end: the execute thread writes the calls, one reader thread (:meth:`run`) reads the answers.
 
-    ``lost()`` gives the error envelope for calls whose worker went away.
+    ``lost()`` gives the error for calls whose worker went away.
     """
 
-    def __init__(self, url: str, lost: Callable[[], bytes]) -> None:
+    def __init__(self, url: str, lost: Callable[[], Exception]) -> None:
         self.path = socket_path(url)
         if os.path.exists(self.path):  # left by an earlier stub of this instance
             os.unlink(self.path)
@@ -117,29 +144,24 @@ class StubChannel:
         self._connected = threading.Event()
         self._send_lock = threading.Lock()
         self._lost = lost
-        self._pending: dict[int, Callable[[int, bytes], None]] = {}
+        self._pending: dict[int, Callable[[StageMessage], None]] = {}
         self._ids = itertools.count(1)
         self._stop = threading.Event()
 
-    def send(self, payload: bytes, on_response: Callable[[int, bytes], None]) -> None:
-        """Write one call; ``on_response(flags, payload)`` gets each answer on the reader thread, the last one
-        with :data:`EOS`. Raises :class:`NoWorker` when no worker is there to take it (or the reader has
-        already given the call its error, when the worker went away as it was sent)."""
+    def send(self, call: Call, on_message: Callable[[StageMessage], None]) -> None:
+        """Write ``call``; ``on_message(message)`` gets each answer on the reader thread, up to the last one
+        (:func:`ends`). Raises :class:`NoWorker` when no worker is there to take it (or the reader has already
+        given the call its error, when the worker went away as it was sent)."""
         if not self._connected.wait(SEND_TIMEOUT_S):
             raise NoWorker
-        rid = next(self._ids) % 2**32
-        self._pending[rid] = on_response
+        call.id = rid = next(self._ids)
+        self._pending[rid] = on_message
         try:
             with self._send_lock:
                 conn = self._conn
                 if conn is None:
                     raise NoWorker
-                head = HEADER.pack(len(payload), rid, 0)
-                if len(payload) < 65536:  # one write, so that the worker wakes once
-                    conn.sendall(head + payload)
-                else:
-                    conn.sendall(head)
-                    conn.sendall(payload)
+                conn.sendall(encode_message(call))  # one write, so that the worker wakes once
         except (OSError, NoWorker):
             if self._pending.pop(rid, None) is not None:  # else the reader has failed the call already
                 raise NoWorker from None
@@ -174,25 +196,25 @@ class StubChannel:
                 for rid in list(self._pending):
                     handler = self._pending.pop(rid, None)  # (a call whose send failed meanwhile is gone)
                     if handler is not None:
-                        self._deliver(handler, EOS | ERROR, error)
+                        self._deliver(handler, failure(rid, error))
 
     def _read(self, conn: socket.socket) -> None:
         while True:
-            head = recv_exact(conn, HEADER.size)
-            if head is None:
+            try:
+                message = recv_message(conn)
+            except MalformedRecord as e:
+                log.error("stage stub: the worker sent %s; closing its connection", e)
                 return
-            size, rid, flags = HEADER.unpack(head)
-            payload = recv_exact(conn, size) if size else bytearray()
-            if payload is None:
+            if message is None:
                 return
-            handler = self._pending.pop(rid, None) if flags & EOS else self._pending.get(rid)
+            handler = self._pending.pop(message.id, None) if ends(message) else self._pending.get(message.id)
             if handler is not None:
-                self._deliver(handler, flags, bytes(payload))
+                self._deliver(handler, message)
 
     @staticmethod
-    def _deliver(handler, flags: int, payload: bytes) -> None:
+    def _deliver(handler, message: StageMessage) -> None:
         try:
-            handler(flags, payload)
+            handler(message)
         except Exception:  # one call's failure to answer must not stop the others'
             log.exception("stage stub: handling a response failed")
 
@@ -216,15 +238,16 @@ class StubChannel:
 
 
 class OneAnswer:
-    """A one-answer call's response, handed from the reader thread to the execute thread."""
+    """A one-answer call's last message, handed from the reader thread to the execute thread."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
 
-    def __call__(self, flags: int, payload: bytes) -> None:
-        self._q.put((flags, payload))
+    def __call__(self, message: StageMessage) -> None:
+        if ends(message):
+            self._q.put(message)
 
-    def wait(self, alive: Callable[[], bool]) -> tuple[int, bytes]:
+    def wait(self, alive: Callable[[], bool]) -> StageMessage:
         while True:
             try:
                 return self._q.get(timeout=2.0)
@@ -235,17 +258,16 @@ class OneAnswer:
 
 # -- worker side -------------------------------------------------------------------------------------------
 class WorkerChannel(threading.Thread):
-    """The worker's end of one stage instance: requests in, the inference callable, responses out, all on
-    this thread's event loop. Stands in for PyTriton's ``RequestsResponsesConnector`` (same constructor);
-    :class:`ChannelInference` attaches the callable."""
+    """The worker's end of one stage instance: calls in, the stage's function, answers out, all on this thread's
+    event loop. Stands in for PyTriton's ``RequestsResponsesConnector`` (same constructor; the serializer it is
+    given is not used: the messages are :data:`~trident.protocol.StageMessage`); :class:`ChannelInference`
+    attaches the function: ``fn(call)`` returns the outputs (name -> array) of a one-answer stage, or is an async
+    iterator of a decoupled stage's."""
 
-    def __init__(self, url: str, serializer_deserializer) -> None:
+    def __init__(self, url: str, serializer_deserializer=None) -> None:
         super().__init__(daemon=True, name="trident-stage-channel")
         self._path = socket_path(url)
-        self._serializer = serializer_deserializer
         self._callable: Callable | None = None
-        self._validator = None
-        self._one_answer = True
         self._attached = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -253,12 +275,8 @@ class WorkerChannel(threading.Thread):
         self._stopping = False  # no more direct calls
         self._direct_calls: set[asyncio.Task] = set()
 
-    def attach(self, model_callable: Callable, validator, decoupled: bool) -> None:
-        from pytriton.proxy.inference import _AsyncGenForCallableAdapter
-
-        self._callable = _AsyncGenForCallableAdapter(model_callable)
-        self._validator = validator
-        self._one_answer = not decoupled
+    def attach(self, model_callable: Callable) -> None:
+        self._callable = model_callable
         self._attached.set()
 
     def run(self) -> None:
@@ -291,7 +309,7 @@ class WorkerChannel(threading.Thread):
 
     async def _stop_direct(self, direct: asyncio.AbstractServer) -> None:
         """The stub has gone (the stage model was unloaded: the worker is stopping). Triton let the calls it had
-        in the stage finish; so do the direct calls taken, and later ones are answered :data:`GONE` (the
+        in the stage finish; so do the direct calls taken, and later ones are answered :class:`Gone` (the
         scheduler then asks Triton, which says the instance is not there)."""
         self._stopping = True
         direct.close()
@@ -329,20 +347,21 @@ class WorkerChannel(threading.Thread):
             pass  # asyncio's server would log the cancel of its connection's task as an error
 
     async def _read_calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direct: bool = False) -> None:
-        """Serve the calls of one connection (the stub's, or a scheduler's direct one) until it closes; the calls
-        still running then are cancelled."""
+        """Serve the messages of one connection (the stub's, or a caller's on the stage socket) until it closes;
+        the calls still running then are cancelled."""
         tasks: set[asyncio.Task] = set()
         try:
             while True:
-                size, rid, flags = HEADER.unpack(await reader.readexactly(HEADER.size))
-                payload = await reader.readexactly(size) if size else b""
-                if flags & CONTROL:  # (only the stage socket carries them: the stub never sends one)
-                    await self._control(writer, rid, payload, direct)
+                message = await read_message(reader)
+                if not isinstance(message, Call):
+                    await self._control(writer, message, direct)
                     continue
                 if direct and self._stopping:
-                    await self._write(writer, rid, EOS | GONE, b"")
+                    await self._write(writer, Gone(message.id))
                     continue
-                task = asyncio.ensure_future(self._handle(writer, rid, payload, direct))
+                if not direct:  # the stub's calls come from Triton's clients: the record hand-off is the scheduler's
+                    message.hand_to = message.await_record = None
+                task = asyncio.ensure_future(self._handle(writer, message))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 if direct:
@@ -350,6 +369,8 @@ class WorkerChannel(threading.Thread):
                     task.add_done_callback(self._direct_calls.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the other end went away, or close()
+        except MalformedRecord as e:
+            log.warning("worker: a caller sent %s; closing its connection", e)
         finally:
             for task in list(tasks):
                 task.cancel()
@@ -357,63 +378,58 @@ class WorkerChannel(threading.Thread):
             writer.close()
 
     @staticmethod
-    async def _write(writer: asyncio.StreamWriter, rid: int, flags: int, payload: bytes) -> None:
+    async def _write(writer: asyncio.StreamWriter, message: StageMessage) -> None:
         if writer.is_closing():
             return
-        writer.writelines((HEADER.pack(len(payload), rid, flags), payload))  # one write: the stub wakes once
+        writer.write(encode_message(message))  # one write: the caller wakes once
         await writer.drain()
 
-    async def _control(self, writer: asyncio.StreamWriter, rid: int, payload: bytes, direct: bool) -> None:
+    async def _control(self, writer: asyncio.StreamWriter, message: StageMessage, direct: bool) -> None:
         """A control message: handed to the stage's handler (:meth:`StageHandler.control
-        <trident.workers.infer.StageHandler.control>`) on this loop, answered with its end (or its error)."""
-        from ..errors import TridentError, Unauthenticated, to_wire
-        from ..protocol import decode_control
+        <trident.workers.infer.StageHandler.control>`) on this loop, answered with an empty :class:`Reply` (or
+        its :class:`Failure`)."""
+        from ..errors import InvalidRequest, TridentError, Unauthenticated
 
         try:
             handle = _direct.get("control")
             if not direct:
                 raise Unauthenticated("control messages come on the stage socket only")
+            if not isinstance(message, (Cancel, Deliver, Withdraw)):
+                raise InvalidRequest(f"a caller does not send {type(message).__name__} messages")
             if handle is None:
                 raise TridentError("this stage takes no control messages")
-            done = handle(decode_control(payload))
+            done = handle(message)
             if inspect.isawaitable(done):  # run on the engine's loop (:func:`trident.workers.bind._instances`)
                 await done
-            await self._write(writer, rid, EOS, b"")
+            await self._write(writer, Reply(message.id))
         except Exception as e:  # noqa: BLE001 - the caller gets the error, the connection serves on
             log.info("stage control message refused: %s", e)
-            await self._write(writer, rid, EOS | ERROR, to_wire(e).encode())
+            await self._write(writer, failure(message.id, e))
 
-    async def _handle(self, writer: asyncio.StreamWriter, rid: int, payload: bytes, direct: bool = False) -> None:
-        from ..errors import TridentError, client_message, to_wire
-        from ..protocol import DIRECT_ONLY
+    async def _handle(self, writer: asyncio.StreamWriter, call: Call) -> None:
+        from ..errors import TridentError, client_message
 
         try:
             if not self._attached.is_set():
                 await asyncio.get_running_loop().run_in_executor(None, self._attached.wait, 5.0)
             if self._callable is None:
                 raise RuntimeError("the stage's inference function is not attached (the worker is stopping)")
-            requests = self._serializer.deserialize_requests(payload)
-            if not direct:  # through Triton, from any client: the record hand-off is the scheduler's alone
-                for request in requests:
-                    for name in DIRECT_ONLY:
-                        (request.parameters or {}).pop(name, None)
-            held = None
-            async for responses in self._callable(requests):
-                self._validator.validate_responses(requests, responses)
-                if self._one_answer:  # sent with the end, as one message
-                    held = responses
-                    continue
-                await self._write(writer, rid, 0, self._serializer.serialize_responses(responses))
-            await self._write(writer, rid, EOS, self._serializer.serialize_responses(held) if held is not None else b"")
+            result = self._callable(call)
+            if inspect.isasyncgen(result):
+                async for outputs in result:
+                    await self._write(writer, Reply(call.id, outputs, end=False))
+                await self._write(writer, Reply(call.id))
+            else:
+                await self._write(writer, Reply(call.id, await result))
         except asyncio.CancelledError:
-            await self._write(writer, rid, EOS | ERROR, to_wire(RuntimeError("the worker is stopping")).encode())
+            await self._write(writer, failure(call.id, RuntimeError("the worker is stopping")))
             raise
         except Exception as e:
             if isinstance(e, TridentError) and type(e) is not TridentError:
                 log.info("stage request refused: %s", client_message(e))
             else:
                 log.warning("stage request failed", exc_info=True)
-            await self._write(writer, rid, EOS | ERROR, to_wire(e).encode())
+            await self._write(writer, failure(call.id, e))
 
     def close(self) -> None:
         """End the connection (and with it the thread); safe to call again."""
@@ -426,16 +442,15 @@ class WorkerChannel(threading.Thread):
 
 
 class ChannelInference:
-    """Stands in for PyTriton's ``InferenceHandler`` (same constructor): attaches the inference callable to
-    its :class:`WorkerChannel`, which runs it."""
+    """Stands in for PyTriton's ``InferenceHandler`` (same constructor): attaches the stage's function to its
+    :class:`WorkerChannel`, which runs it."""
 
-    def __init__(self, model_callable, requests_responses_connector: WorkerChannel, validator, name=None) -> None:
+    def __init__(self, model_callable, requests_responses_connector: WorkerChannel, validator=None, name=None) -> None:
         self._channel = requests_responses_connector
         self._callable = model_callable
-        self._validator = validator
 
     def start(self) -> None:
-        self._channel.attach(self._callable, self._validator, bool(self._validator._model_config.decoupled))
+        self._channel.attach(self._callable)
 
     def on_inference_handler_event(self, fn) -> None:
         """PyTriton's unrecoverable-error events: this channel has none."""

@@ -1,4 +1,4 @@
-"""A stage model's inference function: Triton request -> engine call -> Triton responses.
+"""A stage model's inference function: a :class:`~trident.protocol.Call` -> engine call -> its outputs.
 
 What a stage does follows from what it hands on (:attr:`~trident.protocol.StageSpec.hands_on`):
 ``embeddings`` -> :meth:`encode`, ``kv`` -> :meth:`prefill`, ``tokens`` -> :meth:`generate` (streamed);
@@ -26,8 +26,7 @@ from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import (
-    AWAIT_RECORD, CANCEL, ENCODE_REPORT, HAND_TO, RECORD_TENSOR, REQUEST_ID, Cancel, Control, Deliver, StageSpec,
-    Withdraw,
+    CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Control, Deliver, StageSpec, Withdraw,
 )
 from . import record_handoff
 
@@ -86,7 +85,7 @@ class Streams:
 
 
 def _value(request, name: str):
-    return request.data.get(name) if hasattr(request, "data") else request.get(name)
+    return request.inputs.get(name) if isinstance(request, Call) else request.get(name)
 
 
 def _first(request, name: str):
@@ -139,16 +138,9 @@ def output_options(request) -> OutputOptions:
     return OutputOptions(**{f: flag(f) for f in OutputOptions.__dataclass_fields__})
 
 
-def record_output(spec: StageSpec, record: bytes | None) -> list[dict[str, np.ndarray]]:
+def record_output(spec: StageSpec, record: bytes | None) -> dict[str, np.ndarray]:
     """The stage's record as its STRING[1] output; an empty one when there is nothing to pass on."""
-    return [{RECORD_TENSOR[spec.hands_on]: np.array([record or b""], dtype=np.object_)}]
-
-
-def _single(requests: list) -> Any:
-    """Stage models run without batching: Triton hands over one request at a time."""
-    if len(requests) != 1:
-        raise InvalidRequest(f"expected one request per call, got {len(requests)}")
-    return requests[0]
+    return {RECORD_TENSOR[spec.hands_on]: np.array([record or b""], dtype=np.object_)}
 
 
 async def _stall(spec: StageSpec, text: str | None) -> None:
@@ -186,17 +178,17 @@ class Admission:
         self.inflight -= 1
 
 
-async def _await_record(inbox: record_handoff.Inbox, requests) -> None:
+async def _await_record(inbox: record_handoff.Inbox, call: Call) -> None:
     """Before a prefill call posted ahead of its record takes its slot: its record, from ``inbox`` once the encode
     worker has delivered it."""
-    request = _single(requests)
     embeddings = RECORD_TENSOR["embeddings"]
-    if (token := _parameter(request, AWAIT_RECORD)) is not None:
-        if record_input(request, embeddings) is not None:
-            raise InvalidRequest(f"a prefill call waiting for its record ({AWAIT_RECORD}) brings no {embeddings}")
+    if call.await_record is not None:
+        token = record_handoff.check_token(call.await_record)
+        if record_input(call, embeddings) is not None:
+            raise InvalidRequest(f"a prefill call waiting for its record (await_record) brings no {embeddings}")
         with timings.step("await_record"):
             record = await inbox.take(token)
-        request.data[embeddings] = np.array([record], dtype=np.object_)
+        call.inputs[embeddings] = np.array([record], dtype=np.object_)
 
 
 @dataclass
@@ -210,9 +202,9 @@ class StageHandler:
     inbox: record_handoff.Inbox | None = None  # a prefill stage's records delivered by the encode worker
     streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
 
-    async def before_slot(self, requests) -> None:
+    async def before_slot(self, call: Call) -> None:
         if self.inbox is not None:
-            await _await_record(self.inbox, requests)
+            await _await_record(self.inbox, call)
 
     def control(self, message: Control) -> None:
         """A control message from a caller on the stage socket (:data:`trident.protocol.Control`)."""
@@ -247,8 +239,7 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
     def admitted(fn):
         """A one-response stage function, counted in and out."""
         @functools.wraps(fn)
-        async def run(requests):
-            request = _single(requests)
+        async def run(request: Call):
             admit(request)
             try:
                 return await fn(request)
@@ -296,8 +287,7 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             nonlocal calls
             t0 = time.monotonic_ns()
             _, _, kwargs = await read(request)
-            hand = _parameter(request, HAND_TO)
-            hand = record_handoff.parse_hand_to(hand) if hand is not None else None
+            hand = record_handoff.check_hand_to(request.hand_to) if request.hand_to is not None else None
             items = kwargs["media"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
             encoded = await engine.encode(items) if items else None
@@ -312,7 +302,7 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
                         handed = await record_handoff.hand_on(calls, hand, encoded.record)
                 report["handed"] = handed
             outputs = record_output(spec, encoded.record if encoded else None)
-            outputs[0][ENCODE_REPORT] = np.array([json.dumps(report).encode()], dtype=np.object_)
+            outputs[ENCODE_REPORT] = np.array([json.dumps(report).encode()], dtype=np.object_)
             timings.mark("infer", t0)
             return outputs
 
@@ -332,8 +322,7 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
 
     streams = Streams()
 
-    async def generate(requests):
-        request = _single(requests)
+    async def generate(request: Call):
         cancel = _parameter(request, CANCEL)
         if cancel is not None:  # a cancel through Triton (on the stage socket: a Cancel message)
             streams.cancel(cancel)

@@ -2,10 +2,9 @@
 
 Without it the record goes encode worker -> scheduler -> prefill worker: the encode's answer, the scheduler's
 turn and the prefill call's way in, each a process hand-off (``make bench-hops``). With it the scheduler posts
-the prefill call beside the encode call (:data:`~trident.protocol.AWAIT_RECORD`: a token instead of the
-record) and tells the encode worker where the record goes (:data:`~trident.protocol.HAND_TO`). The encode
-worker writes the record to that prefill worker's direct socket as a control request
-(a :class:`~trident.protocol.Deliver` message) before it answers the scheduler, and the prefill call, waiting for it before
+the prefill call beside the encode call (its :class:`~trident.protocol.Call` has ``await_record``: a token instead
+of the record) and tells the encode worker where the record goes (the encode call's ``hand_to``). The encode
+worker writes the record to that prefill worker's stage socket (a :class:`~trident.protocol.Deliver` message) before it answers the scheduler, and the prefill call, waiting for it before
 it takes its slot, then runs as if it had brought the record itself.
 
 Who frees what: a delivered record belongs to the prefill worker's :class:`Inbox`, which reads it (the call
@@ -16,9 +15,9 @@ not hand the record on (a prompt short enough for the decode worker to prefill, 
 A call whose token was withdrawn or whose record was discarded fails at once (503); one that waits longer
 than :data:`WAIT_S` fails too, a backstop only.
 
-The parameters are honoured only on a worker's direct socket (:data:`~trident.protocol.DIRECT_ONLY`: dropped
-from a request that comes through Triton), so no client can make a prefill call wait or an encode worker hand
-its record elsewhere; they are still checked (a token's length, a target that is a prefill instance).
+The two fields are honoured only on a worker's stage socket: the stub's connection, which carries the calls of
+Triton's clients, clears them, so no client can make a prefill call wait or an encode worker hand its record
+elsewhere; they are still checked (a token's length, a target that is a prefill instance).
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-import msgspec
-
 from ..errors import InvalidRequest, TridentError, Unavailable
-from ..protocol import EmbeddingsRecord, decode_record, parse_instance
+from ..protocol import EmbeddingsRecord, HandTo, decode_record, parse_instance
 
 EARLY_S = 30.0  # how long a record waits for its call (the two come on different sockets, in either order)
 WAIT_S = 300.0  # how long a call waits for its record at most (the scheduler withdraws it before, as a rule)
@@ -39,23 +36,11 @@ MAX_EARLY = 64  # records waiting for their calls; one more pushes the oldest ou
 MAX_TOKEN = 64  # characters of a token
 
 
-class HandTo(msgspec.Struct, frozen=True):
-    """:data:`~trident.protocol.HAND_TO`: where the encode worker hands its record, under which token, and for
-    which prompts (items' embedding rows above ``above``)."""
-
-    instance: str
-    token: str
-    above: int = -1
-
-
-def parse_hand_to(value: str) -> HandTo:
-    try:
-        hand = msgspec.json.decode(value, type=HandTo)
-    except msgspec.DecodeError as e:
-        raise InvalidRequest(f"trident_hand_to is not valid: {e}") from None
+def check_hand_to(hand: HandTo) -> HandTo:
+    """An encode call's :class:`~trident.protocol.HandTo`, checked: a prefill instance's name and a token."""
     parsed = parse_instance(hand.instance)
     if parsed is None or parsed[0] != "prefill":
-        raise InvalidRequest(f"trident_hand_to names {hand.instance!r}, not a prefill stage instance")
+        raise InvalidRequest(f"hand_to names {hand.instance!r}, not a prefill stage instance")
     check_token(hand.token)
     return hand
 
