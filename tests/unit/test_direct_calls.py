@@ -1,7 +1,7 @@
-"""The scheduler's direct calls (:mod:`trident.stagecall`) against a real worker channel
-(:class:`trident.workers.channel.WorkerChannel`) on real Unix sockets, in one process: the stage's answer, its
-error, an instance with no direct socket, a stopping worker, a worker lost mid-call, and the limit on calls at
-once that keeps the engine's ``calls_at_once``."""
+"""The scheduler's stage calls (:class:`trident.stagecall.StageClient`) against a real
+:class:`~trident.stagecall.StageServer` on real Unix and TCP sockets, in one process: the stage's answer, its error,
+an instance with no stage socket, a stopping worker, a worker lost mid-call, control messages, and the limit on
+calls at once that keeps the engine's ``calls_at_once``."""
 
 from __future__ import annotations
 
@@ -18,73 +18,26 @@ import pytest
 from trident import auth
 from trident.errors import InvalidRequest, Unavailable
 from trident.protocol import WORKER_FILE, Call, encode_message
-from trident.stagecall import StageClient
-from trident.workers import channel
+from trident.stagecall import StageClient, StageServer
 
 
-class _Stub:
-    """The stub's end, as far as the worker sees it: a socket it connects to first."""
-
-    def __init__(self, folder: Path) -> None:
-        self.url = f"ipc://{folder}/inst-server.sock"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(channel.socket_path(self.url))
-        self._listener.listen(1)
-        self.conn: socket.socket | None = None
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        conn, _ = self._listener.accept()
-        auth.accept(conn)  # as the real stub does: the worker proves the secret, and so does the stub
-        self.conn = conn
-
-    def leave(self) -> None:
-        """The stage model was unloaded: the stub's end closes (again: nothing)."""
-        if self.conn is not None:
-            self.conn.close()
-        self._listener.close()
-
-
-def _wait_listening(path: str) -> None:
-    """Until the direct socket takes a connection (its file appears at bind, a moment before it listens)."""
-    deadline = time.monotonic() + 5
-    while True:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-            return
-        except OSError:
-            assert time.monotonic() < deadline, "the direct socket was not opened"
-            time.sleep(0.01)
-        finally:
-            probe.close()
-
-
-def _serve(tmp_path: Path, instance: str, infer):
-    """A worker channel running ``infer``, and the model store whose worker file names its direct socket for
-    ``instance`` (pid 123); stopped after the one item it yields."""
-    stub = _Stub(tmp_path)
-    path = channel.direct_path()
+def _serve(tmp_path: Path, instance: str, infer, control=None):
+    """A stage server running ``infer`` (and ``control``), and the model store whose worker file names its sockets
+    for ``instance`` (pid 123); stopped after the one item it yields."""
+    server = StageServer(infer, control or (lambda message: None), "127.0.0.1")
+    server.start()
     store = tmp_path / "store"
     (store / instance / "1").mkdir(parents=True)
-    (store / instance / "1" / WORKER_FILE).write_text(json.dumps({"pid": 123, "name": instance, "direct": path}))
-    chan = channel.WorkerChannel(stub.url)
-    chan.attach(infer)
-    chan.start()
-    _wait_listening(path)
-    yield {"store": store, "stub": stub, "path": path}
-    chan.close()
-    chan.join(10)
-    stub.leave()
-    assert not chan.is_alive(), "the worker channel did not stop"
+    (store / instance / "1" / WORKER_FILE).write_text(json.dumps(server.worker_file(123, instance)))
+    yield {"store": store, "server": server, "path": server.path}
+    server.stop(drain_s=5)
+    assert not server._thread.is_alive(), "the stage server did not stop"
 
 
 @pytest.fixture
-def worker(tmp_path, monkeypatch):
-    """A worker channel serving ``calls`` (what each call does, by the request's text) on its direct socket, and
-    the model store whose worker file names that socket for instance ``prefill``."""
-    monkeypatch.setattr(channel, "_direct", {})
-
+def worker(tmp_path):
+    """A stage server serving ``calls`` (what each call does, by the request's text) on its sockets, and the model
+    store whose worker file names them for instance ``prefill``."""
     async def infer(call):
         text = call.inputs["text_input"][0].decode()
         if text.startswith("sleep"):
@@ -93,7 +46,8 @@ def worker(tmp_path, monkeypatch):
             raise InvalidRequest("text_input says refuse")
         return {"kv_meta": np.array([f"record of {text}".encode()], dtype=np.object_)}
 
-    yield from _serve(tmp_path, "prefill", infer)
+    hooks = {}
+    yield from ({**served, "hooks": hooks} for served in _serve(tmp_path, "prefill", infer, lambda m: hooks["control"](m)))
 
 
 def _text(value: str) -> dict:
@@ -118,16 +72,39 @@ def test_a_call_gets_the_stage_answer(worker):
     assert first["kv_meta"].tolist() == [b"record of a"] and second["kv_meta"].tolist() == [b"record of b"]
 
 
+def test_a_worker_on_another_host_is_called_over_tcp_with_the_same_messages(worker):
+    """A worker file with only the TCP stage socket (what a worker that joined from another host uploads): the
+    same calls and errors, over TCP after the same handshake."""
+    host, port = worker["server"].address
+    assert host == "127.0.0.1"  # the data-plane address, never every interface
+    (worker["store"] / "prefill-2" / "1").mkdir(parents=True)
+    (worker["store"] / "prefill-2" / "1" / WORKER_FILE).write_text(json.dumps({"name": "prefill-2", "tcp": [host, port]}))
+
+    async def go():
+        calls = StageClient(worker["store"])
+        try:
+            answer = await calls.call("prefill-2", _text("far"), ["kv_meta"])
+            with pytest.raises(InvalidRequest, match="text_input says refuse"):
+                await calls.call("prefill-2", _text("refuse"), ["kv_meta"])
+            return answer, calls._connections["prefill-2"]._sock.family
+        finally:
+            calls.close()
+
+    answer, family = _run(go())
+    assert answer["kv_meta"].tolist() == [b"record of far"] and family == socket.AF_INET
+
+
 def test_a_caller_without_the_secret_gets_nothing(worker):
     """A connection to the worker's stage socket that does not prove the deployment secret is closed after the
     worker's random challenge: the call it writes is never run and nothing else comes back (another deployment's
     secret: tests/unit/test_auth.py)."""
-    call = encode_message(Call(1, _text("steal")))
+    call = encode_message(Call(1, _text("steal" * 20)))  # (longer than a proof: the worker reads that much first)
 
-    def attempt(reply: bytes) -> bytes:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def attempt(reply: bytes, tcp: bool = False) -> bytes:
+        sock = socket.create_connection(worker["server"].address) if tcp else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(5)
-        sock.connect(worker["path"])
+        if not tcp:
+            sock.connect(worker["path"])
         got = b""
         try:
             hello = sock.recv(64)
@@ -143,6 +120,7 @@ def test_a_caller_without_the_secret_gets_nothing(worker):
 
     assert attempt(b"") == b""  # straight to the call, no proof
     assert attempt(b"\0" * auth.REPLY_BYTES) == b""  # a proof of nothing
+    assert attempt(b"", tcp=True) == b"" and attempt(b"\0" * auth.REPLY_BYTES, tcp=True) == b""  # over TCP alike
 
 def test_the_stage_error_is_raised_as_sent(worker):
     async def go():
@@ -176,7 +154,8 @@ def test_a_stopping_worker_finishes_what_it_took_and_takes_no_more(worker):
         try:
             taken = asyncio.ensure_future(calls.call("prefill", _text("sleep 0.5"), ["kv_meta"]))
             await asyncio.sleep(0.1)
-            worker["stub"].leave()  # the stage model is unloaded while the call runs
+            stopping = threading.Thread(target=worker["server"].stop)  # the worker stops while the call runs
+            stopping.start()
             await asyncio.sleep(0.1)
             later = await calls.call("prefill", _text("later"), ["kv_meta"])
             return await taken, later
@@ -184,6 +163,7 @@ def test_a_stopping_worker_finishes_what_it_took_and_takes_no_more(worker):
             calls.close()
 
     taken, later = _run(go())
+    worker["server"]._thread.join(5)
     assert taken["kv_meta"].tolist() == [b"record of sleep 0.5"]
     assert later is None  # through Triton, which says whether the instance is there
     assert not Path(worker["path"]).exists()
@@ -214,7 +194,7 @@ def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
 
 
 def test_at_most_keeps_calls_at_once():
-    from trident.workers.bind import _at_most
+    from trident.stagecall.server import at_most as _at_most
 
     state = {"running": 0, "most": 0}
 
@@ -236,13 +216,12 @@ def test_at_most_keeps_calls_at_once():
 
 
 @pytest.fixture
-def streaming(tmp_path, monkeypatch):
-    """A decoupled stage's worker channel: ``n`` tokens a call (the text's number), an error after two with
+def streaming(tmp_path):
+    """A decoupled stage's stage server: ``n`` tokens a call (the text's number), an error after two with
     ``fail``, and the scheduler's Cancel message (:class:`trident.workers.infer.Streams`)."""
     from trident.protocol import REQUEST_ID
     from trident.workers.infer import Streams
 
-    monkeypatch.setattr(channel, "_direct", {})
     streams = Streams()
 
     async def tokens(text: str):
@@ -258,8 +237,8 @@ def streaming(tmp_path, monkeypatch):
         async for item in streams.relay(call.parameters.get(REQUEST_ID), tokens(call.inputs["text_input"][0].decode())):
             yield item
 
-    channel.take_control(lambda message: streams.cancel(message.request_id))  # as StageHandler.control does
-    for served in _serve(tmp_path, "decode", generate):
+    # (the control hook as StageHandler.control calls it)
+    for served in _serve(tmp_path, "decode", generate, lambda message: streams.cancel(message.request_id)):
         yield {**served, "streams": streams}
 
 
@@ -313,18 +292,19 @@ def test_a_cancelled_stream_stops_at_the_cancel(streaming):
     assert time.monotonic() - started < 10
 
 
-def test_control_messages_reach_the_stage_hooks_on_the_stage_socket_only(worker):
+def test_control_messages_reach_the_stage_hooks(worker):
     """Deliver and Withdraw are messages of their own on the stage socket, handed to the stage's hooks (here a
-    prefill's record inbox); a message the stage has no hook for is refused by name; a control frame on the stub's
-    connection (through Triton) is refused."""
-    from trident.errors import InvalidRequest, Unauthenticated
-    from trident.protocol import STAGES, Deliver, Failure
+    prefill's record inbox); a message the stage has no hook for is refused by name, and so is an answer sent as
+    if it were a call."""
+    from trident.errors import InvalidRequest
+    from trident.protocol import STAGES, Failure, Reply
+    from trident.stagecall.frames import recv_message
     from trident.workers.infer import StageHandler
     from trident.workers.record_handoff import Inbox
 
     freed: list[bytes] = []
     handler = StageHandler(STAGES["prefill"], infer=None, inbox=Inbox(freed.append))
-    channel.take_control(handler.control)
+    worker["hooks"]["control"] = handler.control
 
     async def go():
         calls = StageClient(worker["store"])
@@ -339,14 +319,12 @@ def test_control_messages_reach_the_stage_hooks_on_the_stage_socket_only(worker)
 
     assert _run(go()) == b"record one"
     assert handler.inbox.stats()["delivered"] == 1 and handler.inbox.stats()["withdrawn"] == 1
-    # the stub's connection (what Triton's requests come on) carries no control messages
-    stub = worker["stub"]
-    deadline = time.monotonic() + 5
-    while stub.conn is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stub.conn.sendall(encode_message(Deliver(7, "tok-3", b"forged")))
-    stub.conn.settimeout(5)
-    answer = channel.recv_message(stub.conn)
-    assert isinstance(answer, Failure) and answer.id == 7 and answer.error == "Unauthenticated", answer
-    assert handler.inbox.stats()["delivered"] == 1
-    assert Unauthenticated.http_status == 401
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(worker["path"])
+    auth.connect(sock)
+    sock.settimeout(5)
+    sock.sendall(encode_message(Reply(7, {})))
+    answer = recv_message(sock)
+    sock.close()
+    assert isinstance(answer, Failure) and answer.id == 7 and answer.error == "InvalidRequest", answer
+    assert "does not send Reply" in answer.message

@@ -22,24 +22,30 @@ def test_wait_for_server_ready_is_what_bind_when_live_replaces():
         assert importlib.import_module(name).wait_for_server_ready is wait_for_server_ready
 
 
-def test_the_stub_side_replacements_keep_their_constructors(monkeypatch):
+def test_the_model_files_patch_and_the_model_store_path_still_fit():
+    """The stage model's files (bind._install_proxy_model) and where they are written (bind._remote_triton)."""
+    import inspect
+
+    from pytriton.models import manager, model
+
+    assert _params(model.Model.generate_model) == ["self", "model_repository"]
+    assert _params(model.Model.get_proxy_model_files) == ["self"]
+    assert "self._model_store_path = model_store_path" in inspect.getsource(manager.ModelManager.__init__)
+    assert "model.generate_model(self._model_store_path)" in inspect.getsource(manager.ModelManager)
+
+
+def test_what_the_stub_uses_of_pytriton_is_still_there(monkeypatch):
+    """Not patched, but used: the stage stub serves PyTriton's config hand-shake with PyTriton's classes, so that
+    PyTriton's binding completes; the worker side reads it and skips the tensor store by PyTriton's own setting."""
     import sys
     import types
 
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    from pytriton.models import model
+    from pytriton.proxy import communication
     from pytriton.proxy import model as proxy
 
-    assert _params(proxy.TritonRequestsServer.__init__) == [
-        "self", "url", "responses_handle_fn", "serializer_deserializer", "model_config"]
-    assert _params(proxy.get_config_from_handshake_server) == ["socket_path", "timeout_s"]
-    assert hasattr(proxy, "TensorStoreSerializerDeserializer")
-
-
-def test_the_worker_side_replacements_keep_their_constructors():
-    from pytriton.models import model
-
-    assert _params(model.RequestsResponsesConnector.__init__)[:3] == ["self", "url", "serializer_deserializer"]
-    assert _params(model.InferenceHandler.__init__)[:5] == [
-        "self", "model_callable", "requests_responses_connector", "validator", "name"]
-    assert _params(model.Model.generate_model) == ["self", "model_repository"]
-    assert _params(model.Model.get_proxy_model_files) == ["self"]
+    assert _params(communication.HandshakeServer.__init__) == ["self", "socket_path", "inference_handler_config"]
+    assert _params(proxy.TritonInferenceHandlerConfigGenerator.__init__) == ["self", "data_socket"]
+    assert "PYTRITON_NO_TENSORSTORE" in inspect.getsource(model.Model.__init__)
+    assert 'f"{self.model_name}-config.sock"' in inspect.getsource(model.Model.setup)

@@ -124,19 +124,24 @@ def test_llava_demo_weights_use_the_hub_layout_and_load(demo_models):
             assert torch.equal(loaded, value), key
 
 
-def test_stage_instances_run_their_calls_on_one_loop_at_once():
-    """A stage bound as several instances: PyTriton calls each from an event loop of its own, and every call
-    runs on one loop of the worker's (the engine's), the calls overlapping there rather than queued."""
+def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path):
+    """Calls from several connections (the stub's instances, the schedulers) and the control messages all run on
+    the stage server's one loop (the engine's), the calls overlapping there up to ``calls_at_once``."""
     import asyncio
+    import json
     import threading
 
-    from trident.workers.bind import _instances
+    import numpy as np
+
+    from trident.protocol import WORKER_FILE, Withdraw
+    from trident.stagecall import StageClient, StageServer
+    from trident.stagecall.server import at_most
 
     loops: set = set()
     inside, peak = 0, 0
     all_in = threading.Event()
 
-    async def infer(requests):
+    async def infer(call):
         nonlocal inside, peak
         loops.add(asyncio.get_running_loop())
         inside += 1
@@ -145,64 +150,43 @@ def test_stage_instances_run_their_calls_on_one_loop_at_once():
             all_in.set()
         await asyncio.get_running_loop().run_in_executor(None, all_in.wait, 5)
         inside -= 1
-        return [{"n": requests[0]}]
+        return {"n": call.inputs["n"]}
 
     control_loops: set = set()
+    server = StageServer(at_most(infer, 3), lambda message: control_loops.add(asyncio.get_running_loop()), "127.0.0.1")
+    server.start()
+    (tmp_path / "prefill" / "1").mkdir(parents=True)
+    (tmp_path / "prefill" / "1" / WORKER_FILE).write_text(json.dumps(server.worker_file(1, "prefill")))
 
-    def control(message):
-        control_loops.add(asyncio.get_running_loop())
+    def caller(i: int):
+        async def go():
+            client = StageClient(tmp_path)  # a connection of its own
+            try:
+                return await client.call("prefill", {"n": np.array([i])}, ["n"])
+            finally:
+                client.close()
+        return asyncio.run(go())
 
-    assert _instances(infer, 1, control) == (infer, control)
-    funcs, on_loop = _instances(infer, 3, control)
-    assert len(funcs) == 3
-    results: list = []
-    threads = [threading.Thread(target=lambda f=f, i=i: results.append(asyncio.run(f([i])))) for i, f in enumerate(funcs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert sorted(r[0]["n"] for r in results) == [0, 1, 2]
-    assert len(loops) == 1 and peak == 3
-
-    async def send_control():
-        await on_loop("withdraw")  # a control message runs on the engine's loop too (the inbox's calls wait there)
-
-    asyncio.run(send_control())
-    assert control_loops == loops
-
-
-def test_a_later_stage_instance_waits_for_the_first_one_s_config_socket(tmp_path, monkeypatch):
-    """PyTriton gives a model's first instance 1 s to open the config socket its other instances read; the
-    stage stubs' proxy waits longer, then takes the config through PyTriton's own hand-shake."""
-    import sys
-    import threading
-    import time
-    import types
-
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-    from pytriton.proxy.communication import HandshakeServer, get_config_from_handshake_server
-
-    from trident.workers import proxy_model
-
-    socket_path = tmp_path / "prefill-config.sock"
-    with pytest.raises(TimeoutError):  # PyTriton's own, without the first instance there
-        get_config_from_handshake_server(socket_path)
-    servers: list = []
-
-    def first_instance_starts_late() -> None:
-        time.sleep(2.5)
-        server = HandshakeServer(socket_path, {"authkey": "c2VjcmV0"})
-        server.start()
-        servers.append(server)
-
-    threading.Thread(target=first_instance_starts_late, daemon=True).start()
-    t0 = time.monotonic()
     try:
-        assert proxy_model.patient_handshake(socket_path) == {"authkey": "c2VjcmV0"}
-        assert time.monotonic() - t0 >= 2.5
+        results: list = []
+        threads = [threading.Thread(target=lambda i=i: results.append(caller(i))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sorted(int(r["n"][0]) for r in results) == [0, 1, 2]
+        assert len(loops) == 1 and peak == 3
+
+        async def send_control():
+            client = StageClient(tmp_path)
+            assert await client.withdraw("prefill", "tok")
+            await asyncio.sleep(0.2)
+            client.close()
+
+        asyncio.run(send_control())
+        assert control_loops == loops
     finally:
-        for server in servers:
-            server.close()
+        server.stop(drain_s=1)
 
 
 def test_stage_messages_carry_their_tensors_and_round_trip():
@@ -244,9 +228,11 @@ def test_stage_messages_carry_their_tensors_and_round_trip():
 
 
 def test_every_stage_model_runs_trident_s_proxy_without_pytriton_s_tensor_store(tmp_path, monkeypatch):
-    """Written into the server's repository or uploaded by a worker that joins: the stage model's
-    ``model.py`` is Trident's proxy (PyTriton's own would read the tensor store the worker no longer writes);
-    only the local one gets the worker file (a pid means nothing on another host)."""
+    """Written into the server's repository or uploaded by a worker that joins: the stage model's ``model.py`` is
+    Trident's stub, with the worker file naming the stage server's sockets; the uploaded one names only the TCP
+    socket (a pid and a Unix socket mean nothing on another host)."""
+    import json
+
     import numpy as np
     from pytriton.model_config import ModelConfig, Tensor
     from pytriton.models import model as pytriton_model
@@ -256,16 +242,23 @@ def test_every_stage_model_runs_trident_s_proxy_without_pytriton_s_tensor_store(
     from trident.protocol import WORKER_FILE
     from trident.workers import bind
 
+    from trident.stagecall import StageServer
+
     monkeypatch.setenv("PYTRITON_NO_TENSORSTORE", "")  # (restored after the test)
-    bind._install_proxy_model()
+    server = StageServer(lambda call: None, lambda message: None, "127.0.0.1")
+    bind._install_proxy_model(server)
     assert os.environ["PYTRITON_NO_TENSORSTORE"] == "1"  # PyTriton's own setting: its tensor store is not started
     model = Model("prefill", 1, lambda requests: requests, [Tensor(name="x", dtype=np.bytes_, shape=(1,))],
                   [Tensor(name="y", dtype=np.bytes_, shape=(1,))], ModelConfig(), Workspace(tmp_path / "ws"), None, False)
     assert isinstance(model._serializer_deserializer, pytriton_model.Base64SerializerDeserializer)  # no manager process
     ours = bind._PROXY_MODEL.read_bytes()
-    assert model.get_proxy_model_files()["file:1/model.py"] == ours
+    uploaded = model.get_proxy_model_files()
+    assert uploaded["file:1/model.py"] == ours
+    assert json.loads(uploaded[f"file:1/{WORKER_FILE}"]) == {"name": "prefill", "tcp": ["127.0.0.1", server.address[1]]}
     store = tmp_path / "store"
     store.mkdir()
     model.generate_model(store)
     assert (store / "prefill" / "1" / "model.py").read_bytes() == ours
-    assert (store / "prefill" / "1" / WORKER_FILE).exists()
+    local = json.loads((store / "prefill" / "1" / WORKER_FILE).read_text())
+    assert local == {"name": "prefill", "pid": os.getpid(), "direct": server.path, "tcp": ["127.0.0.1", server.address[1]]}
+    server.stop()

@@ -16,13 +16,13 @@ from ..protocol import WORKER_FILE
 def remove_direct_socket(model_dir: Path) -> None:
     """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could
     not remove itself."""
-    from ..workers.channel import DIRECT_DIR_PREFIX, DIRECT_SOCKET
+    from ..stagecall.server import DIR_PREFIX, SOCKET_NAME
 
     try:
         path = Path(json.loads((model_dir / "1" / WORKER_FILE).read_text())["direct"])
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if path.name == DIRECT_SOCKET and path.parent.name.startswith(DIRECT_DIR_PREFIX):
+    if path.name == SOCKET_NAME and path.parent.name.startswith(DIR_PREFIX):
         shutil.rmtree(path.parent, ignore_errors=True)
 
 

@@ -1,8 +1,8 @@
-"""The stage protocol's caller side: :class:`StageClient`, used by every caller of a stage worker's socket (the BLS
-schedulers, and the encode worker handing its record to a prefill worker). The serving side is the worker's
-:class:`~trident.workers.channel.WorkerChannel`; the messages are :mod:`trident.protocol`'s, the frames
-:mod:`trident.workers.channel`'s."""
+"""The stage protocol's two sides, over one framed stream (:mod:`.frames`) of :data:`trident.protocol.StageMessage`:
+:class:`StageServer` in each stage worker, and the callers' :class:`StageClient` (the BLS schedulers, the encode worker
+handing its record on) and :class:`StageLink` (a stage model's python-backend stub, which has no event loop)."""
 
-from .client import DirectStream, NotSent, StageClient, responses_of
+from .client import DirectStream, NotSent, NoWorker, StageClient, StageLink, responses_of
+from .server import StageServer
 
-__all__ = ["DirectStream", "NotSent", "StageClient", "responses_of"]
+__all__ = ["DirectStream", "NotSent", "NoWorker", "StageClient", "StageLink", "StageServer", "responses_of"]

@@ -1,22 +1,20 @@
-"""A caller's side of the stage protocol: calls, streams and control messages to a stage worker, on its socket.
+"""A caller's side of the stage protocol: calls, streams and control messages to a stage worker's
+:class:`~trident.stagecall.StageServer`, on its Unix socket on the same host or over TCP from another.
 
-Every caller of a stage worker uses :class:`StageClient`: the BLS schedulers (the record stages' calls, the
+:class:`StageClient` is the caller with an event loop: the BLS schedulers (the record stages' calls, the
 streaming stages' calls, a stream's :class:`~trident.protocol.Cancel`, a posted call's
 :class:`~trident.protocol.Withdraw`) and the encode worker handing its record to a prefill worker
-(:class:`~trident.protocol.Deliver`). Through Triton, one call crosses BLS -> Triton -> the stage's python-backend
-stub -> worker and back: four hand-offs between processes, 2-3 ms on the 2-core machine (``make bench-hops``).
-The worker also listens on a socket of its own (:func:`trident.workers.channel.direct_path`), named in the worker
-file of its stage model's folder; on it a caller sends the same messages the stub would
-(:data:`trident.protocol.StageMessage`) after both ends proved the deployment secret (:mod:`trident.auth`), and
-reads the answer: two hand-offs.
+(:class:`~trident.protocol.Deliver`). :class:`StageLink` is the one without: the stage model's python-backend stub,
+which carries the calls of Triton's clients and ensembles. Both write on one :class:`_Connection` per worker, after
+both ends proved the deployment secret (:mod:`trident.auth`). Where a worker listens is in the worker file of its
+stage model's folder.
 
-What does not change: the stage is still a Triton model (clients and ensembles call it through Triton), the
-scheduler still routes among the instances Triton has ready, and the worker runs the call as it runs one from
-its stub (the same checks, admission, at most ``calls_at_once`` at a time). An instance with no such socket (a
-worker that joined from another host), one that does not answer the connect, or a stopping one (it answers
-``GONE``, and lets the calls it took finish), or one whose socket has closed before the call could be written
-is called through Triton, which tells whether it is there. A worker that goes away during a call fails it as
-the stub would: 503, "the request was lost with it".
+A call from the BLS straight to the worker crosses two process hand-offs; through Triton it crosses four (BLS ->
+Triton -> the stub -> worker and back: 2-3 ms on the 2-core machine, ``make bench-hops``). The BLS calls an
+instance through Triton when it has no worker file, does not answer the connect, is stopping (it answers
+:class:`~trident.protocol.Gone`, and lets the calls it took finish), or its socket closed before the call could be
+written: Triton tells whether the instance is there. A worker that goes away during a call fails it: 503, "the
+request was lost with it".
 """
 
 from __future__ import annotations
@@ -24,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
+import os
 import queue
 import socket
 import threading
@@ -38,7 +38,11 @@ from ..errors import MalformedRecord, TridentError, Unavailable
 from ..protocol import (
     WORKER_FILE, Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
 )
-from ..workers.channel import ends, recv_message
+from .frames import ends, recv_message
+
+
+log = logging.getLogger("trident")
+CONNECT_S = 5.0  # a TCP stage socket that does not answer within this is called through Triton
 
 
 class DirectStream:
@@ -88,17 +92,18 @@ def _settle(future: asyncio.Future, result=None, error: BaseException | None = N
 
 
 class _Connection:
-    """One open socket to a worker: messages written from the event loop, the answers read by a thread of their
-    own (a streamed call's go to its relaying thread without passing through the event loop)."""
+    """One open socket to a worker, for any thread: a message is written by the thread that sends it, and one
+    reader thread hands each answer to its call's target, a callable, on that thread (a streamed call's go to
+    its relaying thread, a one-answer call's to its waiter, without passing through an event loop). When the
+    socket ends, each call still waiting gets a :class:`~trident.protocol.Failure` (``lost``: its message)."""
 
     def __init__(self, sock: socket.socket, lost: str) -> None:
         self._sock, self._lost = sock, lost
-        self._loop = asyncio.get_running_loop()
         self._send_lock = threading.Lock()
-        self._pending: dict[int, asyncio.Future | DirectStream | None] = {}
+        self._pending: dict[int, Callable[[StageMessage], None] | None] = {}
         self._ids = itertools.count(1)
         self._closed = False
-        self._reader = threading.Thread(target=self._read, name="trident-bls-direct", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="trident-stage-client", daemon=True)
         self._reader.start()
 
     @property
@@ -108,24 +113,9 @@ class _Connection:
     def next_id(self) -> int:
         return next(self._ids)
 
-    async def ask(self, message: StageMessage) -> StageMessage:
-        """The last answer to ``message`` (a one-answer call or a control message)."""
-        answer = self._loop.create_future()
-        self._send(message, answer)
-        try:
-            return await answer
-        finally:
-            self._pending.pop(message.id, None)
-
-    def stream(self, call: Call, stream: DirectStream) -> None:
-        """Send a streamed call; its messages go to ``stream`` as they come."""
-        self._send(call, stream)
-
-    def post(self, message: StageMessage) -> None:
-        """Send a message whose answer is dropped."""
-        self._send(message, None)
-
-    def _send(self, message: StageMessage, target) -> None:
+    def send(self, message: StageMessage, target: Callable[[StageMessage], None] | None) -> None:
+        """Write ``message``; ``target(answer)`` gets each answer on the reader thread (None: answers dropped).
+        Raises :class:`NotSent` when the socket has closed: the worker never saw it."""
         self._pending[message.id] = target
         try:
             if self._closed:
@@ -136,15 +126,25 @@ class _Connection:
             self._pending.pop(message.id, None)
             raise NotSent from None
 
+    async def ask(self, message: StageMessage) -> StageMessage:
+        """The last answer to ``message`` (a one-answer call or a control message), on the event loop."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self.send(message, lambda m: ends(m) and loop.call_soon_threadsafe(_settle, answer, m))
+        try:
+            return await answer
+        finally:
+            self._pending.pop(message.id, None)
+
     def _read(self) -> None:
         try:
             while (message := recv_message(self._sock)) is not None:
-                last = ends(message)
-                target = self._pending.pop(message.id, None) if last else self._pending.get(message.id)
-                if isinstance(target, DirectStream):
-                    target.put(message)
-                elif target is not None and last:
-                    self._loop.call_soon_threadsafe(_settle, target, message)
+                target = self._pending.pop(message.id, None) if ends(message) else self._pending.get(message.id)
+                if target is not None:
+                    try:
+                        target(message)
+                    except Exception:  # one call's failure to take its answer must not stop the others'
+                        log.exception("stage client: handing on an answer failed")
         except (OSError, MalformedRecord):
             pass
         finally:
@@ -152,16 +152,40 @@ class _Connection:
             self._sock.close()
             for rid in list(self._pending):
                 target = self._pending.pop(rid, None)
-                if isinstance(target, DirectStream):
-                    target.put(Failure(rid, "Unavailable", self._lost))
-                elif target is not None:
-                    self._loop.call_soon_threadsafe(_settle, target, None, Unavailable(self._lost))
+                if target is not None:
+                    target(Failure(rid, "Unavailable", self._lost))
 
     def close(self) -> None:
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # the reader thread ends
         except OSError:
             pass
+
+
+def open_stage_socket(info: dict) -> socket.socket:
+    """A connection to the worker a worker file describes, both ends having proved the deployment secret: its Unix
+    socket when it is on this host (``direct``), else its TCP one (``tcp``: host, port)."""
+    sock = None
+    try:
+        if info.get("direct") and os.path.exists(info["direct"]):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(info["direct"])  # a local socket: at once, or refused
+        else:
+            host, port = info["tcp"]
+            sock = socket.create_connection((str(host), int(port)), timeout=CONNECT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        auth.connect(sock)
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+
+
+def lost_message(instance: str, info: dict) -> str:
+    pid = f" (pid {info['pid']})" if info.get("pid") else ""
+    return f"the {instance} stage's worker{pid} exited; the request was lost with it (the server restarts the worker)"
 
 
 class StageClient:
@@ -203,7 +227,7 @@ class StageClient:
             return None
         stream = DirectStream(convert)
         try:
-            connection.stream(Call(connection.next_id(), inputs, outputs, parameters), stream)
+            connection.send(Call(connection.next_id(), inputs, outputs, parameters), stream.put)
         except NotSent:
             return None
         if isinstance(await stream.first, Gone):
@@ -239,7 +263,7 @@ class StageClient:
         if connection is None:
             return False
         try:
-            connection.post(make(connection.next_id()))
+            connection.send(make(connection.next_id()), None)
         except NotSent:
             return False
         return True
@@ -248,24 +272,76 @@ class StageClient:
         connection = self._connections.get(instance)
         if connection is not None and connection.open:
             return connection
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             info = json.loads((self._store / instance / "1" / WORKER_FILE).read_text())
-            sock.connect(info["direct"])  # a local socket: at once, or refused
-            auth.connect(sock)  # both ends prove the deployment secret
+            sock = await asyncio.get_running_loop().run_in_executor(None, open_stage_socket, info)
         except (OSError, ValueError, KeyError, TypeError):
-            sock.close()
             self._connections.pop(instance, None)
             return None
-        lost = (f"the {instance} stage's worker (pid {info.get('pid')}) exited; the request was lost with it (the "
-                "server restarts the worker)")
-        connection = self._connections[instance] = _Connection(sock, lost)
+        connection = self._connections[instance] = _Connection(sock, lost_message(instance, info))
         return connection
 
     def close(self) -> None:
         for connection in self._connections.values():
             connection.close()
         self._connections.clear()
+
+
+class NoWorker(Exception):
+    """No worker is connected to take the call."""
+
+
+class StageLink:
+    """One stage instance's worker, for a caller without an event loop (the stage model's python-backend stub):
+    a connection kept open by a thread of its own, from the worker file at ``worker_file`` (again after the worker
+    went away); calls written by the thread that sends them, answers handed to their targets on the reader
+    thread (:class:`_Connection`)."""
+
+    SEND_TIMEOUT_S = 10.0  # a call that no worker takes within this is refused (503)
+
+    def __init__(self, instance: str, worker_file: Path) -> None:
+        self._instance, self._file = instance, worker_file
+        self._conn: _Connection | None = None
+        self._connected = threading.Event()
+        self._stop = threading.Event()
+        self._keeper = threading.Thread(target=self._keep, name="trident-stage-link", daemon=True)
+        self._keeper.start()
+
+    def _keep(self) -> None:
+        told = False
+        while not self._stop.is_set():
+            try:
+                info = json.loads(self._file.read_text())
+                sock = open_stage_socket(info)
+            except Exception as e:  # noqa: BLE001 - not there yet, or gone: try again
+                if not told:
+                    log.info("stage %s: waiting for its worker (%s)", self._instance, e)
+                    told = True
+                self._stop.wait(0.05)
+                continue
+            told = False
+            self._conn = _Connection(sock, lost_message(self._instance, info))
+            self._connected.set()
+            self._conn._reader.join()  # until the worker's end closes
+            self._connected.clear()
+
+    def send(self, call: Call, target: Callable[[StageMessage], None]) -> None:
+        """Write ``call``; ``target(message)`` gets each answer on the reader thread, up to the last one (:func:`ends`).
+        Raises :class:`NoWorker` when no worker is there to take it."""
+        if not self._connected.wait(self.SEND_TIMEOUT_S) or self._conn is None:
+            raise NoWorker
+        conn = self._conn
+        call.id = conn.next_id()
+        try:
+            conn.send(call, target)
+        except NotSent:
+            raise NoWorker from None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._conn is not None:
+            self._conn.close()
+        self._keeper.join(5)
 
 
 def responses_of(message: StageMessage) -> list:

@@ -7,8 +7,6 @@ endpoints answer with the matching status.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import logging
 import os
@@ -43,20 +41,18 @@ def _write_stats(engine, path: Path, stop: threading.Event, inbox=None) -> None:
             return
 
 
-def _install_proxy_model() -> None:
-    """PyTriton puts its proxy ``model.py`` beside the stage model's config, written into the server's
-    repository folder (``--model-store``) or uploaded with the load request (a worker that joins from
-    elsewhere); either way Trident's replaces it. Both sides speak Trident's stage protocol over Trident's
-    channel (:mod:`.channel`), not PyTriton's transport, so a stage model must never run PyTriton's own proxy.
-    PyTriton's tensor store (a manager process per stage model) is not used: ``PYTRITON_NO_TENSORSTORE``, set here
-    and in Triton's environment, makes both sides skip it."""
+def _install_proxy_model(server) -> None:
+    """PyTriton 0.7 limitation: it offers no way to choose the python-backend ``model.py`` of a model it binds.
+    It puts its own proxy beside the stage model's config, written into the server's repository folder
+    (``--model-store``) or uploaded with the load request (a worker that joins from elsewhere); either way Trident's
+    stub (:mod:`.proxy_model`) replaces it, with the worker file that tells the stub and the schedulers where
+    ``server`` (this worker's :class:`~trident.stagecall.StageServer`) listens. PyTriton's tensor store (a manager
+    process per stage model) is switched off by PyTriton's own setting, ``PYTRITON_NO_TENSORSTORE``, set here and
+    in Triton's environment. ``tests/unit/test_pytriton_patches.py`` fails when the patched methods change."""
     from pytriton.models.model import Model
 
-    from . import channel
-
     os.environ["PYTRITON_NO_TENSORSTORE"] = "1"
-    channel.install_worker_side()
-
+    _serving["server"] = server
     if getattr(Model.generate_model, "_trident", False):
         return
     original, original_files = Model.generate_model, Model.get_proxy_model_files
@@ -65,20 +61,23 @@ def _install_proxy_model() -> None:
         original(self, model_repository)
         version_dir = Path(model_repository) / self.model_name / str(self.model_version)
         shutil.copy(_PROXY_MODEL, version_dir / "model.py")
-        # the stub watches this process: requests waiting on a worker that died fail at once (503); the
-        # scheduler calls the worker on its direct socket (:mod:`trident.stagecall`)
-        info = {"pid": os.getpid(), "name": self.model_name, "direct": channel.direct_path()}
+        info = _serving["server"].worker_file(os.getpid(), self.model_name)
         (version_dir / WORKER_FILE).write_text(json.dumps(info))
 
     def get_proxy_model_files(self) -> dict[str, bytes]:
-        # no worker file here: the server may be on another host, where this pid names another process
+        # the server may be on another host, where this pid and Unix socket mean nothing: only the TCP stage socket
         files = original_files(self)
         files[f"file:{self.model_version}/model.py"] = _PROXY_MODEL.read_bytes()
+        info = _serving["server"].worker_file(None, self.model_name)
+        files[f"file:{self.model_version}/{WORKER_FILE}"] = json.dumps(info).encode()
         return files
 
     generate_model._trident = True
     Model.generate_model = generate_model
     Model.get_proxy_model_files = get_proxy_model_files
+
+
+_serving: dict = {}  # {"server": this worker's StageServer}, for the patched methods
 
 
 def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
@@ -117,8 +116,10 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
     """PyTriton's RemoteTriton; with ``model_store`` (the server's repository folder, on this host) the
     stage model's files are written there and loaded by name instead of uploaded as an override.
 
-    Triton resolves an ensemble's steps in its repository, so entry models load only over stage models
-    that are in it.
+    PyTriton 0.7 limitation: a RemoteTriton always uploads the model's files with the load request, and Triton
+    resolves an ensemble's steps in its repository only, so entry models would not load over stage models bound
+    that way. Its model manager's ``_model_store_path`` (set only for a local Triton) makes it write them there.
+    ``tests/unit/test_pytriton_patches.py`` fails when the attribute goes.
     """
     from pytriton.triton import RemoteTriton
 
@@ -128,46 +129,8 @@ def _remote_triton(url: str, access_token: str | None, model_store: str | None):
     return triton
 
 
-def _at_most(infer, count: int, before=None):
-    """``infer`` with at most ``count`` calls running at once (on the loop it runs on). Triton hands a one-answer
-    stage's ``count`` instances one request each; the scheduler's direct calls (:mod:`.channel`) come beside
-    those, and the engine is built for ``count`` (``calls_at_once``). ``before(call)`` runs first, outside
-    the limit (a prefill call posted ahead of its record waits for it there)."""
-    slots: asyncio.Semaphore | None = None
-
-    @functools.wraps(infer)
-    async def limited(call):
-        nonlocal slots
-        if before is not None:
-            await before(call)
-        slots = slots or asyncio.Semaphore(count)
-        async with slots:
-            return await infer(call)
-
-    return limited
-
-
-def _instances(infer, count: int, control):
-    """What PyTriton binds for ``count`` instances of a stage model (``infer`` itself for one, else ``count``
-    callables), and the stage's ``control`` hook as the worker's stage socket calls it. PyTriton runs each
-    instance's calls on an event loop of its own, and the engine's asynchronous objects (vLLM's ``AsyncLLM``, the
-    record inbox's waiting calls) belong to the loop they first ran on, so every instance runs ``infer``, and every
-    control message runs, on one loop thread of this worker's."""
-    if count == 1:
-        return infer, control  # (the one instance's loop serves the stage socket too)
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="trident-engine-loop", daemon=True).start()
-
-    async def on_engine_loop(call):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(infer(call), loop))
-
-    async def run_control(message):
-        control(message)
-
-    def control_on_engine_loop(message):
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run_control(message), loop))
-
-    return [on_engine_loop] * count, control_on_engine_loop
+def _not_through_pytriton(*_):
+    raise RuntimeError("a stage's calls come over Trident's stage socket (trident.stagecall), not PyTriton's transport")
 
 
 def _block_bytecode(model_store: str, stage: str) -> None:
@@ -214,17 +177,17 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
 
     from .. import timings
     from ..engines import build_engine
-    from . import channel
+    from ..stagecall import StageServer
+    from ..stagecall.server import at_most, unix_folder
     from .infer import make_handler
 
-    _install_proxy_model()
     bind_when_live()
     spec = STAGES[settings.stage]
     if settings.backend == "vllm":
         # vLLM's engine processes talk over ZeroMQ IPC socket files in VLLM_RPC_BASE_PATH (default: the system's
         # temporary folder, where they stayed after the server stopped): this worker's own folder, which goes
         # when the worker stops (the server removes it when the worker was killed)
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.dirname(channel.direct_path()))
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", unix_folder())
     engine = build_engine(settings)
     name = _claim_name(settings, access_token)
     if name is None:
@@ -234,10 +197,10 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         return NAME_TAKEN_EXIT
     timings.start(name)
     handler = make_handler(spec, engine, settings.fault_injection, settings.max_inflight, settings.model_store)
-    infer_func, control = _instances(
-        handler.infer if spec.decoupled else _at_most(handler.infer, engine.calls_at_once, handler.before_slot),
-        engine.calls_at_once, handler.control)
-    channel.take_control(control)
+    infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.before_slot)
+    server = StageServer(infer, handler.control, settings.transfer.data_address)
+    server.start()
+    _install_proxy_model(server)
     stop = threading.Event()
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
@@ -257,7 +220,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         with _remote_triton(settings.url, access_token, settings.model_store) as triton:
             triton.bind(
                 model_name=name,
-                infer_func=infer_func,
+                infer_func=[_not_through_pytriton] * engine.calls_at_once,  # (how many instances Triton runs)
                 inputs=list(spec.inputs),
                 outputs=list(spec.outputs),
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),
@@ -268,6 +231,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        server.stop()  # the stage model is unbound: the calls taken finish, later ones are answered Gone
         stop.set()
         engine.close()
     return 0

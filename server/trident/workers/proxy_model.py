@@ -1,11 +1,18 @@
-"""The python-backend side of a stage model: PyTriton's proxy, with Trident's errors carrying their status.
+"""A stage model's python-backend side: Triton's requests to the stage, as stage-protocol calls to its worker.
 
-:mod:`trident.workers.bind` copies this file over PyTriton's ``model.py`` in the stage model's folder; the
-python-backend stub runs it inside Triton. A failed request arrives from the worker as a
-:class:`~trident.protocol.Failure` and leaves as a ``TritonError`` with the error class's code
-(INVALID_ARG -> HTTP 400, UNAVAILABLE -> 503, ...) and the message ``"<ClassName>: <message>"``, for
-decoupled stages as an error response, for the others as the request's error response instead of an
-exception wrapped in the stub's traceback.
+:mod:`trident.workers.bind` puts this file in place of PyTriton's proxy ``model.py`` in the stage model's folder;
+the python-backend stub runs it inside Triton. It is a caller of the stage worker like any other
+(:class:`~trident.stagecall.StageLink`: the worker's :class:`~trident.stagecall.StageServer`, found through the
+worker file beside this file, over its Unix socket on this host or TCP from another): each Triton request becomes one
+:class:`~trident.protocol.Call`, and each answer a Triton response. A failed call's
+:class:`~trident.protocol.Failure` leaves as a ``TritonError`` with its class's code (INVALID_ARG -> HTTP 400,
+UNAVAILABLE -> 503, ...) and the message ``"<ClassName>: <message>"``.
+
+PyTriton still binds the model: its worker side reads a config from a hand-shake socket that the model's first
+instance serves once loaded. This file serves it with PyTriton's own classes, so the binding completes; nothing
+else of PyTriton's proxy runs here (its tensor store and transport are not used).
+
+A request without the stage credential (:mod:`trident.auth`) is refused here, before the worker sees it.
 """
 
 import json
@@ -15,15 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
-from pytriton.proxy import model as _proxy
 
 from trident import auth, timings
 from trident.errors import TridentError, Unauthenticated, Unavailable, client_message, to_wire
 from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE, Call, Failure, Gone, error_of, failure
-from trident.workers import channel
-
-HANDSHAKE_S = 120.0  # how long a model's later instances wait for its first instance's config socket
-_worker: dict = {}  # {"pid": ..., "name": ...} of this stub's worker
+from trident.stagecall.client import NoWorker, StageLink
+from trident.stagecall.frames import ends
 
 
 def triton_error(error: TridentError):
@@ -39,74 +43,89 @@ def _from_scheduler(request) -> bool:
         return False
 
 
-def _lost_worker() -> Exception:
-    pid = f" (pid {_worker['pid']})" if "pid" in _worker else ""
-    return Unavailable(f"the {_worker.get('name', 'stage')} stage's worker{pid} exited; the request was lost "
-                       "with it (the server restarts the worker)")
+def _parameters(triton_request) -> dict | None:
+    """The request's parameters without the stage credential; None when it does not carry the credential (nothing
+    of it is read beyond its parameters)."""
+    try:
+        parameters = json.loads(triton_request.parameters() or "{}")
+    except ValueError:
+        return None
+    if not isinstance(parameters, dict) or not auth.check_credential(parameters.pop(auth.CREDENTIAL, None)):
+        return None
+    return parameters
 
 
-def _no_worker() -> Exception:
-    name = _worker.get("name", "this")
-    return Unavailable(f"the {name} stage's worker did not take the request (it is not running)")
+class _Answer:
+    """A one-answer call's last message, handed from the link's reader thread to the execute thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.message = None
+
+    def __call__(self, message) -> None:
+        if ends(message):
+            self.message = message
+            self._done.set()
+
+    def wait(self):
+        self._done.wait()
+        return self.message
 
 
-def _send_stream(request, sender, message, response) -> None:
-    """One message of a decoupled stage's call to Triton (``response``: its outputs wrapped, if any)."""
-    eos = channel.ends(message)
-    flags_out = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if eos else 0
-    if isinstance(message, Failure):
-        error = error_of(message)
-        if _from_scheduler(request):
-            # Triton 2.51 loses an error response that follows others on its way to a BLS caller (its stream
-            # then ends as if complete, or never): the scheduler gets the error in the final response's
-            # finish_reason; other callers as an error response, then the flag.
-            mark = np.array([STAGE_ERROR_MARK + to_wire(error).encode()], dtype=np.object_)
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("finish_reason", mark)]), flags_out)
-        else:
-            sender.send(pb_utils.InferenceResponse(error=triton_error(error)), 0)
-            sender.send(None, flags_out)
-        return
-    sender.send(response, flags_out)  # the end of the stream may come without a response (then only the flag goes)
+class TritonPythonModel:
+    """The stage model: ``execute`` sends each request to the worker (a one-answer stage waits for the answers, a
+    decoupled stage returns at once and the link's reader thread sends each response to Triton); with
+    ``TRIDENT_TRACE_DIR`` set it times each ``execute`` call."""
 
+    def initialize(self, args):
+        from pytriton.proxy.communication import HandshakeServer
+        from pytriton.proxy.model import TritonInferenceHandlerConfigGenerator
 
-class _ChannelServer:
-    """Stands in for PyTriton's ``TritonRequestsServer`` (same constructor; PyTriton's ``initialize`` makes it
-    and runs :meth:`run` on a thread of its own): the stage's calls go over :class:`channel.StubChannel`, one
-    :class:`~trident.protocol.Call` per Triton request.
+        name = args["model_name"]
+        timings.start(f"proxy-{name}")
+        config = json.loads(args["model_config"])
+        self._name = name
+        self._inputs = [i["name"] for i in config["input"]]
+        self._outputs = {o["name"]: pb_utils.triton_string_to_numpy(o["data_type"]) for o in config["output"]}
+        self._decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
+        self._handshake = None
+        if args["model_instance_name"].rsplit("_", 1)[-1] == "0":  # PyTriton's worker side reads its config once
+            workspace = Path(config["parameters"]["workspace-path"]["string_value"])
+            self._handshake = HandshakeServer(
+                workspace / f"{name}-config.sock",
+                TritonInferenceHandlerConfigGenerator(workspace / f"{name}-data.sock").get_config())
+            self._handshake.start()
+        self._link = StageLink(name, Path(args["model_repository"]) / args["model_version"] / WORKER_FILE)
 
-    A one-answer stage's ``execute`` sends the calls and waits for their answers on its own thread; a
-    decoupled stage's returns at once and the reader thread sends each response to Triton."""
-
-    def __init__(self, url, responses_handle_fn, serializer_deserializer, model_config) -> None:
-        self._inputs = [i["name"] for i in model_config["input"]]
-        self._outputs = {o["name"]: o for o in model_config["output"]}
-        self._decoupled = model_config.get("model_transaction_policy", {}).get("decoupled", False)
-        self.channel = channel.StubChannel(url, _lost_worker)
-        self._reader: threading.Thread | None = None
-
-    def run(self) -> None:
-        self._reader = threading.current_thread()
+    def execute(self, requests):
+        t0 = time.monotonic_ns()
         try:
-            self.channel.run()
+            calls = [self._call(r) for r in requests]
+            if self._decoupled:
+                for request, call in zip(requests, calls):
+                    self._stream(request, call)
+                return None
+            answers = []
+            for call in calls:
+                answer = _Answer()
+                self._send(call, answer)
+                answers.append(answer)
+            return [self._response(r, a.wait()) or pb_utils.InferenceResponse() for r, a in zip(requests, answers)]
         finally:
-            self.channel.finish()
+            timings.mark("execute", t0)
 
-    def shutdown(self) -> None:
-        self.channel.close()
+    def finalize(self) -> None:
+        self._link.close()
+        if self._handshake is not None:
+            self._handshake.close()
 
-    @staticmethod
-    def _parameters(triton_request) -> dict | None:
-        """The request's parameters without the stage credential; None when it does not carry the credential
-        (nothing of it is read beyond its parameters)."""
-        try:
-            parameters = json.loads(triton_request.parameters() or "{}")
-        except ValueError:
-            return None
-        if not isinstance(parameters, dict) or not auth.check_credential(parameters.pop(auth.CREDENTIAL, None)):
-            return None
-        return parameters
-
-    def _call(self, triton_request, parameters: dict) -> Call:
+    def _call(self, triton_request) -> Call | Failure:
+        """The request as a :class:`Call`; a :class:`Failure` when it does not carry the stage credential."""
+        parameters = _parameters(triton_request)
+        if parameters is None:
+            return failure(0, Unauthenticated(
+                f"stage model {self._name} answers only the deployment's own callers (the request carries no valid "
+                f"{auth.CREDENTIAL}); clients call the entry models or the OpenAI API"))
         inputs = {}
         for name in self._inputs:
             tensor = pb_utils.get_input_tensor_by_name(triton_request, name)
@@ -114,97 +133,51 @@ class _ChannelServer:
                 inputs[name] = tensor.as_numpy()
         return Call(0, inputs, list(triton_request.requested_output_names()), parameters)
 
+    def _send(self, call: Call | Failure, target) -> None:
+        if isinstance(call, Failure):
+            return target(call)
+        try:
+            self._link.send(call, target)
+        except NoWorker:
+            target(failure(0, Unavailable(f"the {self._name} stage's worker did not take the request (it is not running)")))
+
     def _response(self, triton_request, message):
+        """A message as a Triton response (None for a stream's end that carries no outputs)."""
+        if isinstance(message, Gone):
+            message = failure(message.id, Unavailable(f"the {self._name} stage's worker is stopping"))
         if isinstance(message, Failure):
             return pb_utils.InferenceResponse(error=triton_error(error_of(message)))
-        if isinstance(message, Gone) or not message.outputs:
+        if not message.outputs:
             return None
-        return _proxy._wrap_response(message.outputs, triton_request.requested_output_names(), self._outputs)
+        wanted = set(triton_request.requested_output_names()) or set(self._outputs)
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(name, np.asarray(value).astype(self._outputs[name]))
+            for name, value in message.outputs.items() if name in wanted and name in self._outputs])
 
-    def submit(self, triton_requests):
-        """``execute``: the responses of a one-answer stage; None for a decoupled one (sent as they come).
-
-        A request without the stage credential (:mod:`trident.auth`) is refused here, before the worker sees it."""
-        parameters = [self._parameters(r) for r in triton_requests]
-        if self._decoupled:
-            for request, params in zip(triton_requests, parameters):
-                self._stream(request, params)
-            return None
-        answers = []
-        for request, params in zip(triton_requests, parameters):
-            answer = channel.OneAnswer()
-            if params is None:
-                answer(failure(0, _refused()))
-            else:
-                try:
-                    self.channel.send(self._call(request, params), answer)
-                except channel.NoWorker:
-                    answer(failure(0, _no_worker()))
-            answers.append(answer)
-        alive = lambda: self._reader is not None and self._reader.is_alive()  # noqa: E731
-        return [self._response(r, a.wait(alive)) or pb_utils.InferenceResponse()
-                for r, a in zip(triton_requests, answers)]
-
-    def _stream(self, request, parameters: dict | None) -> None:
+    def _stream(self, request, call: Call | Failure) -> None:
         sender = request.get_response_sender()
+        from_scheduler = _from_scheduler(request)
         first = [True]
 
         def on_message(message) -> None:
             t_in = time.monotonic_ns() if first[0] else 0
-            _send_stream(request, sender, message, self._response(request, message))
-            if first[0] and not channel.ends(message):
+            last = ends(message)
+            final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
+            response = self._response(request, message)
+            if isinstance(message, (Failure, Gone)) and from_scheduler:
+                # Triton 2.51 loses an error response that follows others on its way to a BLS caller (its stream
+                # then ends as if complete, or never): the scheduler gets the error in the final response's
+                # finish_reason; other callers as an error response, then the flag
+                error = error_of(message) if isinstance(message, Failure) else Unavailable("the worker is stopping")
+                mark = np.array([STAGE_ERROR_MARK + to_wire(error).encode()], dtype=np.object_)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("finish_reason", mark)]), final)
+            elif isinstance(message, (Failure, Gone)):
+                sender.send(response, 0)
+                sender.send(None, final)
+            else:
+                sender.send(response, final)  # the end may come without a response (then only the flag goes)
+            if first[0] and not last:
                 timings.mark("first_response", t_in)
                 first[0] = False
 
-        if parameters is None:
-            return on_message(failure(0, _refused()))
-        try:
-            self.channel.send(self._call(request, parameters), on_message)
-        except channel.NoWorker:
-            on_message(failure(0, _no_worker()))
-
-
-def _refused() -> Exception:
-    return Unauthenticated(
-        f"stage model {_worker.get('name', 'this')} answers only the deployment's own callers (the request "
-        f"carries no valid {auth.CREDENTIAL}); clients call the entry models or the OpenAI API")
-
-
-class TritonPythonModel(_proxy.TritonPythonModel):
-    """PyTriton's proxy over Trident's channel (:mod:`trident.workers.channel`); with ``TRIDENT_TRACE_DIR`` set
-    it times each ``execute`` call."""
-
-    def initialize(self, args):
-        timings.start(f"proxy-{args['model_name']}")
-        info = Path(args["model_repository"]) / args["model_version"] / WORKER_FILE
-        try:
-            _worker.update(json.loads(info.read_text()))
-        except (OSError, ValueError):  # no worker file: requests wait on the worker without a watch
-            pass
-        return super().initialize(args)
-
-    def execute(self, requests):
-        t0 = time.monotonic_ns()
-        try:
-            return self._requests_server.submit(requests)  # a decoupled stage's returns at once
-        finally:
-            timings.mark("execute", t0)
-
-
-_pytriton_handshake = _proxy.get_config_from_handshake_server
-
-
-def patient_handshake(socket_path: Path, timeout_s: float = 1.0) -> dict:
-    """PyTriton's config hand-shake, with time to wait. A stage model's second and later instances read their
-    config from a socket that its first instance opens; Triton starts the instances side by side and PyTriton
-    gives that socket 1 s to appear. On a busy machine the first instance takes longer to get there, and the
-    model failed to load (``--vllm-prefill-calls 2`` at start-up beside vLLM engines). The socket is waited
-    for up to :data:`HANDSHAKE_S`; the exchange itself keeps PyTriton's limit."""
-    deadline = time.monotonic() + HANDSHAKE_S
-    while not Path(socket_path).exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _pytriton_handshake(socket_path, timeout_s)
-
-
-_proxy.get_config_from_handshake_server = patient_handshake
-_proxy.TritonRequestsServer = _ChannelServer
+        self._send(call, on_message)

@@ -1,31 +1,31 @@
-"""The stub <-> worker channel (trident.workers.channel): both ends in this process, a real Unix socket between
-them, Trident's stage messages (:data:`trident.protocol.StageMessage`); no Triton."""
+"""A stage model's stub side (:class:`trident.stagecall.StageLink`) against a real
+:class:`~trident.stagecall.StageServer`: both in this process, a real Unix socket between them, Trident's stage
+messages (:data:`trident.protocol.StageMessage`); no Triton."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from trident.errors import InvalidRequest, Unavailable
-from trident.protocol import Call, Failure, Reply, error_of
-from trident.workers import channel
+from trident.errors import InvalidRequest
+from trident.protocol import WORKER_FILE, Call, Failure, Reply, error_of
+from trident.stagecall import NoWorker, StageLink, StageServer
+from trident.stagecall.frames import ends
 
 
 class _Ends:
-    """A stub end and a worker end over one socket, serving ``infer``."""
+    """A link (the stub's end) and a stage server serving ``infer``, found through a worker file."""
 
     def __init__(self, tmp_path, infer) -> None:
-        url = f"ipc://{tmp_path}/stage_0_0-server.sock"
-        self.stub = channel.StubChannel(url, lambda: Unavailable("worker gone"))
-        self.reader = threading.Thread(target=self.stub.run, daemon=True)
-        self.reader.start()
-        self.worker = channel.WorkerChannel(url)
-        self.handler = channel.ChannelInference(infer, self.worker)
-        self.worker.start()
-        self.handler.start()
+        self.server = StageServer(infer, lambda message: None, "127.0.0.1")
+        self.server.start()
+        self.file = tmp_path / WORKER_FILE
+        self.file.write_text(json.dumps(self.server.worker_file(123, "stage")))
+        self.link = StageLink("stage", self.file)
 
     def call(self, text: bytes, timeout: float = 10.0) -> list:
         """Send one call; every message it gets, up to the end."""
@@ -34,10 +34,10 @@ class _Ends:
 
         def on_message(message) -> None:
             got.append(message)
-            if channel.ends(message):
+            if ends(message):
                 done.set()
 
-        self.stub.send(Call(0, {"text_input": np.array([text], dtype=np.object_)}), on_message)
+        self.link.send(Call(0, {"text_input": np.array([text], dtype=np.object_)}), on_message)
         assert done.wait(timeout), f"no end of the call after {timeout} s: {got}"
         return got
 
@@ -46,15 +46,12 @@ class _Ends:
         return message.outputs["text_output"][0]
 
     def close(self) -> None:
-        self.handler.stop()
-        self.handler.join(5)
-        self.stub.close()
-        self.reader.join(5)
-        self.stub.finish()
+        self.link.close()
+        self.server.stop(drain_s=1)
 
 
 @pytest.fixture
-def ends(tmp_path):
+def ends_(tmp_path):
     made = []
 
     def make(infer):
@@ -71,8 +68,8 @@ async def _echo(call):
     return {"text_output": np.array([call.inputs["text_input"][0].upper()], dtype=np.object_)}
 
 
-def test_a_one_answer_call_comes_back_as_one_message(ends):
-    e = ends(_echo)
+def test_a_one_answer_call_comes_back_as_one_message(ends_):
+    e = ends_(_echo)
     got = e.call(b"hello")
     assert [type(m) for m in got] == [Reply] and got[0].end  # the response and its end together
     assert e.text(got[0]) == b"HELLO"
@@ -80,25 +77,25 @@ def test_a_one_answer_call_comes_back_as_one_message(ends):
     assert [e.text(g[0]) for g in many] == [f"CALL {i}".encode() for i in range(20)]
 
 
-def test_a_decoupled_call_streams_each_response_then_the_end(ends):
+def test_a_decoupled_call_streams_each_response_then_the_end(ends_):
     async def stream(call):
         for i in range(3):
             yield {"text_output": np.array([b"t%d" % i], dtype=np.object_)}
 
-    e = ends(stream)
+    e = ends_(stream)
     got = e.call(b"x")
     assert [m.end for m in got] == [False, False, False, True]
     assert [e.text(m) for m in got[:3]] == [b"t0", b"t1", b"t2"]
     assert got[3].outputs == {}
 
 
-def test_an_error_ends_the_call_with_its_class_and_the_channel_serves_on(ends):
+def test_an_error_ends_the_call_with_its_class_and_the_channel_serves_on(ends_):
     async def picky(call):
         if call.inputs["text_input"][0] == b"bad":
             raise InvalidRequest("bad input")
         return await _echo(call)
 
-    e = ends(picky)
+    e = ends_(picky)
     (message,) = e.call(b"bad")
     assert isinstance(message, Failure) and message.error == "InvalidRequest"
     error = error_of(message)
@@ -106,7 +103,7 @@ def test_an_error_ends_the_call_with_its_class_and_the_channel_serves_on(ends):
     assert e.text(e.call(b"good")[0]) == b"GOOD"
 
 
-def test_calls_waiting_on_a_worker_that_goes_away_fail_at_once(ends):
+def test_calls_waiting_on_a_worker_that_goes_away_fail_at_once(ends_):
     started = threading.Event()
 
     async def hang(call):
@@ -115,29 +112,25 @@ def test_calls_waiting_on_a_worker_that_goes_away_fail_at_once(ends):
 
         await asyncio.sleep(60)
 
-    e = ends(hang)
+    e = ends_(hang)
     result: list = []
     waiter = threading.Thread(target=lambda: result.append(e.call(b"x", timeout=20)))
     waiter.start()
     assert started.wait(10)
     t0 = time.monotonic()
-    e.handler.stop()  # the worker's end closes (as when its process exits)
+    e.server.stop(drain_s=0)  # the worker's end closes (as when its process exits)
     waiter.join(20)
     assert time.monotonic() - t0 < 5
     (message,) = result[0]
-    assert isinstance(message, Failure) and message.error == "Unavailable" and "worker gone" in message.message
+    assert isinstance(message, Failure) and message.error in ("Unavailable", "TridentError")
+    assert "worker" in message.message
 
 
 def test_a_call_with_no_worker_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 0.2)
-    stub = channel.StubChannel(f"ipc://{tmp_path}/lonely_0_0-server.sock", lambda: Unavailable(""))
-    reader = threading.Thread(target=stub.run, daemon=True)
-    reader.start()
+    monkeypatch.setattr(StageLink, "SEND_TIMEOUT_S", 0.2)
+    link = StageLink("lonely", tmp_path / WORKER_FILE)  # no worker file: no worker
     try:
-        with pytest.raises(channel.NoWorker):
-            stub.send(Call(0, {}), lambda message: None)
+        with pytest.raises(NoWorker):
+            link.send(Call(0, {}), lambda message: None)
     finally:
-        stub.close()
-        reader.join(5)
-        stub.finish()
-    assert not (tmp_path / "lonely_0_0-stage.sock").exists()
+        link.close()

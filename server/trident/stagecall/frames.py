@@ -1,0 +1,50 @@
+"""A stage socket's frames, read: each is :data:`~trident.protocol.FRAME` (the message's length) and one
+:data:`~trident.protocol.StageMessage` (:func:`~trident.protocol.encode_message` writes them). The same frames on a
+Unix socket and over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from ..errors import MalformedRecord
+from ..protocol import FRAME, MAX_FRAME, Reply, StageMessage, decode_message
+
+
+def ends(message: StageMessage) -> bool:
+    """Whether ``message`` is the last of its call."""
+    return not isinstance(message, Reply) or message.end
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytearray | None:
+    """``n`` bytes from a blocking socket; None at its end."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return buf
+
+
+def _size(head: bytes) -> int:
+    (size,) = FRAME.unpack(head)
+    if size > MAX_FRAME:
+        raise MalformedRecord(f"a stage frame of {size} bytes")
+    return size
+
+
+def recv_message(conn: socket.socket) -> StageMessage | None:
+    """The next message on a blocking socket; None at its end. Raises :class:`MalformedRecord` for a frame that
+    is not one (the connection is then useless)."""
+    head = recv_exact(conn, FRAME.size)
+    if head is None:
+        return None
+    body = recv_exact(conn, _size(head))
+    return None if body is None else decode_message(body)
+
+
+async def read_message(reader: asyncio.StreamReader) -> StageMessage:
+    """The next message on a stream (``asyncio.IncompleteReadError`` at its end)."""
+    return decode_message(await reader.readexactly(_size(await reader.readexactly(FRAME.size))))
