@@ -50,8 +50,8 @@ class TransferConfig(_Settings):
     poll_interval_s: float = Field(0.005, gt=0, description="how often the producer polls for release notifications")
     backend: str = Field("UCX", description="NIXL backend plugin of the transfer agent")
     data_address: str = Field(
-        "127.0.0.1", description="the address NIXL/UCX and vLLM's NIXL side channel listen on (the data plane); "
-        "loopback keeps every transfer on this host"
+        "127.0.0.1", description="the address NIXL/UCX, vLLM's NIXL side channel and the workers' TCP stage sockets "
+        "listen on (the data plane); loopback keeps every transfer on this host"
     )
 
 
