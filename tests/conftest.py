@@ -26,3 +26,14 @@ def demo_models(tmp_path_factory):
         build_demo_model(arch, root / arch, log=lambda *_: None)
         paths[arch] = str(root / arch)
     return paths
+
+
+@pytest.fixture(scope="session")
+def vllm_servers():
+    """The vllm-engine servers, one at a time, shared by the modules that ask for the same model one after the
+    other (:func:`support.vllm_server`): a vLLM server takes minutes to start on 2 cores."""
+    from support import OneServerAtATime
+
+    pool = OneServerAtATime()
+    yield pool
+    pool.close()

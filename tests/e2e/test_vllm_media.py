@@ -17,7 +17,7 @@ import pytest
 
 from support import (
     MEDIA_CASES, MODES, bad_media, build_media_reference, grpc_generate, http_generate, media_prompt,
-    serving, vllm_python, wait_drained,
+    vllm_server, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -30,12 +30,10 @@ SAME_AS_TRANSFORMERS = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen2vl", "qwen2_5vl", "qwen2audio"])
-def server(request, demo_models, tmp_path_factory):
-    with serving(demo_models[request.param], tmp_path_factory.mktemp("vllm-media") / "ws", timeout=400,
-                 extra=["--backend", "vllm", "--worker-python", vllm_python()]) as srv:
-        srv.arch = request.param
-        yield srv
+# (qwen2vl last: tests/e2e/test_vllm_serving.py starts with it, on the same server)
+@pytest.fixture(scope="module", params=["qwen2_5vl", "qwen2audio", "qwen2vl"])
+def server(request, demo_models, tmp_path_factory, vllm_servers):
+    return vllm_server(vllm_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws")
 
 
 @pytest.fixture(scope="module")

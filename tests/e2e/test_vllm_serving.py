@@ -7,9 +7,6 @@ test`` sets it)."""
 from __future__ import annotations
 
 import os
-import re
-import stat
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,9 +15,9 @@ import pytest
 
 from support import (
     credential,
-    MODES, Server, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
+    MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
     grpc_generate, http_generate, make_frames, make_wave, media_prompt, stage_output, strings, video_bytes,
-    vllm_python, wait_drained,
+    vllm_server, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -29,48 +26,14 @@ NEW_TOKENS = 24
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 CASES = {"one-image": [(224, 224, 1)], "text-only": [], "two-images": [(224, 224, 1), (300, 200, 2)]}
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def _ipc_sockets_in_tmp() -> set[str]:
-    """Socket files in the system's temporary folder named as vLLM names its ZeroMQ IPC sockets (a uuid4)."""
-    folder = tempfile.gettempdir()
-    found = set()
-    for name in os.listdir(folder):
-        try:
-            if _UUID.fullmatch(name) and stat.S_ISSOCK(os.lstat(os.path.join(folder, name)).st_mode):
-                found.add(name)
-        except OSError:
-            pass
-    return found
-
-
-@pytest.fixture(scope="module", params=["llava", "qwen2vl"])
-def server(request, demo_models, tmp_path_factory):
-    sockets_before = _ipc_sockets_in_tmp()
-    srv = Server(
-        demo_models[request.param], tmp_path_factory.mktemp("serve-vllm") / "ws",
-        extra=["--backend", "vllm", "--worker-python", vllm_python()],
-    )
-    tree: list[int] = []
-    try:
-        srv.wait_ready(timeout=400)
-        srv.arch = request.param
-        for pid in srv.worker_pids():
-            tree += [pid, *descendants(pid)]
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, "\n".join(srv.log[-30:])
-        # (a worker's own output may share the line: it writes to the same pipe)
-        assert any(line.endswith("[trident] stopped") for line in srv.log), "\n".join(srv.log[-30:])
-        deadline = time.monotonic() + 20  # vLLM's engine and resource-tracker processes exit just after
-        while (alive := [pid for pid in tree if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive, f"processes left behind: {alive}"
-        # vLLM's engines put their IPC sockets in each worker's own folder, which goes with the worker
-        left = _ipc_sockets_in_tmp() - sockets_before
-        assert not left, f"socket files left in {tempfile.gettempdir()}: {sorted(left)[:5]} ({len(left)})"
+# (qwen2vl first: tests/e2e/test_vllm_media.py ends with it, on the same server)
+@pytest.fixture(scope="module", params=["qwen2vl", "llava"])
+def server(request, demo_models, tmp_path_factory, vllm_servers):
+    """A vLLM server (shared, see support.vllm_server, which checks how it stops: exit 0, no process and no IPC
+    socket file left behind)."""
+    return vllm_server(vllm_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws")
 
 
 @pytest.fixture(scope="module")

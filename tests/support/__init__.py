@@ -15,7 +15,7 @@ from .media import bad_media, media_cases
 from .reference import build_media_reference, build_reference
 
 MEDIA_CASES = media_cases()
-from .server import Server, descendants, serving, vllm_python, wait_drained
+from .server import OneServerAtATime, Server, descendants, serving, vllm_python, vllm_server, wait_drained
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 

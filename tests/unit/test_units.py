@@ -133,7 +133,7 @@ def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path):
 
     import numpy as np
 
-    from trident.protocol import WORKER_FILE, Withdraw
+    from trident.protocol import WORKER_FILE
     from trident.stagecall import StageClient, StageServer
     from trident.stagecall.server import at_most
 
