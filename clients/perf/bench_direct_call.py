@@ -1,13 +1,13 @@
-"""What one stage call's hand-offs cost with no model behind them: the scheduler's direct call
-(:mod:`trident.stagecall`) to a worker channel (:class:`trident.workers.channel.WorkerChannel`) whose stage
-answers at once, against a bare Unix-socket ping-pong, each between two processes, one call at a time.
+"""What one stage call's hand-offs cost with no model behind them: the scheduler's call
+(:class:`trident.stagecall.StageClient`) to a worker's :class:`~trident.stagecall.StageServer` whose stage answers
+at once, over its Unix socket, against a bare Unix-socket ping-pong, each between two processes, one call at a time.
 
 Each side stamps its steps on the host's monotonic clock; the table gives the median of each step in us over
 ``--calls`` calls (2 ms apart, as at concurrency 1, where the processes sleep between a request's hops):
 
-- scheduler: the call's message made (``Request`` + msgpack), the socket write;
-- worker: the message read on its event loop, its task started, the stage function called (message decoded,
-  PyTriton's adapter), its answer written;
+- scheduler: the call's message made (a :class:`~trident.protocol.Call`, msgpack), the socket write;
+- worker: the message read and decoded on its event loop, its task started, the stage function called, its
+  answer written;
 - scheduler: the answer read by the connection's reader thread, handed to the event loop, the call's
   coroutine resumed with the outputs.
 
@@ -25,7 +25,6 @@ import shutil
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -35,9 +34,9 @@ from report import write_section
 
 STEPS = [
     ("call", "sent", "scheduler: message made, socket written"),
-    ("sent", "read", "-> worker: message read on its event loop"),
+    ("sent", "read", "-> worker: message read and decoded on its event loop"),
     ("read", "handle", "worker: the call's task started"),
-    ("handle", "infer", "worker: message decoded, stage function called"),
+    ("handle", "infer", "worker: stage function called"),
     ("infer", "write", "worker: answer made, written"),
     ("write", "recv", "-> scheduler: answer read by the reader thread"),
     ("recv", "settle", "scheduler: answer handed to the event loop"),
@@ -48,63 +47,50 @@ INPUTS = {  # a prefill call's inputs: a prompt, its embeddings record, sampling
     "embedding_meta": np.array([b"r" * 1200], dtype=np.object_),
     "sampling_parameters": np.array([b'{"max_tokens": 4, "temperature": 0}'], dtype=np.object_),
 }
-ANSWER = [{"kv_meta": np.array([b"k" * 1200], dtype=np.object_)}]
+ANSWER = {"kv_meta": np.array([b"k" * 1200], dtype=np.object_)}
 
 
-class _Validator:
-    def validate_responses(self, requests, responses) -> None:
-        pass
-
-
-def _worker(folder: str, conn) -> None:
-    """A stage worker's channel serving a stage that answers at once, with its steps stamped; the stamps go back
-    over ``conn`` when asked."""
+def _worker(folder: str, conn, tcp: bool) -> None:
+    """A stage worker's :class:`~trident.stagecall.StageServer` serving a stage that answers at once, with its
+    steps stamped; the stamps go back over ``conn`` when asked."""
     from trident.protocol import WORKER_FILE
-    from trident.workers import channel
-    from trident.workers.wire import InlineSerializer
+    from trident.stagecall import StageServer
+    from trident.stagecall import server as serving
 
     now, marks = time.monotonic_ns, []
-    stub = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # the python-backend stub's end: connected, idle
-    url = f"ipc://{folder}/stage-server.sock"
-    stub.bind(channel.socket_path(url))
-    stub.listen(1)
-    held = []  # the accepted end stays open: the worker stops when its stub's connection closes
-    threading.Thread(target=lambda: held.append(stub.accept()), daemon=True).start()
+    handle, write, read = StageServer._handle, StageServer._write, serving.read_message
 
-    handle, write = channel.WorkerChannel._handle, channel.WorkerChannel._write
-    reads = asyncio.StreamReader.readexactly
+    async def stamped_read(reader):
+        message = await read(reader)
+        marks.append(("read", now()))
+        return message
 
-    async def readexactly(self, n):
-        data = await reads(self, n)
-        if n != channel.HEADER.size:
-            marks.append(("read", now()))
-        return data
-
-    async def stamped_handle(self, writer, rid, payload):
+    async def stamped_handle(self, writer, call):
         marks.append(("handle", now()))
-        return await handle(self, writer, rid, payload)
+        return await handle(self, writer, call)
 
-    async def stamped_write(writer, rid, flags, payload):
+    async def stamped_write(writer, message):
         marks.append(("write", now()))
-        return await write(writer, rid, flags, payload)
+        return await write(writer, message)
 
-    async def stage(requests):
+    async def stage(call):
         marks.append(("infer", now()))
         return ANSWER
 
-    asyncio.StreamReader.readexactly = readexactly
-    channel.WorkerChannel._handle = stamped_handle
-    channel.WorkerChannel._write = staticmethod(stamped_write)
-    path = channel.direct_path()
+    serving.read_message = stamped_read
+    StageServer._handle = stamped_handle
+    StageServer._write = staticmethod(stamped_write)
+    server = StageServer(stage, lambda message: None, "127.0.0.1")
+    server.start()
     store = Path(folder) / "store" / "prefill" / "1"
     store.mkdir(parents=True)
-    (store / WORKER_FILE).write_text(json.dumps({"pid": 0, "name": "prefill", "direct": path}))
-    chan = channel.WorkerChannel(url, InlineSerializer())
-    chan.attach(stage, _Validator(), decoupled=False)
-    chan.start()
+    # over TCP: the worker file a worker on another host uploads (no Unix socket in it)
+    (store / WORKER_FILE).write_text(json.dumps(server.worker_file(None if tcp else 0, "prefill")))
     conn.send("ready")
     conn.recv()
     conn.send(marks)
+    server.stop(drain_s=1)
+    shutil.rmtree(Path(server.path).parent, ignore_errors=True)  # (a multiprocessing child skips its atexit)
 
 
 def _ping_pong(calls: int) -> list[float]:
@@ -129,39 +115,37 @@ def _ping_pong(calls: int) -> list[float]:
     return out[50:]
 
 
-def direct_calls(calls: int) -> tuple[dict[str, float], float]:
-    """Per step, the median in us; and the median round trip."""
-    from trident.protocol import WORKER_FILE
-    from trident import stagecall as direct
+def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float]:
+    """Per step, the median in us; and the median round trip (over the worker's Unix socket, or its TCP one)."""
+    from trident.stagecall import StageClient
+    from trident.stagecall import client as direct
 
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="bench-direct-")
     conn, child = ctx.Pipe()
-    worker = ctx.Process(target=_worker, args=(folder, child), daemon=True)
+    worker = ctx.Process(target=_worker, args=(folder, child, tcp), daemon=True)
     worker.start()
     assert conn.poll(120) and conn.recv() == "ready", "the worker channel did not start"
     now, marks = time.monotonic_ns, []
-    recv, settle, send = direct.recv_exact, direct._settle, direct._Connection._send
+    recv, settle, send = direct.recv_message, direct._settle, direct._Connection.send
 
-    def stamped_recv(sock, n):
-        data = recv(sock, n)
-        if n != direct.HEADER.size:
-            marks.append(("recv", now()))
-        return data
+    def stamped_recv(sock):
+        message = recv(sock)
+        marks.append(("recv", now()))
+        return message
 
     def stamped_settle(*args, **kwargs):
         marks.append(("settle", now()))
         return settle(*args, **kwargs)
 
-    def stamped_send(self, payload, target):
-        rid = send(self, payload, target)
+    def stamped_send(self, message, target):
+        send(self, message, target)
         marks.append(("sent", now()))
-        return rid
 
-    direct.recv_exact, direct._settle, direct._Connection._send = stamped_recv, stamped_settle, stamped_send
+    direct.recv_message, direct._settle, direct._Connection.send = stamped_recv, stamped_settle, stamped_send
 
     async def run() -> list[dict[str, int]]:
-        calls_ = direct.StageClient(Path(folder) / "store")
+        calls_ = StageClient(Path(folder) / "store")
         while await calls_.call("prefill", INPUTS, ["kv_meta"]) is None:  # until the socket listens
             await asyncio.sleep(0.05)
         out = []
@@ -182,8 +166,6 @@ def direct_calls(calls: int) -> tuple[dict[str, float], float]:
         worker.join(10)  # it returns once it sent its stamps (its socket's folder goes at its exit)
         if worker.is_alive():
             worker.kill()
-        sock = json.loads((Path(folder) / "store" / "prefill" / "1" / WORKER_FILE).read_text())["direct"]
-        shutil.rmtree(Path(sock).parent, ignore_errors=True)  # (a multiprocessing child may skip its atexit)
         shutil.rmtree(folder, ignore_errors=True)
     for call in mine:  # the worker's stamps inside this call's window
         for name, t in theirs:
@@ -201,6 +183,7 @@ def main() -> int:
     args = ap.parse_args()
 
     steps, total = direct_calls(args.calls)
+    _, over_tcp = direct_calls(args.calls, tcp=True)
     bare = statistics.median(_ping_pong(args.calls))
     lines = ["## One stage call with no model behind it (`make bench-hops`)", "",
              f"`clients/perf/bench_direct_call.py`: {args.calls:,} calls one at a time, 2 ms apart, between two "
@@ -209,10 +192,11 @@ def main() -> int:
              "", "| step | p50 us |", "|---|---|"]
     lines += [f"| {label} | {value:.1f} |" for label, value in steps.items()]
     lines += [f"| **direct call, round trip** | **{total:.1f}** |",
+              f"| the same call over the worker's TCP stage socket (loopback), round trip | {over_tcp:.1f} |",
               f"| bare Unix socket, 64 bytes there and back (two processes) | {bare:.1f} |", "",
               f"Each step takes {min(steps.values()):.0f}-{max(steps.values()):.0f} µs of Python that runs cold after "
-              "the process slept. Calls that come through Triton go from the stage's python-backend stub to its "
-              "worker over Trident's channel (one Unix socket per stage instance, tensors inline as msgpack)."]
+              "the process slept. Calls that come through Triton go from the stage's python-backend stub to the same "
+              "stage server, over the same socket and messages."]
     print("\n".join(lines))
     if args.report:
         write_section(args.report, "bench-direct-call", lines, before="bench-scheduler")

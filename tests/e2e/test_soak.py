@@ -19,14 +19,14 @@ def test_short_soak(demo_models, tmp_path):
     server = Server(demo_models["llava"], tmp_path / "ws", modes=MODES, config={"transfer": {"lease_s": 10, "read_timeout_s": 5}})
     try:
         server.wait_ready()
-        report = asyncio.run(soak(server, requests=100, concurrency=16, kill="decode", drain_s=40))
+        report = asyncio.run(soak(server, requests=64, concurrency=16, kill="decode", drain_s=40))
         shown = "\n".join(table(report))
         print(shown)
         assert report.killed_at is not None and report.back_at is not None, shown
         assert not report.unexpected, shown
         assert not report.disagreements and not report.final_check, shown
         assert not report.held_after, shown
-        assert report.count("cancelled") > 0 and report.count("ok") >= 50, shown
-        assert len(report.outcomes) == 100
+        assert report.count("cancelled") > 0 and report.count("ok") >= 32, shown
+        assert len(report.outcomes) == 64
     finally:
         assert server.stop() == 0
