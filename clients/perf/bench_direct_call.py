@@ -146,8 +146,12 @@ def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float
 
     async def run() -> list[dict[str, int]]:
         calls_ = StageClient(Path(folder) / "store")
-        while await calls_.call("prefill", INPUTS, ["kv_meta"]) is None:  # until the socket listens
+        for _ in range(200):  # until the socket listens
+            if await calls_.call("prefill", INPUTS, ["kv_meta"]) is not None:
+                break
             await asyncio.sleep(0.05)
+        else:
+            raise RuntimeError("the stage server did not answer")
         out = []
         for _ in range(calls):
             marks.clear()
@@ -182,6 +186,11 @@ def main() -> int:
     ap.add_argument("--report", type=Path, help="markdown file to put the table into (its section)")
     args = ap.parse_args()
 
+    import os
+
+    from trident import signing
+
+    os.environ.setdefault(signing.ENV, signing.new_secret())  # both processes are of one deployment
     steps, total = direct_calls(args.calls)
     _, over_tcp = direct_calls(args.calls, tcp=True)
     bare = statistics.median(_ping_pong(args.calls))

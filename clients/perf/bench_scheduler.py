@@ -58,23 +58,6 @@ def image_b64(seed: int, size: int = 224) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-_FLAGS = {"trace_dir": "--trace-dir", "scheduling.local_prefill_tokens": "--local-prefill-tokens",
-          "scheduling.stage_calls": "--stage-calls", "scheduling.record_handoff": "--record-handoff"}
-
-
-def _flags_of(config: dict, prefix: str = "") -> list[str]:
-    """The command-line flags an older trident (no ``--config``) took for the settings the benches set."""
-    out: list[str] = []
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out += _flags_of(value, f"{prefix}{key}.")
-        elif f"{prefix}{key}" in _FLAGS:
-            out += [_FLAGS[f"{prefix}{key}"], str(value)]
-        else:
-            raise ValueError(f"no flag of an older trident for the setting {prefix}{key}")
-    return out
-
-
 class Serve:
     """`trident serve` on free ports, output kept; stopped with SIGTERM. ``config``: settings of its config file
     (``--config``; the keys of docs/configuration.md, nested as dicts)."""
@@ -90,15 +73,12 @@ class Serve:
         token = self.workspace / "access-token"  # mkdtemp's folder is the user's alone
         token.write_text(self.TOKEN)
         token.chmod(0o600)
-        # ``python``: another environment's interpreter, whose trident (an older commit's, for a side-by-side
-        # baseline) takes the token on its command line as it did then
-        token_args = ["--access-token-file", str(token)] if python is None else ["--access-token", self.TOKEN]
-        cmd = [python or sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *modes, *token_args,
-               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(metrics),
-               "--openai-port", str(self.openai), "--workspace", str(self.workspace), *extra]
-        if config and python is not None:
-            cmd += _flags_of(config)
-        elif config:
+        # ``python``: another environment's interpreter, whose trident is an older commit's (a side-by-side baseline)
+        cmd = [python or sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *modes,
+               "--access-token-file", str(token), "--http-port", str(self.http), "--grpc-port", str(self.grpc),
+               "--metrics-port", str(metrics), "--openai-port", str(self.openai), "--workspace", str(self.workspace),
+               *extra]
+        if config:
             (self.workspace / "serve.json").write_text(json.dumps(config))
             cmd += ["--config", str(self.workspace / "serve.json")]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -55,9 +55,9 @@ class InProcess:
         generation = await self.engine.generate(text, self.params, media=[MediaItem.from_base64(image.encode(), 0)])
         ttft, tokens = None, 0
         opts = OutputOptions(stream=True, exclude_input_in_output=True, return_num_output_tokens=True)
-        async for responses in entry_responses(generation, opts, None):
+        async for response in entry_responses(generation, opts, None):
             ttft = ttft or (time.monotonic_ns() - t0) / 1e9
-            tokens = int(responses[0].get("num_output_tokens", [tokens])[0])
+            tokens = int(response.get("num_output_tokens", [tokens])[0])
         return ttft or float("nan"), tokens
 
     def close(self) -> None:
