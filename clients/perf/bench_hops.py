@@ -15,9 +15,11 @@ Prints, per mode, the median over the requests of each hop in ms, and TTFT again
 from __future__ import annotations
 
 import argparse
+import atexit
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -280,6 +282,7 @@ def main() -> int:
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
                                    tokenize=False, add_generation_prompt=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
+    atexit.register(shutil.rmtree, trace_dir, ignore_errors=True)  # the step timings, read before the end
     runs = {calls: serve_requests(model, text, args, trace_dir / calls, scheduling)
             for calls, (_, scheduling) in CALLS.items()}
     if args.baseline_python:
