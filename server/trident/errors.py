@@ -4,9 +4,10 @@ Every error a client or a peer can cause has its own class with the HTTP status 
 with, the Triton error code a stage model returns (so Triton's HTTP and gRPC endpoints answer with the
 matching status), and whether a retry may help. Torch-free: the python-backend stub and the frontend use it.
 
-Across processes an error travels as a small JSON envelope (:func:`to_wire` / :func:`from_wire`) from a
-stage worker to its python-backend stub, which turns it into a Triton error with the class's code and the
-message ``"<ClassName>: <message>"``. Triton's gRPC stream carries only that message, so a client of a
+Across processes a stage worker's error travels as a :class:`~trident.protocol.Failure` naming its class; the
+stage model's python-backend stub turns it into a Triton error with the class's code and the message
+``"<ClassName>: <message>"``. Only an error that ends a stream after other responses, on its way through Triton
+to a BLS, travels as a small JSON envelope (:func:`to_wire` / :func:`from_wire`) in the last response. Triton's gRPC stream carries only that message, so a client of a
 stream reads the class back with :func:`from_message`; elsewhere the Triton status already says it.
 """
 

@@ -170,7 +170,6 @@ FRAME = struct.Struct("!I")
 """A stage socket's frame: this many bytes of one :data:`StageMessage`, then the message."""
 MAX_FRAME = 1 << 30  # bytes; a larger frame ends the connection
 _ARRAY, _BYTES = 1, 2  # msgpack extension codes: a numeric array (dtype, shape, raw bytes); a BYTES one (shape, items)
-_plain = msgspec.msgpack.Encoder()
 
 
 def _encode_array(obj):
@@ -178,9 +177,9 @@ def _encode_array(obj):
         raise TypeError(f"a stage message cannot carry {type(obj).__name__}")
     if obj.dtype == np.object_ or obj.dtype.kind in "SU":
         items = [x if isinstance(x, bytes) else str(x).encode() for x in obj.reshape(-1).tolist()]
-        return msgspec.msgpack.Ext(_BYTES, _plain.encode((obj.shape, items)))
+        return msgspec.msgpack.Ext(_BYTES, _encoder.encode((obj.shape, items)))
     a = np.ascontiguousarray(obj)
-    return msgspec.msgpack.Ext(_ARRAY, _plain.encode((a.dtype.str, a.shape, a.data)))
+    return msgspec.msgpack.Ext(_ARRAY, _encoder.encode((a.dtype.str, a.shape, a.data)))
 
 
 def _decode_array(code: int, data: memoryview):

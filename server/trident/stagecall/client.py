@@ -37,6 +37,7 @@ from .. import auth
 from ..errors import MalformedRecord, TridentError, Unavailable
 from ..protocol import (
     WORKER_FILE, Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
+    failure,
 )
 from .frames import ends, recv_message
 
@@ -153,7 +154,7 @@ class _Connection:
             for rid in list(self._pending):
                 target = self._pending.pop(rid, None)
                 if target is not None:
-                    target(Failure(rid, "Unavailable", self._lost))
+                    target(failure(rid, Unavailable(self._lost)))
 
     def close(self) -> None:
         try:
