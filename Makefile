@@ -59,7 +59,7 @@ serve: install
 serve-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident serve --backend vllm --worker-python $(VLLM_PY) $(SERVE_ARGS)
 
-# gdb: a test attaches it to the BLS entry model's python-backend stub (tests/e2e/test_bls_stub.py).
+# gdb: a test attaches it to the BLS entry model's python-backend stub (tests/e2e/test_bls_exit.py).
 test: install install-vllm
 	@command -v gdb >/dev/null || { apt-get update -qq && apt-get install -y -qq gdb; }
 	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
@@ -86,7 +86,7 @@ bench-hops: install
 
 # Each single-mode server against the same engine in-process, rounds alternating: tokens/s at concurrency 8; -> docs/benchmarks.md
 bench-split: install
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --compare-stage-calls --report docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --report docs/benchmarks.md
 
 # The OpenAI frontend's own cost: the same async client through /v1/chat/completions and at gRPC; -> docs/benchmarks.md
 bench-openai: install

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import shutil
 import socket
@@ -53,8 +52,7 @@ ANSWER = {"kv_meta": np.array([b"k" * 1200], dtype=np.object_)}
 def _worker(folder: str, conn, tcp: bool) -> None:
     """A stage worker's :class:`~trident.stagecall.StageServer` serving a stage that answers at once, with its
     steps stamped; the stamps go back over ``conn`` when asked."""
-    from trident.protocol import WORKER_FILE
-    from trident.stagecall import StageServer
+    from trident.stagecall import StageServer, directory
     from trident.stagecall import server as serving
 
     now, marks = time.monotonic_ns, []
@@ -82,10 +80,9 @@ def _worker(folder: str, conn, tcp: bool) -> None:
     StageServer._write = staticmethod(stamped_write)
     server = StageServer(stage, lambda message: None, "127.0.0.1")
     server.start()
-    store = Path(folder) / "store" / "prefill" / "1"
-    store.mkdir(parents=True)
+    directory.create(Path(folder))
     # over TCP: the worker file a worker on another host uploads (no Unix socket in it)
-    (store / WORKER_FILE).write_text(json.dumps(server.worker_file(None if tcp else 0, "prefill")))
+    directory.enter("prefill", server.worker_file(None if tcp else 0, "prefill"))
     conn.send("ready")
     conn.recv()
     conn.send(marks)
@@ -117,11 +114,12 @@ def _ping_pong(calls: int) -> list[float]:
 
 def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float]:
     """Per step, the median in us; and the median round trip (over the worker's Unix socket, or its TCP one)."""
-    from trident.stagecall import StageClient
+    from trident.stagecall import StageClient, directory
     from trident.stagecall import client as direct
 
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="bench-direct-")
+    directory.create(Path(folder))
     conn, child = ctx.Pipe()
     worker = ctx.Process(target=_worker, args=(folder, child, tcp), daemon=True)
     worker.start()
@@ -145,7 +143,7 @@ def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float
     direct.recv_message, direct._settle, direct._Connection.send = stamped_recv, stamped_settle, stamped_send
 
     async def run() -> list[dict[str, int]]:
-        calls_ = StageClient(Path(folder) / "store")
+        calls_ = StageClient()
         for _ in range(200):  # until the socket listens
             if await calls_.call("prefill", INPUTS, ["kv_meta"]) is not None:
                 break

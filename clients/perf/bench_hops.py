@@ -58,20 +58,12 @@ def stage_rows(steps: Steps, stage: str, streamed: bool, handed: bool = False) -
     a call posted ahead, whose record the encode worker handed it (from then on)."""
     call = steps.get(f"bls/call:{stage}")
     call_t0, call_t1 = (call[0] if call else (None, None))
-    stub = _first(steps, f"proxy-{stage}/execute")
-    # the stub has the worker's (first) response in hand: a decoupled stage's stub times its first response,
-    # the others return from execute with it
-    stub_back = _first(steps, f"proxy-{stage}/first_response" if streamed else f"proxy-{stage}/execute", end=True)
     infer = steps.get(f"{stage}/infer_first" if streamed else f"{stage}/infer")
     infer_t0, infer_t1 = (infer[0] if infer else (None, None))
-    direct = stub is None  # called straight at its worker (scheduling.stage_calls direct): no stub in between
     if handed:
         rows = [(f"{stage}: record in -> call runs", _gap(_first(steps, f"{stage}/await_record", end=True), infer_t0))]
-    elif direct:
-        rows = [(f"{stage}: BLS -> worker (direct)", _gap(call_t0, infer_t0))]
     else:
-        rows = [(f"{stage}: BLS -> Triton -> stage stub", _gap(call_t0, stub)),
-                (f"{stage}: stub -> PyTriton -> worker", _gap(stub, infer_t0))]
+        rows = [(f"{stage}: BLS -> worker", _gap(call_t0, infer_t0))]
     rows.append((f"{stage}: worker, request inputs", _dur(steps, f"{stage}/inputs")))
     listed = 0.0
     for step in ("record_decode", "tokenize", "nixl_read", "media_decode", "image_preprocess", "vision_tower",
@@ -86,16 +78,12 @@ def stage_rows(steps: Steps, stage: str, streamed: bool, handed: bool = False) -
             listed += value
     if streamed:
         emitted = _gap(_first(steps, f"{stage}/first_token", end=True), infer_t1)
-        rows.append((f"{stage}: first token emitted -> yielded to PyTriton", emitted))
+        rows.append((f"{stage}: first token emitted -> yielded to the stage server", emitted))
         listed += emitted or 0.0
     if infer_t0 is not None:
         inputs = _dur(steps, f"{stage}/inputs") or 0.0
         rows.append((f"{stage}: worker, between those (event loop, thread hops)", (infer_t1 - infer_t0) / 1e6 - inputs - listed))
-    if direct:
-        rows.append((f"{stage}: worker -> BLS (direct)", _gap(infer_t1, call_t1)))
-    else:
-        rows.append((f"{stage}: worker -> PyTriton -> stub", _gap(infer_t1, stub_back)))
-        rows.append((f"{stage}: stub -> Triton -> BLS", _gap(stub_back, call_t1)))
+    rows.append((f"{stage}: worker -> BLS", _gap(infer_t1, call_t1)))
     if not handed:  # (one posted ahead began before the encode call)
         rows.append((f"{stage}: whole call, from the BLS", _gap(call_t0, call_t1)))
     return rows
@@ -218,21 +206,13 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
         engine.close()
 
 
-CALLS = {  # the servers, in the order run: (label in the report, how the scheduler calls the record stages: its
-    # `scheduling` config-file settings, internal ones)
-    "direct": ("", {"stage_calls": "direct"}),  # the default: stage calls straight at the workers
-    "bls_handoff": ("record passed by the scheduler", {"stage_calls": "direct", "record_handoff": "scheduler"}),
-    "triton": ("stage calls through Triton", {"stage_calls": "triton"}),
-}
-
-
-def serve_requests(model: str, text: str, args, trace_dir: Path, scheduling: dict, python: str | None = None):
-    """``args.requests`` requests per mode, one at a time, into a server started with these ``scheduling``
-    settings (from another environment's ``python``): (the clocks per mode, every process's steps)."""
-    print(f"[bench-hops] starting the server, scheduling {scheduling} (steps in {trace_dir})", flush=True)
+def serve_requests(model: str, text: str, args, trace_dir: Path, python: str | None = None):
+    """``args.requests`` requests per mode, one at a time, into a server (from another environment's ``python``):
+    (the clocks per mode, every process's steps)."""
+    print(f"[bench-hops] starting the server (steps in {trace_dir})", flush=True)
     # every request takes its mode's full path (no prefill on the decode side for short prompts)
     server = Serve(model, [], modes=(*MODES, "epd"), python=python, config={
-        "trace_dir": str(trace_dir), "scheduling": {"local_prefill_tokens": 0, **scheduling}})
+        "trace_dir": str(trace_dir), "scheduling": {"local_prefill_tokens": 0}})
     clocks: dict[str, list[dict]] = {}
     try:
         stream = Stream(f"127.0.0.1:{server.grpc}")  # one client and stream, as a real client keeps them
@@ -283,13 +263,12 @@ def main() -> int:
                                    tokenize=False, add_generation_prompt=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
     atexit.register(shutil.rmtree, trace_dir, ignore_errors=True)  # the step timings, read before the end
-    runs = {calls: serve_requests(model, text, args, trace_dir / calls, scheduling)
-            for calls, (_, scheduling) in CALLS.items()}
+    runs = {"server": serve_requests(model, text, args, trace_dir / "server")}
     if args.baseline_python:
-        runs["baseline"] = serve_requests(model, text, args, trace_dir / "baseline", {}, python=args.baseline_python)
+        runs["baseline"] = serve_requests(model, text, args, trace_dir / "baseline", python=args.baseline_python)
     images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
-    clocks, steps = runs["direct"]
+    clocks, steps = runs["server"]
     local_steps = read_steps(trace_dir / "local")
 
     lines = ["## Where TTFT goes (`make bench-hops`)", "",
@@ -298,7 +277,7 @@ def main() -> int:
              f"for {args.requests} requests per mode, each with a new 224 px image and {args.max_tokens} new tokens, "
              "one at a time. The table gives the median (p50) and 90th percentile (p90) of each hop in ms over the "
              "requests, from the step timings that the BLS, the stage stubs and the workers write on one clock. The "
-             "scheduler calls the stages straight at their workers (`(direct)`), and in E/P/D the encode worker hands "
+             "scheduler calls the stages straight at their workers, and in E/P/D the encode worker hands "
              "its record straight to the prefill worker, whose call the BLS posts beside the encode's: the prefill "
              "call's rows start when its record is in. In-process: the same requests through the `generate` stage "
              "engine in the benchmark's process (no Triton, no transfers), traced the same way.", ""]
@@ -344,13 +323,11 @@ def main() -> int:
     local_ttft = statistics.median(r["TTFT"] for r in in_rows)
     local_rest = statistics.median(r["TTFT - compute"] for r in in_rows)
     lines += ["", "Added TTFT: the median of TTFT minus the model's own work (image decode, preprocess, vision tower, "
-              "prefill, which vary by some ms between runs), against the same in-process. For comparison, the same "
-              "requests go to two more servers, one after the other: one whose BLS passes the encode's record on to "
-              "the prefill itself, after the encode call (record passed by the scheduler), and one whose scheduler "
-              "calls every stage through Triton (stage calls through Triton).", "",
+              "prefill, which vary by some ms between runs), against the same in-process"
+              + (", and the same for the baseline server, run after it." if args.baseline_python else ".") + "", "",
               "| server | TTFT p50 ms | in-process p50 ms | TTFT - compute | in-process TTFT - compute | added ms | target |",
               "|---|---|---|---|---|---|---|"]
-    labels = {**{calls: label for calls, (label, _) in CALLS.items()}, "baseline": "baseline (older commit)"}
+    labels = {"server": "", "baseline": "baseline (older commit)"}
     for calls, label in labels.items():
         if calls not in runs:
             continue
@@ -359,14 +336,14 @@ def main() -> int:
             ttft, rest = added[mode]
             lines.append(f"| {mode}{', ' + label if label else ''} | {ttft:.1f} | {local_ttft:.1f} | {rest:.1f} | "
                          f"{local_rest:.1f} | {rest - local_rest:+.1f} | <= +5 |")
-    lines += ["", "The added TTFT is a difference of two medians: EP/D, which has no record to hand on, shows in its "
-              "row with the record passed by the scheduler how much it moves from one server to the next. E/P/D's way "
-              "from the encode to the prefill has no compute in it and shows what the hand-off saves: from the encode "
-              "worker's record made (its `record_encode` step's end) to the prefill call running on its worker (its "
-              "`infer` step's start), per request:", "",
+    lines += ["", "E/P/D's way from the encode to the prefill has no compute in it: from the encode worker's record "
+              "made (its `record_encode` step's end) to the prefill call running on its worker (its `infer` step's "
+              "start), per request:", "",
               "| server | p25 ms | p50 ms | p75 ms |", "|---|---|---|---|"]
-    for calls, label in (("direct", "the encode worker hands the record to the prefill worker"),
-                         ("bls_handoff", CALLS["bls_handoff"][0])):
+    for calls, label in (("server", "the encode worker hands the record to the prefill worker"),
+                         ("baseline", "baseline (older commit)")):
+        if calls not in runs:
+            continue
         gaps = [g for g in (encode_to_prefill(window(runs[calls][1], c)) for c in runs[calls][0]["e_p_d"]) if g is not None]
         if len(gaps) > 1:
             q = statistics.quantiles(gaps, n=4)

@@ -122,22 +122,15 @@ async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: 
     return rounds
 
 
-OTHER_SERVERS = {  # --compare-<way> (or --baseline-python): (its column, what the other server does, its settings)
-    "baseline": ("baseline", "started from the --baseline-python environment (an older commit)", None),
-    "stage_calls": ("stage calls through Triton",
-                    "whose scheduler calls the stages through Triton, as an ensemble does, instead of straight at "
-                    "their workers", {"scheduling": {"stage_calls": "triton"}}),
-    "record_handoff": ("record passed by the scheduler",
-                       "whose scheduler passes the encode's record on to the prefill itself, after the encode call, "
-                       "instead of the encode worker handing it to the prefill worker (E/P/D)",
-                       {"scheduling": {"record_handoff": "scheduler"}}),
+OTHER_SERVERS = {  # --baseline-python: (its column, what the other server does)
+    "baseline": ("baseline", "started from the --baseline-python environment (an older commit)"),
 }
 
 
 def table(results: dict[str, list[dict]], args) -> list[str]:
     ways = [way for way in OTHER_SERVERS if any(way in r for rounds in results.values() for r in rounds)]
     others_text = "".join(f" {column[0].upper() + column[1:]}: the same rounds against another server {what}."
-                          for column, what, _ in (OTHER_SERVERS[way] for way in ways))
+                          for column, what in (OTHER_SERVERS[way] for way in ways))
     lines = [
         "## Single-mode servers vs in-process (`make bench-split`)", "",
         "`clients/perf/bench_split.py`: per mode a `trident serve --mode X` (LLaVA demo, hf engine, BLS scheduler, "
@@ -185,12 +178,6 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
-    ap.add_argument("--compare-stage-calls", action="store_true",
-                    help="also run a server whose scheduler calls the stages through Triton (its config file: "
-                    "scheduling.stage_calls: triton)")
-    ap.add_argument("--compare-record-handoff", action="store_true",
-                    help="also run a server whose scheduler passes the encode's record on itself "
-                    "(its config file: scheduling.record_handoff: scheduler; E/P/D)")
     ap.add_argument("--baseline-python", help="also run a server from another environment (e.g. a copy of .venv "
                     "whose trident is an older commit's checkout): the same rounds side by side")
     args = ap.parse_args()
@@ -211,9 +198,6 @@ def main() -> int:
             if args.baseline_python:
                 servers["baseline"] = Serve(model, [], modes=(mode,), python=args.baseline_python)
             try:
-                for way, (_, _, config) in OTHER_SERVERS.items():
-                    if way != "baseline" and getattr(args, f"compare_{way}"):
-                        servers[way] = Serve(model, [], modes=(mode,), config=config)
                 results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
             finally:
                 for server in servers.values():

@@ -161,17 +161,6 @@ class SchedulerConfig(_Settings):
         "encode (encode_prefill, generate) when one runs (0: never)"
     )
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
-    stage_calls: Literal["direct", "triton"] = Field(
-        "direct", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; how the "
-        "scheduler calls the stage models: direct (straight to the worker of an "
-        "instance on this host, on the worker's own socket) or triton (through Triton, as any client would)"
-    )
-    record_handoff: Literal["worker", "scheduler"] = Field(
-        "worker", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; E/P/D with "
-        "direct stage calls: the encode worker hands its record straight to the "
-        "prefill worker, whose call the scheduler posts beside the encode call (worker), or the scheduler passes "
-        "the record on after the encode call (scheduler)"
-    )
 
 
 class WorkerSettings(_Settings):

@@ -84,10 +84,6 @@ class StageSpec:
 
 REQUEST_ID = "trident_request"
 """Request parameter: the scheduler's id of a request it streams from a stage (what a :class:`Cancel` names)."""
-CANCEL = "trident_cancel"
-"""Request parameter of a cancel through Triton, for a stage instance the scheduler reaches only through Triton
-(Triton 2.51's python backend cannot cancel a BLS request itself). On a stage socket a cancel is a
-:class:`Cancel` message."""
 
 # -- the stage protocol: every message between a caller and a stage worker ------------------------------------
 class HandTo(msgspec.Struct, array_like=True, frozen=True):
@@ -225,13 +221,10 @@ def decode_message(body: bytes | memoryview) -> StageMessage:
         raise MalformedRecord(f"not a stage message: {e}") from None
 
 
-STAGE_ERROR_MARK = b"\x00trident_error:"
-"""Starts a decoupled stage's last ``finish_reason`` when it carries the error envelope of a failure after
-other responses, to the scheduler (Triton 2.51 loses such an error response on its way to a BLS caller)."""
-
 WORKER_FILE = "trident_worker.json"
-"""Written by a stage worker next to its stage model's ``model.py``: ``{"pid", "name"}``, so that the
-python-backend stub can tell when the worker is gone."""
+"""Written by a stage worker next to its stage model's ``model.py``: where its stage server listens
+(:meth:`trident.stagecall.StageServer.worker_file`); the stub enters it in the stage directory
+(:mod:`trident.stagecall.directory`)."""
 
 NAME_TAKEN_EXIT = 3
 """A stage worker's exit code when the instance name it was to bind as is held by another live worker (one

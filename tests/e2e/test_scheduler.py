@@ -201,21 +201,6 @@ def test_first_response_leaves_with_the_prefill(server, ref):
     assert _metric(server, "trident_decisions_total", **early) == before + 1
 
 
-def test_stages_are_called_straight_at_their_workers(server, ref):
-    """The BLS calls encode, prefill and decode on their workers' own sockets, not through Triton (one count per
-    call on the metrics port), with the same answer."""
-    c = ref["one-image"]
-    stages = ("encode", "prefill", "decode")
-    before = {s: _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=s) for s in stages}
-    routed = _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill")
-    assert _generate(server, c) == c["expected"]
-    assert _generate(server, c, stream=False) == c["expected"]
-    time.sleep(0.3)
-    for stage in stages:
-        assert _metric(server, "trident_direct_calls_total", mode="e_p_d", stage=stage) == before[stage] + 2, stage
-    assert _metric(server, "trident_routed_total", mode="e_p_d", stage="prefill") == routed + 2
-
-
 def _handoff(server) -> dict[str, int]:
     """The prefill instances' record inbox counters, summed."""
     stats = server.stats(settled=True)
@@ -233,8 +218,8 @@ def _inbox_empty(server, timeout: float = 5.0) -> dict[str, int]:
 
 def test_the_encode_worker_hands_its_record_to_the_prefill_worker(server, ref):
     """E/P/D: the BLS posts the prefill call beside the encode call, and the encode worker hands its record straight
-    to that prefill worker (``scheduling.record_handoff: worker``, the default): one delivery per request, read by the call
-    (nothing discarded or left waiting), the same answer as with the BLS passing it on, streamed or not."""
+    to that prefill worker: one delivery per request, read by the call (nothing discarded or left waiting), the
+    reference answer, streamed or not."""
     c = ref["one-image"]
     before = _handoff(server)
     assert _generate(server, c) == c["expected"]
@@ -242,12 +227,6 @@ def test_the_encode_worker_hands_its_record_to_the_prefill_worker(server, ref):
     after = _inbox_empty(server)
     assert after["delivered"] == before["delivered"] + 2 and after["discarded"] == before["discarded"], after
     assert after["withdrawn"] == before["withdrawn"]
-    _reload(server, record_handoff="scheduler")
-    try:
-        assert _generate(server, c) == c["expected"]
-        assert _handoff(server)["delivered"] == after["delivered"]  # the BLS passed it on
-    finally:
-        _reload(server, record_handoff="worker")
 
 
 def test_a_prompt_short_enough_for_the_decode_worker_is_not_handed_on(server, ref):
@@ -488,8 +467,9 @@ def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref):
 
 def test_a_worker_that_joins_later_gets_traffic(server, ref):
     """It joins while the supervisor has the killed prefill-2 coming back: it takes the next free name, and
-    the restarted prefill-2, the joiner and prefill all serve. The restarted prefill-2 is called on its new
-    direct socket; the joiner (bound from "elsewhere": no worker file in the server's store) through Triton."""
+    the restarted prefill-2, the joiner and prefill all serve. The restarted prefill-2 is called on its new Unix
+    socket; the joiner (bound from "elsewhere": its files uploaded with the load request, its worker file naming
+    only its TCP socket) over TCP, found in the stage directory like any other."""
     import tritonclient.http as httpclient
 
     admin = httpclient.InferenceServerClient(server.http)
@@ -509,7 +489,7 @@ def test_a_worker_that_joins_later_gets_traffic(server, ref):
             time.sleep(0.2)
         time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
         before = _published(server)
-        direct = {n: _metric(server, "trident_direct_calls_total", instance=n) for n in ("prefill-2", "prefill-3")}
+        routed = {n: _metric(server, "trident_routed_total", instance=n) for n in ("prefill-2", "prefill-3")}
         cases = [ref[f"unique-{i}"] for i in range(1, 7)]  # prefixes it has not seen on any live instance
         for c in cases:
             assert _generate(server, c) == c["expected"]
@@ -518,9 +498,8 @@ def test_a_worker_that_joins_later_gets_traffic(server, ref):
         after = _published(server)
         assert after["prefill-2"] > before["prefill-2"] and server.stats()["prefill-2"]["pid"] != joiner.pid
         time.sleep(0.3)
-        assert _metric(server, "trident_direct_calls_total", instance="prefill-2") > direct["prefill-2"]
-        assert _metric(server, "trident_direct_calls_total", instance="prefill-3") == direct["prefill-3"] == 0
-        assert _metric(server, "trident_routed_total", instance="prefill-3") > 0
+        assert _metric(server, "trident_routed_total", instance="prefill-2") > routed["prefill-2"]
+        assert _metric(server, "trident_routed_total", instance="prefill-3") > routed["prefill-3"]
     finally:
         joiner.send_signal(signal.SIGTERM)
         assert joiner.wait(60) == 0

@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trident.scheduler.bls_streams import StreamKeeper
 from trident.scheduler.request import EntryRequest
-from trident.scheduler.model import StageGone, TritonPythonModel
+from trident.scheduler.model import StageError, StageGone, TritonPythonModel
 
 FINAL = 1
 
@@ -93,7 +92,7 @@ def _text(value: bytes, reason: bytes | None = None) -> Response:
 @pytest.fixture
 def bls() -> TritonPythonModel:
     model = TritonPythonModel.__new__(TritonPythonModel)  # what initialize() would set that the relay uses
-    model.pb, model.mode, model.logger, model._finished = Pb, "e_p_d", Logger(), StreamKeeper()
+    model.pb, model.mode, model.logger = Pb, "e_p_d", Logger()
     return model
 
 
@@ -122,11 +121,13 @@ def test_a_first_response_that_goes_on_past_the_first_text_sends_the_rest(bls):
 
 
 def test_a_decode_gone_before_anything_else_is_retried(bls):
-    gone = Response(error=Error("Failed for execute the inference request. Model 'decode' is not ready."))
-    with pytest.raises(StageGone):
-        _relay(bls, [gone], early=b" a")
     with pytest.raises(StageGone):  # a stream cut off right after the copy of the first text
         _relay(bls, [_text(b" a")], early=b" a")
+    lost = Response(error=Error("Unavailable: the decode stage's worker exited; the request was lost with it",
+                                Error.UNAVAILABLE))
+    with pytest.raises(StageError, match="lost with it") as failed:  # the stage's own error: the request's (503)
+        _relay(bls, [lost], early=b" a")
+    assert failed.value.code == Error.UNAVAILABLE
 
 
 def test_a_retry_that_begins_differently_ends_with_a_503(bls):
@@ -151,6 +152,5 @@ def test_an_error_after_the_first_text_is_a_response_of_its_own(bls):
 def test_without_an_early_text_the_first_response_is_sent(bls):
     outcome, sent = _relay(bls, [_text(b" a"), _text(b" b", b"length")], early=None)
     assert _texts(sent) == [b" a", b" b", None]
-    gone = Response(error=Error("Model 'decode' is not ready."))
-    with pytest.raises(StageGone):
-        _relay(bls, [gone], early=None)
+    with pytest.raises(StageGone):  # ended before anything, without a finish_reason
+        _relay(bls, [], early=None)

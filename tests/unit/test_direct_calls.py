@@ -6,7 +6,6 @@ calls at once that keeps the engine's ``calls_at_once``."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
@@ -17,27 +16,32 @@ import pytest
 
 from trident import auth
 from trident.errors import InvalidRequest, Unavailable
-from trident.protocol import WORKER_FILE, Call, encode_message
-from trident.stagecall import StageClient, StageServer
+from trident.protocol import Call, encode_message
+from trident.stagecall import StageClient, StageServer, directory
+
+
+@pytest.fixture(autouse=True)
+def stage_directory(tmp_path, monkeypatch):
+    """A stage directory of the test's own (:mod:`trident.stagecall.directory`)."""
+    monkeypatch.setenv(directory.ENV, str(tmp_path / "stages"))
+    (tmp_path / "stages").mkdir()
 
 
 def _serve(tmp_path: Path, instance: str, infer, control=None):
-    """A stage server running ``infer`` (and ``control``), and the model store whose worker file names its sockets
-    for ``instance`` (pid 123); stopped after the one item it yields."""
+    """A stage server running ``infer`` (and ``control``), entered in the stage directory as ``instance`` (pid
+    123); stopped after the one item it yields."""
     server = StageServer(infer, control or (lambda message: None), "127.0.0.1")
     server.start()
-    store = tmp_path / "store"
-    (store / instance / "1").mkdir(parents=True)
-    (store / instance / "1" / WORKER_FILE).write_text(json.dumps(server.worker_file(123, instance)))
-    yield {"store": store, "server": server, "path": server.path}
+    directory.enter(instance, server.worker_file(123, instance))
+    yield {"server": server, "path": server.path}
     server.stop(drain_s=5)
     assert not server._thread.is_alive(), "the stage server did not stop"
 
 
 @pytest.fixture
 def worker(tmp_path):
-    """A stage server serving ``calls`` (what each call does, by the request's text) on its sockets, and the model
-    store whose worker file names them for instance ``prefill``."""
+    """A stage server serving ``calls`` (what each call does, by the request's text) on its sockets, entered in the
+    stage directory as instance ``prefill``."""
     async def infer(call):
         text = call.inputs["text_input"][0].decode()
         if text.startswith("sleep"):
@@ -60,7 +64,7 @@ def _run(coro):
 
 def test_a_call_gets_the_stage_answer(worker):
     async def go():
-        calls = StageClient(worker["store"])
+        calls = StageClient()
         try:
             first = await calls.call("prefill", _text("a"), ["kv_meta"])
             second = await calls.call("prefill", _text("b"), ["kv_meta"])  # on the same connection
@@ -77,11 +81,10 @@ def test_a_worker_on_another_host_is_called_over_tcp_with_the_same_messages(work
     same calls and errors, over TCP after the same handshake."""
     host, port = worker["server"].address
     assert host == "127.0.0.1"  # the data-plane address, never every interface
-    (worker["store"] / "prefill-2" / "1").mkdir(parents=True)
-    (worker["store"] / "prefill-2" / "1" / WORKER_FILE).write_text(json.dumps({"name": "prefill-2", "tcp": [host, port]}))
+    directory.enter("prefill-2", {"name": "prefill-2", "tcp": [host, port]})
 
     async def go():
-        calls = StageClient(worker["store"])
+        calls = StageClient()
         try:
             answer = await calls.call("prefill-2", _text("far"), ["kv_meta"])
             with pytest.raises(InvalidRequest, match="text_input says refuse"):
@@ -124,7 +127,7 @@ def test_a_caller_without_the_secret_gets_nothing(worker):
 
 def test_the_stage_error_is_raised_as_sent(worker):
     async def go():
-        calls = StageClient(worker["store"])
+        calls = StageClient()
         try:
             with pytest.raises(InvalidRequest, match="text_input says refuse"):
                 await calls.call("prefill", _text("refuse"), ["kv_meta"])
@@ -135,14 +138,17 @@ def test_the_stage_error_is_raised_as_sent(worker):
     assert _run(go())["kv_meta"].tolist() == [b"record of after"]
 
 
-def test_no_direct_socket_means_through_triton(worker, tmp_path):
-    (worker["store"] / "joined" / "1").mkdir(parents=True)
-    (worker["store"] / "joined" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 1, "name": "joined"}))
-    (worker["store"] / "old" / "1").mkdir(parents=True)
-    (worker["store"] / "old" / "1" / WORKER_FILE).write_text(json.dumps({"direct": str(tmp_path / "gone.sock")}))
+def test_an_instance_not_entered_or_not_answering_is_gone(worker, tmp_path):
+    """No entry in the stage directory, an entry without an address, or one whose worker does not listen: None
+    (the scheduler plans the request again without that instance)."""
+    directory.enter("joined", {"pid": 1, "name": "joined"})
+    directory.enter("old", {"direct": str(tmp_path / "gone.sock")})
+    assert directory.lookup("old") == {"direct": str(tmp_path / "gone.sock")}
+    directory.remove("old", {"direct": "another load's"})  # a newer load's entry stays
+    assert directory.lookup("old") is not None
 
     async def go():
-        calls = StageClient(worker["store"])
+        calls = StageClient()
         return [await calls.call(name, _text("x"), ["kv_meta"]) for name in ("missing", "joined", "old")]
 
     assert _run(go()) == [None, None, None]
@@ -150,7 +156,7 @@ def test_no_direct_socket_means_through_triton(worker, tmp_path):
 
 def test_a_stopping_worker_finishes_what_it_took_and_takes_no_more(worker):
     async def go():
-        calls = StageClient(worker["store"])
+        calls = StageClient()
         try:
             taken = asyncio.ensure_future(calls.call("prefill", _text("sleep 0.5"), ["kv_meta"]))
             await asyncio.sleep(0.1)
@@ -158,14 +164,14 @@ def test_a_stopping_worker_finishes_what_it_took_and_takes_no_more(worker):
             stopping.start()
             await asyncio.sleep(0.1)
             later = await calls.call("prefill", _text("later"), ["kv_meta"])
-            return await taken, later
+            return await taken, later, stopping
         finally:
             calls.close()
 
-    taken, later = _run(go())
-    worker["server"]._thread.join(5)
+    taken, later, stopping = _run(go())
+    stopping.join(15)
     assert taken["kv_meta"].tolist() == [b"record of sleep 0.5"]
-    assert later is None  # through Triton, which says whether the instance is there
+    assert later is None  # the scheduler tries another instance
     assert not Path(worker["path"]).exists()
 
 
@@ -182,12 +188,11 @@ def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
         conn.close()
 
     threading.Thread(target=take_and_die, daemon=True).start()
-    (tmp_path / "encode" / "1").mkdir(parents=True)
-    (tmp_path / "encode" / "1" / WORKER_FILE).write_text(json.dumps({"pid": 77, "direct": path}))
+    directory.enter("encode", {"pid": 77, "direct": path})
 
     async def go():
         with pytest.raises(Unavailable, match=r"the encode stage's worker \(pid 77\) exited; the request was lost"):
-            await StageClient(tmp_path).call("encode", _text("x"), ["embedding_meta"])
+            await StageClient().call("encode", _text("x"), ["embedding_meta"])
 
     _run(go())
     listener.close()
@@ -248,12 +253,12 @@ def _convert(message) -> list:
     return [item if isinstance(item, Exception) else item["text_output"][0] for item in responses_of(message)]
 
 
-def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = None):
+def _stream(text: str, request_id: str = "r1", stop_after: int | None = None):
     """The stream's items as the relay thread reads them (in a thread, as the BLS does)."""
     from trident.protocol import REQUEST_ID
 
     async def go():
-        calls = StageClient(store)
+        calls = StageClient()
         try:
             stream = await calls.stream("decode", _text(text), ["text_output"], {REQUEST_ID: request_id}, _convert)
             items = []
@@ -276,18 +281,18 @@ def _stream(store, text: str, request_id: str = "r1", stop_after: int | None = N
 
 
 def test_a_stream_relays_every_response_then_ends(streaming):
-    assert _stream(streaming["store"], "4") == [b"t0", b"t1", b"t2", b"t3"]
+    assert _stream("4") == [b"t0", b"t1", b"t2", b"t3"]
 
 
 def test_a_stage_error_ends_the_stream_after_what_was_sent(streaming):
-    items = _stream(streaming["store"], "fail")
+    items = _stream("fail")
     assert items[:2] == [b"t0", b"t1"] and len(items) == 3
     assert isinstance(items[2], Unavailable) and "ran out of KV blocks" in str(items[2])
 
 
 def test_a_cancelled_stream_stops_at_the_cancel(streaming):
     started = time.monotonic()
-    items = _stream(streaming["store"], "forever", request_id="gone", stop_after=1)
+    items = _stream("forever", request_id="gone", stop_after=1)
     assert items[0] == b"t0" and len(items) < 3 and streaming["streams"].cancelled == 1
     assert time.monotonic() - started < 10
 
@@ -307,7 +312,7 @@ def test_control_messages_reach_the_stage_hooks(worker):
     worker["hooks"]["control"] = handler.control
 
     async def go():
-        calls = StageClient(worker["store"])
+        calls = StageClient()
         try:
             assert await calls.deliver("prefill", "tok-1", b"record one")
             assert await calls.withdraw("prefill", "tok-2")

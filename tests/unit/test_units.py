@@ -124,17 +124,15 @@ def test_llava_demo_weights_use_the_hub_layout_and_load(demo_models):
             assert torch.equal(loaded, value), key
 
 
-def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path):
+def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path, monkeypatch):
     """Calls from several connections (the stub's instances, the schedulers) and the control messages all run on
     the stage server's one loop (the engine's), the calls overlapping there up to ``calls_at_once``."""
     import asyncio
-    import json
     import threading
 
     import numpy as np
 
-    from trident.protocol import WORKER_FILE
-    from trident.stagecall import StageClient, StageServer
+    from trident.stagecall import StageClient, StageServer, directory
     from trident.stagecall.server import at_most
 
     loops: set = set()
@@ -155,12 +153,12 @@ def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path):
     control_loops: set = set()
     server = StageServer(at_most(infer, 3), lambda message: control_loops.add(asyncio.get_running_loop()), "127.0.0.1")
     server.start()
-    (tmp_path / "prefill" / "1").mkdir(parents=True)
-    (tmp_path / "prefill" / "1" / WORKER_FILE).write_text(json.dumps(server.worker_file(1, "prefill")))
+    monkeypatch.setenv(directory.ENV, str(tmp_path))
+    directory.enter("prefill", server.worker_file(1, "prefill"))
 
     def caller(i: int):
         async def go():
-            client = StageClient(tmp_path)  # a connection of its own
+            client = StageClient()  # a connection of its own
             try:
                 return await client.call("prefill", {"n": np.array([i])}, ["n"])
             finally:
@@ -178,7 +176,7 @@ def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path):
         assert len(loops) == 1 and peak == 3
 
         async def send_control():
-            client = StageClient(tmp_path)
+            client = StageClient()
             assert await client.withdraw("prefill", "tok")
             await asyncio.sleep(0.2)
             client.close()

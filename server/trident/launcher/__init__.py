@@ -30,6 +30,7 @@ from ..config import MEDIA_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, Wor
 from ..netutil import listen_ports
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_entry_model
+from ..stagecall import directory
 from .gate import close_gate, open_gate
 from .processes import descendants, is_stub, kill_left, remove_direct_socket
 from .warmup import warm_up
@@ -187,6 +188,7 @@ class Launcher:
         from pytriton.utils.workspace import Workspace
 
         self._triton_workspace = Workspace(self.workspace / "triton")
+        directory.create(self.workspace / "stages")  # Triton's stubs enter their workers here, for the schedulers
 
     def _start_triton(self) -> None:
         from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig

@@ -16,7 +16,6 @@ _FAMILIES = {
     "trident_decisions_total": ("COUNTER", "scheduling decisions: skip_encode, local_prefill, local_encode, fallback:<mode>, first_text_from_prefill"),
     "trident_fallbacks_total": ("COUNTER", "requests served by another mode because a stage had no live instance"),
     "trident_routed_total": ("COUNTER", "stage calls per stage instance"),
-    "trident_direct_calls_total": ("COUNTER", "stage calls made straight to the instance's worker, not through Triton"),
     "trident_embedding_cache_hits_total": ("COUNTER", "images whose embeddings came from an encode worker's cache"),
     "trident_embedding_cache_misses_total": ("COUNTER", "images an encode worker had to encode"),
     "trident_embedding_cache_evictions_total": ("COUNTER", "embedding cache entries evicted, per encode instance"),

@@ -4,9 +4,10 @@ Per request it:
 1. reads the entry tensors (the vLLM backend's interface) and the images' content ids;
 2. plans the path (:mod:`.plan`): its mode's chain, without ``encode`` for a text-only request, with the
    encode on a prefill worker for few images, or a fallback mode when a stage has no live instance;
-3. calls each stage on an instance the router picks (:mod:`.routing`), passing on only the records, straight
-   at the instance's worker when it is on this host (:mod:`.direct`); a short prompt is prefilled on the
-   decode worker (no prefill hop, no KV transfer);
+3. calls each stage on an instance the router picks (:mod:`.routing`) in the stage protocol, straight at the
+   instance's worker (:mod:`trident.stagecall`), passing on only the records; in E/P/D the prefill call is posted
+   beside the encode call and the encode worker hands its record straight to the prefill worker; a short prompt
+   is prefilled on the decode worker (no prefill hop, no KV transfer);
 4. streams the last stage's responses through, stopping when the client cancels; a streaming client gets its
    first text as soon as the prefill's ``kv_meta`` tells it (``first_text``), before the decode call.
 
@@ -30,16 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import auth, timings
+from .. import timings
 from ..config import SchedulerConfig
-from ..errors import ERRORS, InvalidRequest, TridentError, Unavailable, client_message, from_wire
+from ..errors import InvalidRequest, TridentError, Unavailable, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
-    CANCEL, ENCODE_REPORT, REQUEST_ID, HandTo, STAGE_ERROR_MARK, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord, HFKVRecord,
-    VLLMKVRecord, decode_record, instance_name,
+    ENCODE_REPORT, REQUEST_ID, HandTo, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord,
+    HFKVRecord, VLLMKVRecord, decode_record, instance_name,
 )
-from .bls_streams import StreamKeeper, drain
-from ..stagecall import DirectStream, StageClient, responses_of
+from ..stagecall import StageClient, responses_of
 from .instances import Instances
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
@@ -49,7 +49,6 @@ from .routing import Router, prefix_keys
 
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
 _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
-_GONE = ("unknown model", "is not ready", "no available versions", "is not found")  # Triton's words for it
 _KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
 
@@ -66,7 +65,7 @@ class _Posted:
 
 
 class StageGone(Exception):
-    """The chosen instance is not there any more (unloaded, or its worker stopped): try another."""
+    """The chosen instance is not there any more (its worker does not answer, or is stopping): try another."""
 
 
 class StageError(Exception):
@@ -75,11 +74,6 @@ class StageError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _gone(message: str) -> bool:
-    ours = any(message.startswith(f"{name}:") for name in ERRORS)
-    return not ours and any(words in message for words in _GONE)
 
 
 class TritonPythonModel:
@@ -101,9 +95,7 @@ class TritonPythonModel:
         self.instances = Instances(self.stages, self.store, self._ready, self.cfg.refresh_s, self.router.forget,
                                    lambda line: self.logger.log_info(f"[trident] {self.mode}: {line}"))
         self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
-        self._finished = StreamKeeper()  # read-out stage streams, until the stub has let go of them
-        self._direct = StageClient(self.store) if self.cfg.stage_calls == "direct" else None
-        self._credential = auth.credential()  # every stage call through Triton carries it
+        self._stages = StageClient()
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             self._measure = PromptLength(self.model_path)
@@ -245,11 +237,11 @@ class TritonPythonModel:
         await self._stream(stages[-1], req, p)
 
     def _post_prefill(self, p: Plan, req: EntryRequest) -> _Posted | None:
-        """E/P/D with direct stage calls (``record_handoff`` "worker"): the prefill call, posted now, to wait on
-        its worker for the record the encode worker will hand it (the encode's answer, this model's turn and
-        the prefill call's way in are then off the path). The encode worker hands it on only for a prompt too
-        long for the decode worker to prefill (``local_prefill_tokens``): more embedding rows than ``above``."""
-        if self._direct is None or self.cfg.record_handoff != "worker" or list(p.stages[:2]) != ["encode", "prefill"]:
+        """E/P/D: the prefill call, posted now, to wait on its worker for the record the encode worker will hand it
+        (the encode's answer, this model's turn and the prefill call's way in are then off the path). The encode
+        worker hands it on only for a prompt too long for the decode worker to prefill (``local_prefill_tokens``):
+        more embedding rows than ``above``."""
+        if list(p.stages[:2]) != ["encode", "prefill"]:
             return None
         above = -1
         if needs_prompt_length(p, self.cfg.local_prefill_tokens):
@@ -267,19 +259,15 @@ class TritonPythonModel:
         self.router.begin(instance)
         try:
             with timings.step("call:prefill"):
-                arrays = await self._direct.call(instance, self._arrays("prefill", inputs, None), [out],
-                                                 await_record=token)
+                return await self._stages.call(instance, _arrays("prefill", inputs, None), [out], await_record=token)
         finally:
             self.router.end(instance)
-        if arrays is not None:
-            held.add("trident_direct_calls_total", stage="prefill", instance=instance)
-        return arrays
 
     async def _withdraw(self, posted: _Posted) -> None:
         """The posted prefill call gets no record: its worker ends it (its error is nobody's)."""
         posted.call.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            await self._direct.withdraw(posted.instance, posted.token)
+            await self._stages.withdraw(posted.instance, posted.token)
         except Exception as e:  # the call still ends, at the latest when its wait does
             self.logger.log_warn(f"[trident] {self.mode}: could not withdraw a prefill call on {posted.instance}: {e}")
 
@@ -289,15 +277,6 @@ class TritonPythonModel:
         if self._measure is None or (kinds and not token_counts):
             return None
         return self._measure.length(text, token_counts, kinds)
-
-    def _request(
-        self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None, outputs: list[str],
-        parameters: dict | None = None,
-    ):
-        pb = self.pb
-        tensors = [pb.Tensor(name, v) if isinstance(v, np.ndarray) else v for name, v in _stage_inputs(stage, inputs, record)]
-        return pb.InferenceRequest(model_name=instance, inputs=tensors, requested_output_names=outputs,
-                                   parameters={**(parameters or {}), auth.CREDENTIAL: self._credential})
 
     @staticmethod
     def _record_for(stage: str, records: dict[str, bytes], local_prefill: bool = False) -> tuple[str, bytes] | None:
@@ -324,52 +303,18 @@ class TritonPythonModel:
         self.router.begin(instance)
         try:
             with timings.step(f"call:{stage}"):
-                arrays = await self._direct_call(stage, instance, inputs, record, outputs, held, hand_to)
-                if arrays is None:  # (through Triton the record comes back here: the hand-off is the stage socket's)
-                    response = await self._request(stage, instance, inputs, record, outputs).async_exec()
+                arrays = await self._stages.call(instance, _arrays(stage, inputs, record), outputs, hand_to=hand_to)
         finally:
             self.router.end(instance)
         if arrays is None:
-            self._check(response, instance)
-            arrays = {}
-            for name in outputs:
-                tensor = self.pb.get_output_tensor_by_name(response, name)
-                if tensor is not None:
-                    arrays[name] = tensor.as_numpy()
+            raise StageGone(instance)
         result = _bytes_of(arrays, outputs)
         if stage == "encode" and result.get(ENCODE_REPORT):
             held.encode_report(instance, json.loads(result[ENCODE_REPORT]))
         return result
 
-    async def _direct_call(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None,
-                           outputs: list[str], held, hand_to: HandTo | None = None) -> dict | None:
-        """The call's outputs from the worker's direct socket (:mod:`.direct`); None to call it through Triton."""
-        if self._direct is None:
-            return None
-        result = await self._direct.call(instance, self._arrays(stage, inputs, record), outputs, hand_to=hand_to)
-        if result is not None:
-            held.add("trident_direct_calls_total", stage=stage, instance=instance)
-        return result
-
-    async def _direct_stream(self, stage: str, instance: str, inputs: dict, record: tuple[str, bytes] | None,
-                             request_id: str, held) -> DirectStream | None:
-        """The stage's responses from the worker's direct socket, as Triton's would come (``InferenceResponse``s);
-        None to call it through Triton."""
-        if self._direct is None:
-            return None
-        stream = await self._direct.stream(instance, self._arrays(stage, inputs, record), _ENTRY_OUTPUT_NAMES,
-                                           {REQUEST_ID: request_id}, self._as_responses)
-        if stream is not None:
-            held.add("trident_direct_calls_total", stage=stage, instance=instance)
-        return stream
-
-    @staticmethod
-    def _arrays(stage: str, inputs: dict, record: tuple[str, bytes] | None) -> dict:
-        """The stage's inputs as arrays (what its stub would send the worker)."""
-        return {name: v if isinstance(v, np.ndarray) else v.as_numpy() for name, v in _stage_inputs(stage, inputs, record)}
-
     def _as_responses(self, message) -> list:
-        """A direct stream's message as the ``InferenceResponse``s a Triton stream would have given."""
+        """A stage stream's message as ``InferenceResponse``s: its outputs, or its error."""
         pb = self.pb
         out = []
         for item in responses_of(message):
@@ -379,15 +324,6 @@ class TritonPythonModel:
             else:
                 out.append(pb.InferenceResponse(output_tensors=[pb.Tensor(n, a) for n, a in item.items()]))
         return out
-
-    def _check(self, response, instance: str) -> None:
-        if response.has_error():
-            error = response.error()
-            message = error.message()
-            if _gone(message):
-                raise StageGone(instance)
-            code = error.code() if hasattr(error, "code") else self.pb.TritonError.INTERNAL
-            raise StageError(message, code)
 
     async def _stream(self, stage: str, req: EntryRequest, p: Plan) -> None:
         """Call the stage that hands on tokens and pass its responses to the client as they come; the first text
@@ -411,17 +347,15 @@ class TritonPythonModel:
             if req.early is None and not holds_kv and req.cancelled():
                 return self._cancelled(req.sender)
             t0 = time.monotonic_ns()
-            stream = await self._direct_stream(stage, instance, inputs, record, request_id, req.held)
+            stream = await self._stages.stream(instance, _arrays(stage, inputs, record), _ENTRY_OUTPUT_NAMES,
+                                               {REQUEST_ID: request_id}, self._as_responses)
             if stream is None:
-                call = self._request(stage, instance, inputs, record, _ENTRY_OUTPUT_NAMES, {REQUEST_ID: request_id})
-                stream = await call.async_exec(decoupled=True)
-            loop = asyncio.get_running_loop()
-            outcome = await loop.run_in_executor(
-                self._streams, self._forward, stream, instance, req, wants_reason, f"call:{stage}", t0)
+                raise StageGone(instance)
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self._streams, self._relay, stream, instance, req, wants_reason, f"call:{stage}", t0)
             if outcome == "cancelled":
-                await self._cancel_stream(stage, instance, stream, request_id)
+                await self._cancel_stream(stage, instance, request_id)
                 self._cancelled(req.sender)
-                await loop.run_in_executor(self._streams, self._finish, stream)
         finally:
             self.router.end(instance)
 
@@ -446,59 +380,41 @@ class TritonPythonModel:
         req.held.apply()
         return text
 
-    def _forward(self, stream, instance: str, req: EntryRequest, wants_reason: bool, step: str = "stream",
-                 t0: int = 0) -> str:
+    def _relay(self, stream, instance: str, req: EntryRequest, wants_reason: bool, step: str = "stream",
+               t0: int = 0) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
-        looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled". The call (from
-        ``t0``) up to its first response is timed as ``step``, the first send to the client as ``first_send``.
+        looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled" (the caller then
+        stops the stage). The call (from ``t0``) up to its first response is timed as ``step``, the first send to
+        the client as ``first_send``.
 
         The stage's last response carries a ``finish_reason`` (asked for whether or not the client did; it is
-        passed on only if the client did). A stream that ends without one was cut off (its stage model was
-        unloaded while the request was in it): with nothing sent yet the instance counts as gone (the request
-        is planned again), after some tokens the client's stream ends with a 503.
+        passed on only if the client did). A stream that ends without one was cut off: with nothing sent yet the
+        instance counts as gone (the request is planned again), after some tokens the client's stream ends with a
+        503. A stage's error before anything was sent is the request's error; after, it ends the client's stream.
 
         ``req.early``: the text already sent as the first response (:meth:`_send_early`); the stage's first response,
         the same text, is not sent again. A stage gone before it sent anything else is gone as above (the next
         attempt's first response must begin with the same text); a first response that does not (a retry that
         sampled again) ends the client's stream with a 503.
-
-        Unless cancelled (the caller then stops the stage first), the stream is read to its end and handed to
-        :meth:`_finish` here.
         """
-        outcome = None
-        try:
-            outcome = self._relay(stream, instance, req, wants_reason, step, t0)
-            return outcome
-        finally:
-            if outcome != "cancelled":
-                self._finish(stream)
-
-    def _finish(self, stream) -> None:
-        """Read a stage stream to its end; the cancel checks of later requests let go of a Triton one (only once the
-        stub has: see :mod:`.bls_streams`)."""
-        drain(stream)
-        if not isinstance(stream, DirectStream):
-            self._finished.keep(stream)
-
-    def _relay(self, stream, instance: str, req: EntryRequest, wants_reason: bool, step: str, t0: int) -> str:
-        """:meth:`_forward`'s loop."""
         pb = self.pb
         request, sender, held, early = req.triton, req.sender, req.held, req.early
         before = int(early is not None)  # responses the client had before this stage's
         sent, finished, check_at = before, False, time.monotonic() + _CANCEL_CHECK_S
         for response in stream:
             if time.monotonic() >= check_at:
-                if self._finished.is_cancelled(request):
+                if request.is_cancelled():
                     return "cancelled"
                 check_at = time.monotonic() + _CANCEL_CHECK_S
-            response, reason = self._carried_error(response)
+            reason = _finish_reason(self.pb, response)
             if response.has_error():
                 if sent > before:  # the client has a partial answer: end it with the stage's error
                     # (as a response of its own: an error on the final response after others is dropped)
                     sender.send(pb.InferenceResponse(error=response.error()))
                     sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     return "done"
-                self._check(response, instance)
+                error = response.error()
+                raise StageError(error.message(), error.code())
             tensors = response.output_tensors()
             if early is not None:  # the stage's first response: the one already sent
                 tensors, early = self._not_again(tensors, early, reason, instance), None
@@ -509,7 +425,7 @@ class TritonPythonModel:
                     sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
                     sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     return "done"
-                if self._finished.is_cancelled(request):  # (see _stream)
+                if request.is_cancelled():  # (see _stream)
                     return "cancelled"
             if reason is not None:
                 finished = True
@@ -523,8 +439,6 @@ class TritonPythonModel:
                     timings.mark("first_send", t1)
                     if held is not None:  # the first response is out: now the metric updates (an IPC each),
                         held.loop.call_soon_threadsafe(held.apply)  # from the model's event loop, as before
-                    if self._finished and self._finished.is_cancelled(request):  # lets earlier streams go: each
-                        return "cancelled"  # request makes one such check while it is open, however short
                 sent += 1
         if not finished:
             if sent == before:
@@ -549,42 +463,10 @@ class TritonPythonModel:
                               f"already sent ({early[:40]!r})")
         return None
 
-    def _carried_error(self, response):
-        """``(response, its finish_reason or None)``. A stage's failure after other responses comes in its last
-        ``finish_reason`` (see :data:`~trident.protocol.STAGE_ERROR_MARK`): made an error response again."""
-        pb = self.pb
-        tensor = pb.get_output_tensor_by_name(response, "finish_reason")
-        if tensor is None:
-            return response, None
-        value = tensor.as_numpy().reshape(-1)
-        if not value.size or not isinstance(value[0], bytes) or not value[0]:
-            return response, None
-        if not value[0].startswith(STAGE_ERROR_MARK):
-            return response, value[0]
-        error = from_wire(value[0][len(STAGE_ERROR_MARK):].decode("utf-8", "replace"))
-        code = getattr(pb.TritonError, error.triton_code, pb.TritonError.INTERNAL)
-        return pb.InferenceResponse(error=pb.TritonError(client_message(error), code)), None
-
-    async def _cancel_stream(self, stage: str, instance: str, stream, request_id: str) -> None:
-        """Stop a stage's stream whose client went away."""
-        if isinstance(stream, DirectStream):
-            try:
-                await self._direct.cancel(instance, request_id)
-            except Exception as e:  # the stream still ends with its max_tokens
-                self.logger.log_warn(f"[trident] {self.mode}: could not cancel a {stage} stream on {instance}: {e}")
-            return
-        cancel = getattr(stream, "cancel", None)  # the python backend's own, from Triton 25.04
-        if cancel is not None:
-            cancel()
-            return
-        text = self.pb.Tensor("text_input", np.array([b""], dtype=np.object_))
-        call = self.pb.InferenceRequest(
-            model_name=instance, inputs=[text], requested_output_names=_ENTRY_OUTPUT_NAMES,
-            parameters={CANCEL: request_id, auth.CREDENTIAL: self._credential},
-        )
+    async def _cancel_stream(self, stage: str, instance: str, request_id: str) -> None:
+        """Stop a stage's stream whose client went away (a :class:`~trident.protocol.Cancel` message)."""
         try:
-            responses = await call.async_exec(decoupled=True)
-            await asyncio.get_running_loop().run_in_executor(self._streams, self._finish, responses)
+            await self._stages.cancel(instance, request_id)
         except Exception as e:  # the stream still ends with its max_tokens
             self.logger.log_warn(f"[trident] {self.mode}: could not cancel a {stage} stream on {instance}: {e}")
 
@@ -596,10 +478,8 @@ class TritonPythonModel:
         )
 
     def finalize(self) -> None:
-        if self._direct is not None:
-            self._direct.close()
+        self._stages.close()
         self._streams.shutdown(wait=False, cancel_futures=True)
-        self._finished.clear()
 
 
 def _stage_inputs(stage: str, inputs: dict, record: tuple[str, bytes] | None):
@@ -610,6 +490,20 @@ def _stage_inputs(stage: str, inputs: dict, record: tuple[str, bytes] | None):
             yield name, np.array([record[1]], dtype=np.object_)
         elif name in inputs:
             yield name, inputs[name]
+
+
+def _arrays(stage: str, inputs: dict, record: tuple[str, bytes] | None) -> dict:
+    """The stage's inputs as arrays (a stage call's ``inputs``)."""
+    return {name: v if isinstance(v, np.ndarray) else v.as_numpy() for name, v in _stage_inputs(stage, inputs, record)}
+
+
+def _finish_reason(pb, response) -> bytes | None:
+    """The response's ``finish_reason`` (None when it has none: not the stream's last)."""
+    tensor = pb.get_output_tensor_by_name(response, "finish_reason")
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)
+    return value[0] if value.size and isinstance(value[0], bytes) and value[0] else None
 
 
 def _bytes_of(arrays: dict, outputs: list[str]) -> dict[str, bytes]:

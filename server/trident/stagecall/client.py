@@ -6,15 +6,14 @@ streaming stages' calls, a stream's :class:`~trident.protocol.Cancel`, a posted 
 :class:`~trident.protocol.Withdraw`) and the encode worker handing its record to a prefill worker
 (:class:`~trident.protocol.Deliver`). :class:`StageLink` is the one without: the stage model's python-backend stub,
 which carries the calls of Triton's clients and ensembles. Both write on one :class:`_Connection` per worker, after
-both ends proved the deployment secret (:mod:`trident.auth`). Where a worker listens is in the worker file of its
-stage model's folder.
+both ends proved the deployment secret (:mod:`trident.auth`). Where a worker listens is in its worker file: the
+stub's is in its stage model's folder, a :class:`StageClient`'s callers find it in the stage directory
+(:mod:`.directory`).
 
-A call from the BLS straight to the worker crosses two process hand-offs; through Triton it crosses four (BLS ->
-Triton -> the stub -> worker and back: 2-3 ms on the 2-core machine, ``make bench-hops``). The BLS calls an
-instance through Triton when it has no worker file, does not answer the connect, is stopping (it answers
-:class:`~trident.protocol.Gone`, and lets the calls it took finish), or its socket closed before the call could be
-written: Triton tells whether the instance is there. A worker that goes away during a call fails it: 503, "the
-request was lost with it".
+A :class:`StageClient` call answers None when the instance is not there to take it: no entry in the stage
+directory, no answer to the connect, stopping (it answers :class:`~trident.protocol.Gone`, and lets the calls it
+took finish), or its socket closed before the call could be written; the caller then tries another instance. A
+worker that goes away during a call fails it: 503, "the request was lost with it".
 """
 
 from __future__ import annotations
@@ -36,14 +35,15 @@ import numpy as np
 from .. import auth
 from ..errors import MalformedRecord, TridentError, Unavailable
 from ..protocol import (
-    WORKER_FILE, Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
+    Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
     failure,
 )
+from . import directory
 from .frames import ends, recv_message
 
 
 log = logging.getLogger("trident")
-CONNECT_S = 5.0  # a TCP stage socket that does not answer within this is called through Triton
+CONNECT_S = 5.0  # a TCP stage socket that does not answer within this is gone
 
 
 class DirectStream:
@@ -191,18 +191,15 @@ def lost_message(instance: str, info: dict) -> str:
 
 class StageClient:
     """Calls to stage workers, one connection per stage instance (opened on first use, again after the
-    worker went away). ``store``: the server's model repository folder, where each local stage instance's
-    worker file is."""
+    worker went away), found in the stage directory (:mod:`.directory`)."""
 
-    def __init__(self, store: Path) -> None:
-        self._store = store
+    def __init__(self) -> None:
         self._connections: dict[str, _Connection] = {}
 
     async def call(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str],
                    parameters: dict | None = None, hand_to: HandTo | None = None,
                    await_record: str | None = None) -> dict[str, np.ndarray] | None:
-        """The outputs of one call of ``instance``; None when it has no stage socket to take it (call it through
-        Triton). Raises the stage's error (a :class:`~trident.errors.TridentError`) as it sent it."""
+        """The outputs of one call of ``instance``; None when it is not there to take it (try another). Raises the stage's error (a :class:`~trident.errors.TridentError`) as it sent it."""
         connection = await self._connection(instance)
         if connection is None:
             return None
@@ -211,7 +208,7 @@ class StageClient:
             answer = await connection.ask(call)
         except NotSent:
             return None
-        if isinstance(answer, Gone):  # the worker is stopping: Triton tells what became of the instance
+        if isinstance(answer, Gone):  # the worker is stopping
             return None
         if isinstance(answer, Failure):
             raise error_of(answer)
@@ -221,8 +218,8 @@ class StageClient:
 
     async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters: dict,
                      convert: Callable[[StageMessage], list]) -> DirectStream | None:
-        """A streamed call of ``instance`` (a decoupled stage), once its first message is in; None when it has no
-        stage socket to take it (call it through Triton)."""
+        """A streamed call of ``instance`` (a decoupled stage), once its first message is in; None when it is not
+        there to take it (try another)."""
         connection = await self._connection(instance)
         if connection is None:
             return None
@@ -240,7 +237,7 @@ class StageClient:
         worker has taken it."""
         connection = await self._connection(instance)
         if connection is None:
-            raise Unavailable(f"stage instance {instance} has no stage socket any more")
+            raise Unavailable(f"stage instance {instance} is not in the stage directory any more")
         try:
             answer = await connection.ask(Cancel(connection.next_id(), request_id))
         except NotSent:
@@ -273,8 +270,10 @@ class StageClient:
         connection = self._connections.get(instance)
         if connection is not None and connection.open:
             return connection
+        info = directory.lookup(instance)
         try:
-            info = json.loads((self._store / instance / "1" / WORKER_FILE).read_text())
+            if info is None:
+                raise OSError("no entry in the stage directory")
             sock = await asyncio.get_running_loop().run_in_executor(None, open_stage_socket, info)
         except (OSError, ValueError, KeyError, TypeError):
             self._connections.pop(instance, None)

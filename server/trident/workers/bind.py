@@ -196,7 +196,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         engine.close()
         return NAME_TAKEN_EXIT
     timings.start(name)
-    handler = make_handler(spec, engine, settings.fault_injection, settings.max_inflight, settings.model_store)
+    handler = make_handler(spec, engine, settings.fault_injection, settings.max_inflight)
     infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.before_slot)
     server = StageServer(infer, handler.control, settings.transfer.data_address)
     server.start()

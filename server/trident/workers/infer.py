@@ -15,7 +15,6 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -26,7 +25,7 @@ from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import (
-    CANCEL, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Control, Deliver, StageSpec, Withdraw,
+    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Control, Deliver, StageSpec, Withdraw,
 )
 from . import record_handoff
 
@@ -218,10 +217,9 @@ class StageHandler:
             raise InvalidRequest(f"the {self.spec.name} stage takes no {type(message).__name__} message")
 
 
-def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64,
-                 model_store: str | None = None) -> StageHandler:
-    """The :class:`StageHandler` of ``spec`` over ``engine``. ``model_store``: the server's model repository, where
-    the encode stage finds the prefill worker it hands a record to (:mod:`.record_handoff`)."""
+def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64) -> StageHandler:
+    """The :class:`StageHandler` of ``spec`` over ``engine``. The encode stage finds the prefill worker it hands a
+    record to in the stage directory (:mod:`trident.stagecall.directory`, :mod:`.record_handoff`)."""
     names = spec.input_names
     admission = Admission(spec.name, max_inflight)
     record_names = [RECORD_TENSOR[kind] for kind in (spec.takes, spec.also_takes) if kind is not None]
@@ -294,10 +292,10 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             report = dict(encoded.report) if encoded else {}
             if hand is not None:
                 handed = False
-                if encoded is not None and model_store is not None:
+                if encoded is not None:
                     from ..stagecall import StageClient
 
-                    calls = calls or StageClient(Path(model_store))
+                    calls = calls or StageClient()
                     with timings.step("hand_on"):
                         handed = await record_handoff.hand_on(calls, hand, encoded.record)
                 report["handed"] = handed
@@ -323,10 +321,6 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
     streams = Streams()
 
     async def generate(request: Call):
-        cancel = _parameter(request, CANCEL)
-        if cancel is not None:  # a cancel through Triton (on the stage socket: a Cancel message)
-            streams.cancel(cancel)
-            return
         t0, first = time.monotonic_ns(), True
         admit(request)
         try:

@@ -12,6 +12,9 @@ PyTriton still binds the model: its worker side reads a config from a hand-shake
 instance serves once loaded. This file serves it with PyTriton's own classes, so the binding completes; nothing
 else of PyTriton's proxy runs here (its tensor store and transport are not used).
 
+While the model is loaded, its first instance enters the worker file in the stage directory
+(:mod:`trident.stagecall.directory`), where the schedulers find the worker to call it straight.
+
 A request without the stage credential (:mod:`trident.auth`) is refused here, before the worker sees it.
 """
 
@@ -24,8 +27,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 
 from trident import auth, timings
-from trident.errors import TridentError, Unauthenticated, Unavailable, client_message, to_wire
-from trident.protocol import REQUEST_ID, STAGE_ERROR_MARK, WORKER_FILE, Call, Failure, Gone, error_of, failure
+from trident.errors import TridentError, Unauthenticated, Unavailable, client_message
+from trident.protocol import WORKER_FILE, Call, Failure, Gone, error_of, failure
+from trident.stagecall import directory
 from trident.stagecall.client import NoWorker, StageLink
 from trident.stagecall.frames import ends
 
@@ -34,13 +38,6 @@ def triton_error(error: TridentError):
     """A ``pb_utils.TritonError`` for a Trident error, with its class's code."""
     code = getattr(pb_utils.TritonError, error.triton_code, pb_utils.TritonError.INTERNAL)
     return pb_utils.TritonError(client_message(error), code)
-
-
-def _from_scheduler(request) -> bool:
-    try:
-        return REQUEST_ID in json.loads(request.parameters() or "{}")
-    except (ValueError, AttributeError):
-        return False
 
 
 def _parameters(triton_request) -> dict | None:
@@ -88,14 +85,17 @@ class TritonPythonModel:
         self._inputs = [i["name"] for i in config["input"]]
         self._outputs = {o["name"]: pb_utils.triton_string_to_numpy(o["data_type"]) for o in config["output"]}
         self._decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
-        self._handshake = None
-        if args["model_instance_name"].rsplit("_", 1)[-1] == "0":  # PyTriton's worker side reads its config once
-            workspace = Path(config["parameters"]["workspace-path"]["string_value"])
-            self._handshake = HandshakeServer(
+        self._handshake = self._entry = None
+        worker_file = Path(args["model_repository"]) / args["model_version"] / WORKER_FILE
+        if args["model_instance_name"].rsplit("_", 1)[-1] == "0":  # once per model
+            workspace = Path(config["parameters"]["workspace-path"]["string_value"])  # PyTriton's worker side
+            self._handshake = HandshakeServer(  # reads its config from here
                 workspace / f"{name}-config.sock",
                 TritonInferenceHandlerConfigGenerator(workspace / f"{name}-data.sock").get_config())
             self._handshake.start()
-        self._link = StageLink(name, Path(args["model_repository"]) / args["model_version"] / WORKER_FILE)
+            self._entry = json.loads(worker_file.read_text())
+            directory.enter(name, self._entry)
+        self._link = StageLink(name, worker_file)
 
     def execute(self, requests):
         t0 = time.monotonic_ns()
@@ -115,6 +115,8 @@ class TritonPythonModel:
             timings.mark("execute", t0)
 
     def finalize(self) -> None:
+        if self._entry is not None:
+            directory.remove(self._name, self._entry)
         self._link.close()
         if self._handshake is not None:
             self._handshake.close()
@@ -156,7 +158,6 @@ class TritonPythonModel:
 
     def _stream(self, request, call: Call | Failure) -> None:
         sender = request.get_response_sender()
-        from_scheduler = _from_scheduler(request)
         first = [True]
 
         def on_message(message) -> None:
@@ -164,14 +165,7 @@ class TritonPythonModel:
             last = ends(message)
             final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
             response = self._response(request, message)
-            if isinstance(message, (Failure, Gone)) and from_scheduler:
-                # Triton 2.51 loses an error response that follows others on its way to a BLS caller (its stream
-                # then ends as if complete, or never): the scheduler gets the error in the final response's
-                # finish_reason; other callers as an error response, then the flag
-                error = error_of(message) if isinstance(message, Failure) else Unavailable("the worker is stopping")
-                mark = np.array([STAGE_ERROR_MARK + to_wire(error).encode()], dtype=np.object_)
-                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("finish_reason", mark)]), final)
-            elif isinstance(message, (Failure, Gone)):
+            if isinstance(message, (Failure, Gone)):  # an error response, then the flag
                 sender.send(response, 0)
                 sender.send(None, final)
             else:

@@ -1,19 +1,11 @@
-"""The BLS entry model frees its stage streams under the GIL (:mod:`trident.scheduler.bls_streams`).
-
-gdb, attached to the running entry model's python-backend stub, stops at every destruction of a decoupled
-BLS response iterator and asks whether that thread holds the GIL. Before the fix about one in seven was
-destroyed by the stub's utils thread without it, which corrupted the stub's Python heap under load. Such
-iterators exist where the scheduler calls a stage through Triton (a worker joined from another host, or
-``scheduling.stage_calls: triton``, which the test serves with), not where it calls the worker straight.
-"""
+"""The BLS entry model's python-backend stub exits cleanly when the server stops (gdb attached to it says how it
+ended)."""
 
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,25 +13,6 @@ import pytest
 from support import descendants, grpc_generate, serving
 
 pytestmark = pytest.mark.slow
-
-GDB_SCRIPT = """\
-set pagination off
-set confirm off
-set print thread-events off
-handle SIGPIPE SIGUSR1 SIGUSR2 SIG32 SIG33 SIG34 SIG35 SIG36 nostop noprint pass
-break triton::backend::python::ResponseIterator::~ResponseIterator
-commands
-silent
-printf "DTOR gil=%d\\n", (int)PyGILState_Check()
-bt 4
-continue
-end
-printf "ATTACHED\\n"
-continue
-delete
-detach
-quit
-"""
 
 
 class _Gdb:
@@ -82,46 +55,6 @@ def _entry_stub(server, mode: str) -> int:
         if "triton_python_backend_stub" in cmdline and f"/{mode}/1/model.py" in cmdline:
             return pid
     raise AssertionError(f"no python-backend stub runs the {mode} entry model")
-
-
-def test_stage_streams_are_freed_under_the_gil(demo_models, tmp_path):
-    gdb = shutil.which("gdb")
-    assert gdb, "this test needs gdb (`make test` installs it)"
-    with serving(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"],
-                 config={"scheduling": {"stage_calls": "triton"}}) as server:
-        script = tmp_path / "dtor.gdb"
-        script.write_text(GDB_SCRIPT)
-        gdb_run = _Gdb(gdb, _entry_stub(server, "e_p_d"), script)
-        proc, lines = gdb_run.proc, gdb_run.lines
-        params = {"max_tokens": 4, "temperature": 0}
-
-        def stream(i: int) -> int:
-            if proc.poll() is not None:  # gdb left early: the stub stopped (a crash is in its output)
-                return 0
-            try:
-                return grpc_generate(server.grpc, "e_p_d", f"Count to {i % 7}.", [], params, stream=True, timeout=30).num_output_tokens
-            except Exception:  # counted below, after what gdb saw
-                return -1
-
-        try:
-            gdb_run.wait_attached()
-            with ThreadPoolExecutor(8) as pool:
-                counts = list(pool.map(stream, range(160)))
-        finally:
-            proc.send_signal(signal.SIGINT)  # stops the stub; the script then detaches
-            gdb_run.finish(tmp_path / "gdb.log")
-        crashed = [i for i, line in enumerate(lines) if "received signal" in line and "SIGINT" not in line]
-        assert not crashed, "\n".join(lines[crashed[0]:crashed[0] + 12])
-        destroyed = [i for i, line in enumerate(lines) if line.startswith("DTOR gil=")]
-        without = [i for i in destroyed if lines[i] != "DTOR gil=1"]
-        assert not without, f"{len(without)} of {len(destroyed)} iterators freed without the GIL:\n" + "\n".join(
-            lines[without[0]:without[0] + 5]
-        )
-        assert len(counts) == 160 and all(1 <= n <= 4 for n in counts), counts
-        assert len(destroyed) >= 160, "\n".join(lines[-20:])
-        assert proc.returncode == 0 and any("Detaching" in line or "detached" in line.lower() for line in lines), lines[-10:]
-        # the stub serves on after gdb has left
-        assert grpc_generate(server.grpc, "e_p_d", "Count to 3.", [], params, stream=True).num_output_tokens >= 1
 
 
 EXIT_SCRIPT = """\
