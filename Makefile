@@ -99,7 +99,7 @@ bench-scheduler: install
 # Reliability under load: 1,000 streamed requests at concurrency 64 over every mode, ~10% cancelled, the decode
 # worker killed midway; errors, what is left held, RSS before/after, latency -> docs/reliability.md
 soak: install
-	HF_HUB_OFFLINE=1 $(PY) -m trident.dev.soak --report docs/reliability.md $(SOAK_ARGS)
+	HF_HUB_OFFLINE=1 PYTHONPATH=tests $(PY) -m support.soak --report docs/reliability.md $(SOAK_ARGS)
 
 # The engine-level benchmarks: NIXL transfer vs memcpy, batched decode.
 bench-engine: install

@@ -130,7 +130,13 @@ class MediaPolicy(_Settings):
 
     allow_private_urls: bool = Field(False, description="let media URLs resolve to private/loopback addresses")
     allowed_media_dir: Path | None = Field(None, description="folder local media paths may come from (default: none)")
-    max_bytes: ByteSize = Field(64 * MiB, gt=0, description="largest media item a URL or file may hold")
+    max_bytes: ByteSize = Field(
+        64 * MiB, gt=0, description="most bytes one request's media URLs and files may bring together (each item "
+        "also within its kind's media_limits); counted as they arrive, the request refused at the first item past it"
+    )
+    allowed_ports: list[int] | None = Field(
+        [80, 443, 8080, 8443], description="ports a media URL may name (null: any)"
+    )
     timeout_s: float = Field(10.0, gt=0, description="longest a media URL may take to fetch")
 
 
@@ -188,11 +194,6 @@ class WorkerSettings(_Settings):
         64, ge=1, description="requests this worker takes at once; one more is refused at once with 503 and "
         "Retry-After rather than queued"
     )
-    fault_injection: bool = Field(
-        False, json_schema_extra=INTERNAL,
-        description="internal: tests only; a prompt holding [[trident-fault:<ErrorClass>]] makes the stage raise it",
-    )
-
     @field_validator("stage")
     @classmethod
     def _known_stage(cls, v: str) -> str:
@@ -301,10 +302,6 @@ class ServeSettings(_Settings):
         None, description="write each request's step timings there: one <process>.jsonl per stage worker, "
         "stage stub and scheduler (what `make bench-hops` reads; off by default)"
     )
-    fault_injection: bool = Field(
-        False, json_schema_extra=INTERNAL, description="internal: tests only; see WorkerSettings.fault_injection"
-    )
-
     @field_validator("instances")
     @classmethod
     def _known_stages(cls, v: dict[str, int]) -> dict[str, int]:

@@ -45,6 +45,10 @@ class TextStream:
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
+        # per stop string, by character: the lengths k (longest first) of its prefixes s[:k] ending in it, the
+        # only ones the text can end with when it ends in that character
+        self._ends = [{c: sorted((k for k in range(1, len(s)) if s[k - 1] == c), reverse=True) for c in set(s)}
+                      for s in self._stop]
         self._ids: list[int] = []
         self._emitted = 0  # characters of the decoded text already returned
         self.stopped = False
@@ -66,8 +70,14 @@ class TextStream:
                 return self._take(text[:at])
         if text.endswith("\ufffd"):  # an incomplete multi-byte character
             return ""
-        hold = max((k for s in self._stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        hold = max((self._held(s, ends, text) for s, ends in zip(self._stop, self._ends)), default=0) if text else 0
         return self._take(text[: len(text) - hold])
+
+    @staticmethod
+    def _held(stop: str, ends: dict[str, list[int]], text: str) -> int:
+        """The longest k < len(stop) such that ``text`` ends with ``stop[:k]`` (0: none): text that may be the start
+        of ``stop``, held back until the next tokens tell."""
+        return next((k for k in ends.get(text[-1], ()) if text.endswith(stop[:k])), 0)
 
     def flush(self) -> str:
         """The rest of the text once generation has ended."""

@@ -20,44 +20,77 @@ from .errors import InvalidRequest
 GREEDY_BELOW = 1e-5
 
 
-VLLM_SAMPLING_NAMES = frozenset({
-    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-    "logprobs", "prompt_logprobs", "stop_token_ids", "bad_words", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "detokenize",
-    "logit_bias", "allowed_token_ids", "output_kind", "guided_decoding", "structured_outputs", "extra_args",
-})
-"""vLLM ``SamplingParams`` names that Trident's engines do not use: accepted (clients of Triton's vLLM backend
-send them), ignored."""
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a signed 64-bit seed, as vLLM's server takes
+INT32_MAX = (1 << 31) - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters
+
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "stop_token_ids": None,
+    "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "detokenize": True, "logit_bias": None,
+    "allowed_token_ids": None, "output_kind": None, "guided_decoding": None, "structured_outputs": None,
+    "extra_args": None,
+}
+"""vLLM ``SamplingParams`` names that Trident's engines do not honour, with vLLM's defaults: a request may send one
+at its default (or null, or empty), as clients of Triton's vLLM backend do; any other value is refused (400, naming
+it), never ignored."""
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` asks for no more than vLLM's ``default`` does (null and empty do not ask)."""
+    if value is None or value == [] or value == {}:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is default
+    return value == default
 
 
 class SamplingParams(BaseModel):
-    """The ``sampling_parameters`` JSON of the entry interface (vLLM's names and defaults)."""
+    """The ``sampling_parameters`` JSON of the entry interface (vLLM's names, defaults and ranges)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off
-    seed: int | None = None
-    stop: list[str] = []
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # 0 or -1: off
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: list[str] = Field([], max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _known_names(cls, data: Any) -> Any:
         """A name neither here nor in vLLM's ``SamplingParams`` is a mistake (a typo would otherwise change
-        nothing, silently); vLLM's other names are accepted and, for now, ignored."""
+        nothing, silently); one of vLLM's that Trident does not honour is refused unless it asks for vLLM's
+        default (:data:`UNSUPPORTED_DEFAULTS`)."""
         if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields) - VLLM_SAMPLING_NAMES)
+            unknown = sorted(set(data) - set(cls.model_fields) - set(UNSUPPORTED_DEFAULTS))
             if unknown:
                 raise ValueError(f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}")
+            asked = sorted(n for n in set(data) & set(UNSUPPORTED_DEFAULTS)
+                           if not _is_default(data[n], UNSUPPORTED_DEFAULTS[n]))
+            if asked:
+                raise ValueError("not supported by Trident's engines: " + ", ".join(
+                    f"{n} (send {UNSUPPORTED_DEFAULTS[n]!r} or leave it out)" for n in asked))
         return data
 
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, v: list[str]) -> list[str]:
+        """Each stop string is looked for after every token: at most :data:`MAX_STOP_CHARS` characters each."""
+        long = [i for i, s in enumerate(v) if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"stop string {long[0]} has {len(v[long[0]])} characters; at most {MAX_STOP_CHARS}")
+        return v
 
     @property
     def greedy(self) -> bool:
@@ -69,10 +102,14 @@ class SamplingParams(BaseModel):
         """Parse the JSON string; any problem is an :class:`InvalidRequest` naming it."""
         if text is None or (isinstance(text, (str, bytes)) and not text.strip()):
             return cls()
+        if len(text) > MAX_SAMPLING_JSON:
+            raise InvalidRequest(f"sampling_parameters has {len(text)} bytes; at most {MAX_SAMPLING_JSON}")
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest("sampling_parameters is nested too deeply") from None
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError, an integer of too many digits)
+            raise InvalidRequest(f"sampling_parameters is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise InvalidRequest("sampling_parameters must be a JSON object")
         try:

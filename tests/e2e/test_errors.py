@@ -1,5 +1,5 @@
 """Every error class, raised in a real stage worker, reaches the Triton client and the OpenAI client with its
-status. A server started with fault injection (tests only) raises the class a prompt's
+status. A server whose workers load the tests' fault wrapper (`tests/support/faults`) raises the class a prompt's
 ``[[trident-fault:<Class>@<stage>]]`` marker names; the real conditions behind the transfer errors (a
 garbage record, a full pool, a dead producer, an expired lease) are provoked too.
 
@@ -37,8 +37,8 @@ def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("errors") / "ws",
                  # every stage in its own worker, also for short prompts: faults are injected per stage
                  extra=["--served-model-name", NAME],
-                 config={"fault_injection": True, "transfer": {"send_pool_bytes": SEND_POOL_MIB << 20},
-                         "scheduling": {"local_prefill_tokens": 0}, "max_inflight": MAX_INFLIGHT})
+                 faults=True, config={"transfer": {"send_pool_bytes": SEND_POOL_MIB << 20},
+                                      "scheduling": {"local_prefill_tokens": 0}, "max_inflight": MAX_INFLIGHT})
     try:
         srv.wait_ready()
         yield srv

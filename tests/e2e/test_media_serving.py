@@ -179,7 +179,8 @@ def test_openai_media_urls_equal_data_urls(server, reference, tmp_path):
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         app = create_app(FrontendSettings(model_name=NAME, model_path=server.model_path,
-                                          media=MediaPolicy(allow_private_urls=True)), TritonEngine(server.grpc))
+                                          media=MediaPolicy(allow_private_urls=True, allowed_ports=None)),
+                         TritonEngine(server.grpc))
         with TestClient(app) as http_client:
             def post(body):
                 return http_client.post("/v1/chat/completions", json=body)

@@ -111,6 +111,13 @@ BAD = {
     "outside media dir": (_messages("/etc/hostname"), {}, 400, "outside the allowed media folder"),
     "n=2": (_messages("data:,"), {"n": 2}, 400, "n=2 is not supported"),
     "unknown model": (_messages("data:,"), {"model": "gpt-17"}, 404, "does not exist"),
+    "logprobs": (_messages("data:,"), {"logprobs": True, "top_logprobs": 2}, 400,
+                 "not supported by Trident yet: logprobs, top_logprobs"),
+    "json output": (_messages("data:,"), {"response_format": {"type": "json_object"}}, 400, "yet: response_format"),
+    "a penalty": (_messages("data:,"), {"presence_penalty": 0.5}, 400, "presence_penalty (send 0.0 or leave it out)"),
+    "a vLLM field": (_messages("data:,"), {"extra_body": {"repetition_penalty": 1.3}}, 400, "repetition_penalty"),
+    "seed past 64 bits": (_messages("data:,"), {"seed": 1 << 64}, 400, "seed: Input should be less than or equal"),
+    "17 stops": (_messages("data:,"), {"stop": ["x"] * 17}, 400, "stop: List should have at most 16 items"),
 }
 
 
@@ -189,7 +196,7 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
     try:
         app = create_app(
             FrontendSettings(model_name=NAME, model_path=server.model_path,
-                             media=MediaPolicy(allow_private_urls=True, max_bytes=1 << 20)),
+                             media=MediaPolicy(allow_private_urls=True, allowed_ports=None, max_bytes=1 << 20)),
             TritonEngine(server.grpc),
         )
         body = {"model": NAME, "max_tokens": 8, "temperature": 0}
@@ -199,7 +206,7 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
             assert by_url.status_code == 200, by_url.text
             assert by_url.json()["choices"][0]["message"] == by_data.json()["choices"][0]["message"]
             too_big = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/big.bin")})
-            assert too_big.status_code == 400 and "larger than 1 MiB" in too_big.json()["error"]["message"]
+            assert too_big.status_code == 400 and "past 1 MiB together" in too_big.json()["error"]["message"]
             missing = http_client.post("/v1/chat/completions", json={**body, "messages": _messages(f"{base}/none.png")})
             assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
             # a redirect is not followed (it could lead anywhere, a private address included)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from support import MODES, Server
-from trident.dev.soak import soak, table
+from support.soak import soak, table
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ GREEDY = {"max_tokens": 12, "temperature": 0}
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("supervision") / "ws", modes=["e_p_d", "epd"],
-                 config={"scheduling": {"local_prefill_tokens": 0}, "fault_injection": True})
+                 config={"scheduling": {"local_prefill_tokens": 0}}, faults=True)
     try:
         srv.wait_ready()
         yield srv

@@ -257,7 +257,7 @@ def test_a_stream_cancelled_at_its_first_token_frees_the_prefill_s_blocks(server
     wait_drained(server, KV_STAGES, timeout=5)
 
 
-VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images"]
+VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images", "seed past 64 bits"]
 
 
 @pytest.mark.parametrize("problem", VLLM_BAD)

@@ -27,6 +27,11 @@ BAD_REQUESTS = {  # problem -> (what changes in a good one-image request, what t
     "bad value": ({"params": {"max_tokens": -4}}, "max_tokens"),
     "too long": ({"suffix": " word" * 5000}, "context window"),
     "too many images": ({"images": 17}, "carries 17 images; at most 16 are accepted"),
+    "seed past 64 bits": ({"params": {"max_tokens": 4, "seed": 1 << 64}}, "seed: Input should be less than"),
+    "not honoured": ({"params": {"max_tokens": 4, "presence_penalty": 0.5}},
+                     "not supported by Trident's engines: presence_penalty"),
+    "deep json": ({"params": "[" * 20_000 + "]" * 20_000}, "sampling_parameters is nested too deeply"),
+    "long stop": ({"params": {"max_tokens": 4, "stop": ["y" * 257]}}, "stop string 0 has 257 characters"),
 }
 
 

@@ -1,11 +1,11 @@
-"""`trident serve` for end-to-end tests (:class:`trident.dev.served.Server`) and what tests check of its workers."""
+"""`trident serve` for end-to-end tests (:class:`support.served.Server`) and what tests check of its workers."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 
-from trident.dev.served import Server, descendants, held
+from .served import Server, descendants, held
 
 __all__ = ["OneServerAtATime", "Server", "descendants", "serving", "vllm_server", "wait_drained"]
 
@@ -23,7 +23,7 @@ def serving(model: str, workspace, *, timeout: float = 240, **kwargs):
 
 
 def wait_drained(server: Server, stages: set[str], timeout: float = 10.0) -> dict[str, dict]:
-    """Wait until no worker holds anything for a request (:func:`trident.dev.served.held`); assert it, and
+    """Wait until no worker holds anything for a request (:func:`support.served.held`); assert it, and
     that no lease expired. Returns the last stats."""
     deadline = time.monotonic() + timeout
     while True:

@@ -87,9 +87,9 @@ def test_flags_override_the_environment_which_overrides_the_file(tmp_path, monke
 
 
 def test_internal_settings_come_from_the_config_file_only(tmp_path):
-    path = write(tmp_path / "serve.yaml", {"fault_injection": True, "vllm": {"executor": "mp"}})
+    path = write(tmp_path / "serve.yaml", {"vllm": {"executor": "mp"}})
     s = settings(["--config", path])
-    assert s.fault_injection and s.vllm.executor == "mp"
+    assert s.vllm.executor == "mp"
 
 
 @pytest.mark.parametrize("data, names", [
@@ -178,7 +178,7 @@ def test_the_reference_lists_every_key_but_the_internal_ones():
         shown = f"| `{key}` |" in doc
         hidden = _internal(info) or (key.startswith("frontend.") and (info.json_schema_extra or {}).get("set_by_serve"))
         assert shown != bool(hidden), key
-    for key in ("executor", "nixl_progress_thread", "fault_injection",
+    for key in ("executor", "nixl_progress_thread",
                 "access_token", "transfer_secret"):
         assert f"{key}` |" not in doc
 

@@ -220,6 +220,44 @@ def test_at_most_keeps_calls_at_once():
     assert state["most"] == 2
 
 
+def test_a_one_answer_stage_refuses_past_max_inflight_at_once_instead_of_queueing():
+    """``max_inflight`` counts the calls waiting for the engine's slot as well as the one in it: past it a call is
+    refused at once (503, the record it brought freed), not queued without bound."""
+    from trident.protocol import STAGES, Call
+    from trident.stagecall.server import at_most
+    from trident.workers.infer import make_handler
+
+    class Engine:
+        discarded: list[bytes] = []
+
+        async def prefill(self, text, params, **kwargs):
+            await asyncio.sleep(0.2)
+            return b"kv of " + text.encode()
+
+        def discard(self, record: bytes) -> None:
+            self.discarded.append(record)
+
+    engine = Engine()
+    handler = make_handler(STAGES["prefill"], engine, max_inflight=2)
+    infer = at_most(handler.infer, 1, handler.entry)  # one slot: the engine's calls_at_once
+
+    def call(i: int) -> Call:
+        return Call(i, {"text_input": np.array([f"p{i}".encode()], dtype=np.object_),
+                        "embedding_meta": np.array([f"record {i}".encode()], dtype=np.object_)}, ["kv_meta"], {})
+
+    async def go():
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(infer(call(i)) for i in range(4)), return_exceptions=True)
+        return results, time.monotonic() - t0
+
+    results, _ = _run(go())
+    refused = [r for r in results if isinstance(r, Unavailable)]
+    assert len(refused) == 2 and "limit (max_inflight)" in str(refused[0])
+    assert [r["kv_meta"].tolist() for r in results if isinstance(r, dict)] == [[b"kv of p0"], [b"kv of p1"]]
+    assert engine.discarded == [b"record 2", b"record 3"]
+    assert _run(infer(call(5)))["kv_meta"].tolist() == [b"kv of p5"]  # counted out again
+
+
 @pytest.fixture
 def streaming(tmp_path):
     """A decoupled stage's stage server: ``n`` tokens a call (the text's number), an error after two with

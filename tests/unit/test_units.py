@@ -29,6 +29,36 @@ def test_sampling_params_parse_and_errors():
         SamplingParams.from_json('{"top_p": 1.5}')
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"seed": 18446744073709551615}', r"seed: Input should be less than or equal to 9223372036854775807"),
+    ('{"seed": -9223372036854775809}', r"seed: Input should be greater than or equal to -9223372036854775808"),
+    ('{"max_tokens": 4294967296}', r"max_tokens: Input should be less than or equal to 2147483647"),
+    ('{"seed": 1%s}' % ("0" * 5000), r"not valid JSON: Exceeds the limit"),  # (Python's own digit limit)
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, r"sampling_parameters has 600001 bytes; at most 65536"),
+    ('[' * 20_000 + ']' * 20_000, r"nested too deeply"),
+    ('{"stop": [%s]}' % ", ".join(['"x"'] * 17), r"stop: List should have at most 16 items"),
+    ('{"stop": "%s"}' % ("y" * 257), r"stop string 0 has 257 characters; at most 256"),
+    ('{"presence_penalty": 0.5, "n": 2, "logit_bias": {"1": 5}}',
+     r"not supported by Trident's engines: logit_bias \(send None or leave it out\), n \(send 1 or leave it "
+     r"out\), presence_penalty \(send 0.0 or leave it out\)"),
+    ('{"skip_special_tokens": false}', r"skip_special_tokens \(send True"),
+    ('{"guided_decoding": {"regex": "a+"}}', r"guided_decoding"),
+])
+def test_sampling_params_out_of_range_or_not_honoured_are_400s_before_any_work(text, message):
+    """vLLM's server bounds these before it does any work; a field the engines would ignore is refused, never
+    answered as if it had been honoured. A deep or huge JSON is a 400, not a 500."""
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams.from_json(text)
+
+
+def test_vllm_names_at_their_defaults_are_accepted():
+    """What clients of Triton's vLLM backend send by habit: vLLM's defaults, nulls and empties."""
+    p = SamplingParams.from_json('{"n": 1, "best_of": null, "presence_penalty": 0, "repetition_penalty": 1.0, '
+                                 '"stop_token_ids": [], "skip_special_tokens": true, "logprobs": null, "seed": '
+                                 '9223372036854775807, "stop": ["%s"]}' % ("z" * 256))
+    assert p.seed == (1 << 63) - 1 and p.stop == ["z" * 256]
+
+
 class _ByteTokenizer:
     """Each token id is one byte; decoding replaces broken UTF-8 like real tokenizers do."""
 

@@ -9,6 +9,7 @@ lease).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -24,7 +25,8 @@ from ..config import FrontendSettings
 from ..errors import InvalidRequest, NotFound, TridentError
 from ..media import MODALITIES, check_count
 from ..media.audio import input_audio_to_base64
-from ..media.urls import media_url_to_base64
+from ..media.urls import FetchBudget, media_url_to_base64
+from ..processor import SamplingParams
 from ..protocol import MODES
 from .body_limit import BodyLimit
 from .engine import Chunk, Engine
@@ -69,6 +71,11 @@ class OpenAIServer:
         mode = self.resolve_mode(req.model)
         if req.n != 1:
             raise InvalidRequest(f"n={req.n} is not supported; only n=1")
+        asked = req.not_yet()
+        if asked:
+            raise InvalidRequest(f"not supported by Trident yet: {', '.join(asked)} (leave it out, or send its "
+                                 "default)")
+        SamplingParams.from_json(json.dumps(req.sampling(self.settings.default_max_tokens)))  # as the models would
         return mode
 
     def resolve_mode(self, model: str) -> str:
@@ -80,6 +87,7 @@ class OpenAIServer:
     async def chat_prompt(self, messages: list[Message]) -> tuple[str, dict[str, list[str]]]:
         """The chat template's prompt (one placeholder per media item) and the media as base64, by kind."""
         media: dict[str, list[str]] = {kind: [] for kind in MODALITIES}
+        budget = FetchBudget(self.settings.media.max_bytes)  # what its URLs and files may bring, together
         converted = []
         parts = [p for m in messages if isinstance(m.content, list) for p in m.content]
         for kind in MODALITIES:
@@ -94,13 +102,13 @@ class OpenAIServer:
                     parts.append({"type": "text", "text": part.text or ""})
                     continue
                 kind = _PART_KIND[part.type]
-                media[kind].append(await self._media_part(part, kind, len(media[kind])))
+                media[kind].append(await self._media_part(part, kind, len(media[kind]), budget))
                 parts.append({"type": kind})
             converted.append({"role": m.role, "content": parts})
         prompt = self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
         return prompt, {kind: items for kind, items in media.items() if items}
 
-    async def _media_part(self, part, kind: str, index: int) -> str:
+    async def _media_part(self, part, kind: str, index: int, budget: FetchBudget) -> str:
         """One media part's bytes as base64 (fetched or read where it is a URL or a path)."""
         if part.type == "input_audio":
             if part.input_audio is None:
@@ -109,7 +117,7 @@ class OpenAIServer:
         url = getattr(part, part.type)
         if url is None:
             raise InvalidRequest(f"a {part.type} part needs {part.type}.url")
-        return await media_url_to_base64(url.url, self.settings.media, index, kind)
+        return await media_url_to_base64(url.url, self.settings.media, index, kind, budget)
 
     async def _chunks(self, mode: str, endpoint: str, prompt: str, media: dict[str, list[str]], sampling: dict) -> AsyncIterator[Chunk]:
         """Generation chunks, timed and counted."""

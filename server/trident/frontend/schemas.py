@@ -6,6 +6,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..processor import UNSUPPORTED_DEFAULTS
+
+NOT_YET: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "echo": (None, False), "suffix": (None, ""),
+}
+"""OpenAI request fields Trident does not do yet, with the values that ask for nothing: any other value is refused
+(400, naming the field), never ignored."""
+FORWARDED = (set(UNSUPPORTED_DEFAULTS) - {"logprobs"}) | {"top_k"}
+"""vLLM's sampling names a request may carry besides OpenAI's (vLLM's server takes them in the body): passed on in
+``sampling_parameters``, where the entry models honour or refuse each one (``logprobs`` is OpenAI's here)."""
+
 
 class ImageURL(BaseModel):
     url: str
@@ -62,9 +75,16 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension, sent by load generators
 
+    def not_yet(self) -> list[str]:
+        """The fields of :data:`NOT_YET` this request asks something of."""
+        extra = self.model_extra or {}
+        return sorted(name for name, nothing in NOT_YET.items()
+                      if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in nothing))
+
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """The entry models' ``sampling_parameters``."""
         out: dict[str, Any] = {"max_tokens": self.max_tokens or default_max_tokens, "ignore_eos": self.ignore_eos}
+        out.update({k: v for k, v in (self.model_extra or {}).items() if k in FORWARDED})
         for name in ("temperature", "top_p", "seed"):
             value = getattr(self, name)
             if value is not None:

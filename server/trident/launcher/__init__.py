@@ -228,7 +228,7 @@ class Launcher:
             stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
             threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
             transfer=self.s.transfer, vllm=vllm, embedding_cache_bytes=self.s.embedding_cache_mib * MiB,
-            max_inflight=self.s.max_inflight, fault_injection=self.s.fault_injection,
+            max_inflight=self.s.max_inflight,
         )
 
     def _start_worker(self, name: str) -> None:

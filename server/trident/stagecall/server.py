@@ -19,6 +19,7 @@ scheduler then asks Triton, which says the instance is not there), the calls tak
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import atexit
 import functools
 import inspect
@@ -42,20 +43,20 @@ DRAIN_S = 60.0  # how long a stopping worker lets the calls it took finish
 log = logging.getLogger("trident.worker")
 
 
-def at_most(infer, count: int, before=None):
+def at_most(infer, count: int, entry=None):
     """``infer`` with at most ``count`` calls running at once (on the loop it runs on): the engine is built for
-    ``count`` (``calls_at_once``). ``before(call)`` runs first, outside the limit (a prefill call posted ahead of
-    its record waits for it there)."""
+    ``count`` (``calls_at_once``). ``entry(call)``, an async context manager, is entered first, outside the limit,
+    and left when the call ends (the stage handler's admission, and a prefill call posted ahead of its record
+    waiting for it: :meth:`trident.workers.infer.StageHandler.entry`)."""
     slots: asyncio.Semaphore | None = None
 
     @functools.wraps(infer)
     async def limited(call):
         nonlocal slots
-        if before is not None:
-            await before(call)
-        slots = slots or asyncio.Semaphore(count)
-        async with slots:
-            return await infer(call)
+        async with entry(call) if entry is not None else contextlib.nullcontext():
+            slots = slots or asyncio.Semaphore(count)
+            async with slots:
+                return await infer(call)
 
     return limited
 

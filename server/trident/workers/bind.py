@@ -196,8 +196,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         engine.close()
         return NAME_TAKEN_EXIT
     timings.start(name)
-    handler = make_handler(spec, engine, settings.fault_injection, settings.max_inflight)
-    infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.before_slot)
+    handler = make_handler(spec, engine, settings.max_inflight)
+    infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.entry)
     server = StageServer(infer, handler.control, settings.transfer.data_address)
     server.start()
     _install_proxy_model(server)

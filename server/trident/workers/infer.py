@@ -10,9 +10,8 @@ stage takes ``kv_meta``, or a short prompt with its ``embedding_meta`` that it p
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from .. import timings
-from ..errors import ERRORS, InvalidRequest, Unavailable
+from ..errors import InvalidRequest, Unavailable
 from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
@@ -29,8 +28,6 @@ from ..protocol import (
 )
 from . import record_handoff
 
-_FAULT = re.compile(r"\[\[trident-fault:(\w+)(?:@(\w+))?(?:#(\d+))?\]\]")
-_STALL = re.compile(r"\[\[trident-stall@(\w+)\]\]")
 
 
 def _parameter(request, name: str) -> str | None:
@@ -142,23 +139,6 @@ def record_output(spec: StageSpec, record: bytes | None) -> dict[str, np.ndarray
     return {RECORD_TENSOR[spec.hands_on]: np.array([record or b""], dtype=np.object_)}
 
 
-async def _stall(spec: StageSpec, text: str | None) -> None:
-    """Tests only (``fault_injection``): hold a request that carries ``[[trident-stall@stage]]`` in that
-    stage for a minute (so that a test can kill the worker with the request inside)."""
-    match = _STALL.search(text or "")
-    if match and match.group(1) == spec.name:
-        await asyncio.sleep(60)
-
-
-def _inject_fault(spec: StageSpec, text: str | None, responses: int | None = None) -> None:
-    """Tests only (``fault_injection``): raise the error a ``[[trident-fault:Name@stage]]`` marker names,
-    before the engine runs; with ``#N`` after the marker's stage, once the stage has sent N responses."""
-    match = _FAULT.search(text or "")
-    after = int(match.group(3)) if match and match.group(3) else None
-    if match and match.group(1) in ERRORS and match.group(2) in (None, spec.name) and after == responses:
-        raise ERRORS[match.group(1)](f"injected {match.group(1)} in the {spec.name} stage")
-
-
 class Admission:
     """At most ``limit`` requests in a worker at once: one more is refused at once (503 with Retry-After)
     rather than queued, so overload shows up as a quick retryable error, not as memory and latency growth."""
@@ -192,18 +172,34 @@ async def _await_record(inbox: record_handoff.Inbox, call: Call) -> None:
 
 @dataclass
 class StageHandler:
-    """A stage's handling in its worker: ``infer``, the function PyTriton binds (one answer, or a stream for a stage
-    that hands on tokens), and the hooks the worker's stage socket calls: :meth:`before_slot` before a one-answer
-    call takes its slot, :meth:`control` for each control message."""
+    """A stage's handling in its worker: ``infer``, the stage function (one answer, or a stream for a stage that
+    hands on tokens), and the hooks the worker's stage server calls: :meth:`entry` around a one-answer call,
+    before it takes its slot, and :meth:`control` for each control message."""
 
     spec: StageSpec
     infer: Callable
+    admission: Callable[[Call], None] | None = None  # a one-answer stage's: counts a call in, or refuses it
+    leave: Callable[[], None] | None = None  # ... and out
     inbox: record_handoff.Inbox | None = None  # a prefill stage's records delivered by the encode worker
     streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
 
-    async def before_slot(self, call: Call) -> None:
-        if self.inbox is not None:
-            await _await_record(self.inbox, call)
+    @contextlib.asynccontextmanager
+    async def entry(self, call: Call):
+        """What a one-answer call goes through before it waits for a slot (``at_most``): it is counted in, or
+        refused at once past ``max_inflight`` (503, not queued); a prefill call posted ahead of its record waits
+        for it here. It is counted out when it ends."""
+        try:
+            self.admission(call)
+        except Unavailable:
+            if self.inbox is not None and call.await_record is not None:  # its record is freed when it comes
+                self.inbox.withdraw(call.await_record)
+            raise
+        try:
+            if self.inbox is not None:
+                await _await_record(self.inbox, call)
+            yield
+        finally:
+            self.leave()
 
     def control(self, message: Control) -> None:
         """A control message from a caller on the stage socket (:data:`trident.protocol.Control`)."""
@@ -217,7 +213,7 @@ class StageHandler:
             raise InvalidRequest(f"the {self.spec.name} stage takes no {type(message).__name__} message")
 
 
-def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inflight: int = 64) -> StageHandler:
+def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandler:
     """The :class:`StageHandler` of ``spec`` over ``engine``. The encode stage finds the prefill worker it hands a
     record to in the stage directory (:mod:`trident.stagecall.directory`, :mod:`.record_handoff`)."""
     names = spec.input_names
@@ -233,18 +229,6 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
                 if (record := record_input(request, name)) is not None:
                     engine.discard(record)
             raise
-
-    def admitted(fn):
-        """A one-response stage function, counted in and out."""
-        @functools.wraps(fn)
-        async def run(request: Call):
-            admit(request)
-            try:
-                return await fn(request)
-            finally:
-                admission.leave()
-
-        return run
 
     async def read(request) -> tuple[str | None, SamplingParams, dict]:
         """The request's text, sampling parameters and engine arguments; a record it brought is discarded
@@ -265,9 +249,6 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             if len(records) > 1:
                 raise InvalidRequest(f"send one of {' or '.join(record_names)}, not both")
             params = SamplingParams.from_json(_first(request, "sampling_parameters"))
-            if fault_injection:
-                _inject_fault(spec, text)
-                await _stall(spec, text)
             if "image" in names:
                 kwargs["media"] = media_items(request)
         except Exception:
@@ -280,7 +261,6 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
     if spec.hands_on == "embeddings":
         calls = None  # to the prefill workers records are handed to, opened on first use
 
-        @admitted
         async def encode(request):
             nonlocal calls
             t0 = time.monotonic_ns()
@@ -304,10 +284,9 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             timings.mark("infer", t0)
             return outputs
 
-        return StageHandler(spec, encode)
+        return StageHandler(spec, encode, admit, admission.leave)
 
     if spec.hands_on == "kv":
-        @admitted
         async def prefill(request):
             t0 = time.monotonic_ns()
             text, params, kwargs = await read(request)
@@ -316,7 +295,7 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             return outputs
 
         inbox = record_handoff.Inbox(engine.discard) if spec.takes == "embeddings" else None
-        return StageHandler(spec, prefill, inbox=inbox)
+        return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox)
 
     streams = Streams()
 
@@ -328,11 +307,7 @@ def make_handler(spec: StageSpec, engine, fault_injection: bool = False, max_inf
             opts = output_options(request)
             generation = await engine.generate(text, params, **kwargs)
             responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
-            sent = 0
             async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
-                if fault_injection:
-                    _inject_fault(spec, text, sent)
-                sent += 1
                 if first:
                     timings.mark("infer_first", t0)
                     first = False

@@ -184,8 +184,12 @@ class HFStageEngine:
             if result.kv_region is not None:
                 self.endpoint.sender.pool.free(result.kv_region)
             raise
-        with timings.step("record_encode"):
-            return record.encode()
+        try:
+            with timings.step("record_encode"):
+                return record.encode()
+        except BaseException:  # nobody will read it: its lease ends now, not at its expiry
+            self.endpoint.sender.release(record.transfer.lease_id, record.transfer.release_key)
+            raise
 
     def _prefill(self, text: str, params: SamplingParams, media: list, embedding_meta: bytes | None) -> PrefillResult:
         """Encode the raw ``media`` here, or READ the embeddings of ``embedding_meta``, then prefill."""

@@ -12,22 +12,24 @@ import threading
 import time
 from pathlib import Path
 
-from ..launcher import descendants
-from ..netutil import free_ports
+from trident.launcher import descendants
+from trident.netutil import free_ports
 
 __all__ = ["Server", "descendants", "held"]  # descendants: for the tests and the soak
+FAULTS = Path(__file__).with_name("faults")  # the fault wrapper's sitecustomize
 
 
 class Server:
     """`trident serve` on free localhost ports; stopped with SIGTERM like a user's Ctrl-C.
 
     ``config`` holds settings of its config file (``--config``: keys of docs/configuration.md, nested as dicts),
-    ``extra`` more command-line arguments. The config file and the access-token file are written beside the
+    ``extra`` more command-line arguments; ``faults``: its workers inject the faults a prompt's markers name
+    (`tests/support/faults`). The config file and the access-token file are written beside the
     workspace, in ``<workspace>.serve/``."""
 
     def __init__(
         self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
-        extra: list[str] | None = None, config: dict | None = None,
+        extra: list[str] | None = None, config: dict | None = None, faults: bool = False,
     ) -> None:
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         self.model_path = model
@@ -51,8 +53,10 @@ class Server:
             cmd += ["--config", str(files / "serve.json")]
         cmd += extra or []
         self.log: list[str] = []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        if faults:  # its processes, the workers among them, load the fault wrapper at start-up (sitecustomize)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

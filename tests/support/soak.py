@@ -1,7 +1,7 @@
 """Soak: many streamed requests over every mode at once, some cancelled midway, one worker killed with
 SIGKILL during the run; then what the server left behind.
 
-One asyncio client drives a running server (:class:`trident.dev.served.Server`):
+One asyncio client drives a running server (:class:`support.served.Server`):
 
 1. **calm pass**: every case once per mode, one at a time. The four modes must agree; their text is each
    case's reference. Then a burst at full concurrency at each mode warms the batched paths.
@@ -18,7 +18,7 @@ over capacity) for a request in flight between the kill and a moment after the w
 error, a wrong text, a short stream or a hang is *unexpected*.
 
     make soak                              (1,000 requests at concurrency 64; report -> docs/reliability.md)
-    python -m trident.dev.soak --help
+    PYTHONPATH=tests python -m support.soak --help
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..protocol import MODES
+from trident.protocol import MODES
 from .served import Server, descendants, held
 
 MAX_TOKENS = 16
@@ -469,7 +469,7 @@ def write_section(path: Path, lines: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trident.dev.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m support.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint folder (default: the LLaVA demo model)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=64)
