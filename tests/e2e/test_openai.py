@@ -226,6 +226,16 @@ def test_a_lone_surrogate_is_a_400(server, client):
     assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
+@pytest.mark.parametrize("tail", ["[" * 50_000 + "]" * 50_000, "1" + "0" * 5000], ids=["deep", "huge number"])
+def test_a_body_json_cannot_read_is_an_openai_shaped_400(server, client, tail):
+    body = '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "seed": %s}' % (NAME, tail)
+    r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", data=body,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "not JSON that can be read" in r.json()["error"]["message"]
+    assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
 @pytest.mark.parametrize("way", ["openai", "generate_stream"])
 @pytest.mark.parametrize("mode", ["e_p_d", "epd"])
 def test_a_dropped_stream_stops_the_decode_within_a_second(server, client, image_png, mode, way):

@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from .. import timings
@@ -201,6 +202,13 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     async def _internal_error(_request, exc: Exception):  # a bug: logged here, a short JSON error there
         log.exception("request failed")
         return JSONResponse(error_body(f"internal error ({type(exc).__name__})", 500), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):  # FastAPI's own: a body it cannot parse, 404, 405
+        message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+        if exc.status_code == 400:  # (FastAPI says "There was an error parsing the body")
+            message = "the request body is not JSON that can be read: malformed, nested too deeply or a number too long"
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
