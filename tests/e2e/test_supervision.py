@@ -22,11 +22,12 @@ GREEDY = {"max_tokens": 12, "temperature": 0}
 def server(demo_models, tmp_path_factory):
     srv = Server(demo_models["llava"], tmp_path_factory.mktemp("supervision") / "ws", modes=["e_p_d", "epd"],
                  config={"scheduling": {"local_prefill_tokens": 0}}, faults=True)
+    srv.exit_code = 0  # what its stop must give (a test that kills Triton changes it)
     try:
         srv.wait_ready()
         yield srv
     finally:
-        assert srv.stop() == 0
+        assert srv.stop() == srv.exit_code, "\n".join(srv.log[-20:])
 
 
 def _wait_back(server, name: str, pid: int, timeout: float = 180) -> float:
@@ -85,6 +86,33 @@ def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
     assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
     assert f"[trident] worker {stage} is back" in "".join(server.log)
     print(f"{stage} back in {back:.1f} s")
+
+
+def test_triton_dying_stops_everything_and_exits_non_zero(server):
+    """Triton killed: the server stops every process it started and exits 1, so that a service manager restarts it
+    (it used to exit 0, as if stopped on purpose). Last of the module's tests on its server."""
+    from support import descendants
+
+    started = descendants(server.proc.pid)
+    triton = [p for p in started if _cmdline(p).startswith("tritonserver") or "/tritonserver " in _cmdline(p)]
+    assert len(triton) == 1, [_cmdline(p)[:80] for p in started]
+    server.exit_code = 1
+    os.kill(triton[0], signal.SIGKILL)
+    assert server.proc.wait(90) == 1
+    server._reader.join(10)
+    assert any("Triton exited; stopping everything (exit code 1)" in line for line in server.log), server.log[-10:]
+    deadline = time.monotonic() + 10
+    while (alive := [p for p in started if os.path.exists(f"/proc/{p}") and _cmdline(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, [_cmdline(p)[:80] for p in alive]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_sigterm_during_start_up_stops_what_has_started(demo_models, tmp_path):

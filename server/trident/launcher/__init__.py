@@ -327,8 +327,9 @@ class Launcher:
         return future
 
     # -- run and stop -------------------------------------------------------------------------------
-    def supervise(self) -> None:
-        """Block until a signal or until Triton dies. A worker that exits has its stage model unloaded, so
+    def supervise(self) -> int:
+        """Block until a signal (returns 0) or until Triton dies (returns 1: everything is stopped, and a service
+        manager restarts the server, as for any other crash). A worker that exits has its stage model unloaded, so
         that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve, and
         is started again after a backoff (1, 2, 4, ... s); after :data:`MAX_QUICK_DEATHS` exits in a row
         each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down."""
@@ -341,8 +342,8 @@ class Launcher:
         signal.signal(signal.SIGTERM, _handler)
         while stop["signal"] is None:
             if self.triton is not None and not self.triton.is_alive():
-                self.out("[trident] Triton exited; shutting down")
-                return
+                self.out("[trident] Triton exited; stopping everything (exit code 1)")
+                return 1
             for name, proc in list(self.workers.items()):
                 if proc.poll() is not None:
                     self.workers.pop(name)
@@ -350,6 +351,7 @@ class Launcher:
             self._restart_due()
             time.sleep(0.2)
         self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
+        return 0
 
     def _worker_exited(self, name: str, code: int) -> None:
         self._coming_back.discard(name)
@@ -464,13 +466,14 @@ def serve(settings: ServeSettings) -> int:
         launcher.start()
         if interrupted:  # raised where Python ignores exceptions (logging's at-fork hook as a worker started): lost
             raise KeyboardInterrupt
-        launcher.supervise()
+        code = launcher.supervise()
     except KeyboardInterrupt:
         launcher.out("[trident] interrupted during start-up; shutting down")
+        code = 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the shutdown short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         launcher.stop()
-    return 0
+    return code
 
 
