@@ -275,6 +275,33 @@ def test_a_dropped_stream_stops_the_decode_within_a_second(server, client, image
     assert client.chat.completions.create(model=f"{NAME}:{mode}", messages=_messages(_data_url(image_png)), max_tokens=2)
 
 
+def test_a_client_gone_from_a_whole_answer_stops_its_decode_within_a_second(server, client, image_png):
+    """A non-streaming request whose client disconnects before the answer: its generation is stopped as a dropped
+    stream's is (the frontend looks for the disconnect every 0.25 s), not decoded to its end for nobody."""
+    import socket
+    import time
+
+    from support import wait_drained
+
+    body = json.dumps({"model": f"{NAME}:e_p_d", "max_tokens": 1000, "ignore_eos": True,
+                       "messages": _messages(_data_url(image_png))}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.openai_port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while server.stats().get("decode", {}).get("decode_active") != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats()["decode"]["decode_active"] == 1
+    sock.close()
+    start = time.monotonic()
+    while server.stats()["decode"].get("decode_active") and time.monotonic() - start < 5:
+        time.sleep(0.05)
+    stopped = time.monotonic() - start
+    assert server.stats()["decode"]["decode_active"] == 0 and stopped < 1.0 + 0.2, stopped  # (stats: every 0.2 s)
+    wait_drained(server, {"decode"})
+    assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
 def test_a_killed_frontend_comes_back(server, client):
     """The OpenAI frontend is supervised like the stage workers: killed, it is started again, and the API
     answers as before (Triton's own endpoints serve throughout)."""

@@ -9,13 +9,14 @@ lease).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from typing import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -141,17 +142,17 @@ class OpenAIServer:
             m.errors.labels(mode, endpoint, str(e.http_status)).inc()
             raise
 
-    async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str):
+    async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str,
+                      http: Request | None = None):
         _check_text(prompt)
         chunks = self._chunks(mode, endpoint, prompt, media, req.sampling(self.settings.default_max_tokens))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage)
         if not req.stream:
-            text, last = [], None
-            async for c in chunks:
-                text.append(c.text)
-                last = c
-            return JSONResponse(shape.whole("".join(text), last))
+            whole = await _unless_gone(_collect(chunks), http)
+            if whole is None:  # the client went away: its generation has been stopped
+                return Response(status_code=499)
+            return JSONResponse(shape.whole(*whole))
         # Streaming: an error before the first chunk is still a proper HTTP error.
         iterator = chunks.__aiter__()
         try:
@@ -176,6 +177,31 @@ class OpenAIServer:
             yield DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _collect(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk | None]:
+    text, last = [], None
+    async for c in chunks:
+        text.append(c.text)
+        last = c
+    return "".join(text), last
+
+
+async def _unless_gone(work, http: Request | None, every_s: float = 0.25):
+    """``work``'s result; None, with ``work`` cancelled (its generation stopped as a dropped stream's is), once the
+    client of ``http`` has gone away (looked for every ``every_s``)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            if http is not None and await http.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _check_text(prompt: str) -> None:
@@ -216,16 +242,16 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
         return JSONResponse(error_body(f"invalid request: {problems}", 400), status_code=400)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, http: Request):
         timings.mark("handler", time.monotonic_ns())
         mode = server.resolve(req)
         with timings.step("chat_prompt"):
             prompt, media = await server.chat_prompt(req.messages)
-        return await server.respond(req, "chat", prompt, media, mode)
+        return await server.respond(req, "chat", prompt, media, mode, http)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await server.respond(req, "completions", req.prompt, {}, server.resolve(req))
+    async def completions(req: CompletionRequest, http: Request):
+        return await server.respond(req, "completions", req.prompt, {}, server.resolve(req), http)
 
     @app.get("/v1/models")
     async def models():
