@@ -63,6 +63,7 @@ SERVE_FLAGS: dict[str, str] = {  # flag: the settings key it sets (a path into S
     "--metrics-port": "metrics_port", "--openai-port": "openai_port", "--backend": "backend",
     "--worker-python": "worker_python", "--instances": "instances", "--workspace": "workspace",
     "--threads": "threads_per_worker", "--served-model-name": "frontend.model_name",
+    "--api-key-file": "frontend.api_key_file",
 }
 SERVE_ENV = {"worker_python": "TRIDENT_WORKER_PYTHON"}  # settings an environment variable may set (below the flags)
 SECRET_FILES = {  # flag: (the secret's settings key, its environment variable)
@@ -220,6 +221,7 @@ def _add_serve(sub) -> None:
     sec.add_argument("--access-token-file", metavar="PATH",
                      help="file holding the token of Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: "
                      "generated and printed)")
+    _serve_flag(sec, "--api-key-file", metavar="PATH", shown="none: the OpenAI API is open")
     sec.add_argument("--transfer-secret-file", metavar="PATH",
                      help="file holding the deployment's key for signing the records stages hand on; workers on "
                      f"other hosts need the same (env {signing.ENV}; default: generated at each start)")

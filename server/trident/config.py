@@ -229,6 +229,10 @@ class FrontendSettings(_Settings):
         64 * MiB, gt=0, description="largest request body; a larger one is refused with 413 before it is read in full"
     )
     media: MediaPolicy = Field(MediaPolicy(), description="where media may come from")
+    api_key_file: Path | None = Field(
+        None, description="file of the OpenAI API's keys, one per line, readable by its owner only: every /v1/ request "
+        "must then send one as Authorization: Bearer <key> (else 401); /health and /metrics stay open"
+    )
 
     @field_validator("default_mode")
     @classmethod

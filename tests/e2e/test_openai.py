@@ -216,6 +216,36 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
         httpd.shutdown()
 
 
+def test_with_an_api_key_file_every_v1_request_needs_a_key(server, tmp_path):
+    """``frontend.api_key_file`` (``--api-key-file``): a /v1/ request without one of its keys is a 401 before its body
+    is read; with one it is served; /health stays open. A key file others may read is refused at start."""
+    import os
+
+    from fastapi.testclient import TestClient
+
+    from trident.cli import UsageError
+    from trident.config import FrontendSettings
+    from trident.frontend.app import create_app
+    from trident.frontend.engine import TritonEngine
+
+    keys = tmp_path / "keys"
+    keys.write_text("first-key\nsecond-key\n")
+    os.chmod(keys, 0o640)
+    settings = FrontendSettings(model_name=NAME, model_path=server.model_path, api_key_file=keys)
+    with pytest.raises(UsageError, match="group or others may read or write it"):
+        create_app(settings, TritonEngine(server.grpc))
+    os.chmod(keys, 0o600)
+    body = {"model": NAME, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(settings, TritonEngine(server.grpc))) as http_client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic second-key"}):
+            r = http_client.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"], r.text
+        assert http_client.get("/v1/models").status_code == 401
+        r = http_client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer second-key"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert http_client.get("/health").status_code == 200
+
+
 def test_a_lone_surrogate_is_a_400(server, client):
     """JSON can escape a lone surrogate (``\\ud800``), which is no text: a clear 400, not a 500."""
     body = ('{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}' % NAME)

@@ -30,6 +30,7 @@ from ..media.audio import input_audio_to_base64
 from ..media.urls import FetchBudget, media_url_to_base64
 from ..processor import SamplingParams
 from ..protocol import MODES
+from .api_keys import load_keys, require_keys
 from .body_limit import BodyLimit
 from .engine import Chunk, Engine
 from .responses import DONE, Completion, error_body, error_headers
@@ -218,6 +219,8 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     server = OpenAIServer(settings, engine)
     app = FastAPI(title="Trident OpenAI-compatible API")
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.api_key_file is not None:  # (outside the body limit: a request without a key is not read)
+        require_keys(app, load_keys(settings.api_key_file))
 
     @app.exception_handler(TridentError)
     async def _trident_error(_request, exc: TridentError):
