@@ -117,7 +117,7 @@ class Serve:
 
         from trident.repository import bls_config, ensemble_config
 
-        config = bls_config(mode, model_path=self.model) if kind == "bls" else ensemble_config(mode)
+        config = bls_config(mode) if kind == "bls" else ensemble_config(mode)
         httpclient.InferenceServerClient(f"127.0.0.1:{self.http}").load_model(
             mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.TOKEN}
         )

@@ -20,6 +20,9 @@ MiB = 1 << 20
 Backend = Literal["hf", "vllm"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
+MODEL_ENV = "TRIDENT_MODEL"
+"""The checkpoint's folder, for the BLS schedulers (their tokenizer, to measure prompts for local prefill): set by
+``trident serve`` for Triton, and so for its python-backend stubs (not in a model config, which clients can read)."""
 INTERNAL = {"internal": True}
 """``json_schema_extra`` of a field that is no user's choice (side-by-side benchmarks, tests): a config file may set
 it, the reference (docs/configuration.md) leaves it out."""

@@ -106,10 +106,10 @@ class Server:
         import tritonclient.http as httpclient
         from google.protobuf import json_format
 
-        from ..repository import bls_config, ensemble_config
+        from trident.repository import bls_config, ensemble_config
 
         admin = httpclient.InferenceServerClient(self.http)
-        config = bls_config(mode, model_path=self.model_path) if kind == "bls" else ensemble_config(mode)
+        config = bls_config(mode) if kind == "bls" else ensemble_config(mode)
         admin.load_model(mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.token})
         assert admin.is_model_ready(mode)
 

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from .. import signing, timings
-from ..config import MEDIA_LIMITS_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
+from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
 from ..netutil import listen_ports
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_entry_model
@@ -108,8 +108,8 @@ class Launcher:
             f"[trident] model {self.model_path}; modes {', '.join(self.s.modes)}; {self.s.backend} engine; "
             f"{self.s.scheduler} scheduler" + (f" ({self.s.scheduling.routing} routing)" if self.s.scheduler == "bls" else "")
         )
-        self.out(f"[trident] repository-API access token: {self.token}")
         self._set_environment()
+        self.out(f"[trident] repository-API access token: in {self._token_file()} (readable by you alone)")
         self._check_backend(probe)
         names = [
             instance_name(stage, i) for stage in stages_for(self.s.modes) for i in range(1, self.s.instances.get(stage, 1) + 1)
@@ -129,7 +129,7 @@ class Launcher:
         for mode in MODES:
             install_entry_model(
                 mode, self.model_store, Path(self.s.repository) if self.s.repository else None,
-                scheduler=self.s.scheduler, scheduling=self.s.scheduling, model_path=str(self.model_path),
+                scheduler=self.s.scheduler, scheduling=self.s.scheduling,
             )
         load = self.s.load if self.s.load is not None else self.s.modes
         self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
@@ -170,9 +170,19 @@ class Launcher:
                 "`make install-vllm` and pass --worker-python .venv-vllm/bin/python (or set TRIDENT_WORKER_PYTHON)"
             )
 
+    def _token_file(self) -> Path:
+        """The access token in a file of the workspace only its owner may read (never in a log line)."""
+        path = self.workspace / "access-token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token + "\n")
+        return path
+
     def _set_environment(self) -> None:
         """What Triton, its stubs, the workers and the frontend inherit."""
         _server_environment()
+        os.environ[MODEL_ENV] = str(self.model_path)  # the schedulers' tokenizer (not in a config a client can read)
         os.environ[signing.ENV] = self.transfer_secret
         os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
         if self.s.trace_dir:  # Triton's stubs (the schedulers, the stage proxies) and the workers inherit it

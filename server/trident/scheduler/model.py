@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import timings
-from ..config import SchedulerConfig
+from ..config import MODEL_ENV, SchedulerConfig
 from ..errors import InvalidRequest, TridentError, Unavailable, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
@@ -86,7 +87,7 @@ class TritonPythonModel:
         self.mode: str = params["mode"]
         timings.start(f"bls-{self.mode}")
         self.cfg = SchedulerConfig.model_validate_json(params.get("scheduler") or "{}")
-        self.model_path = params.get("model") or None
+        self.model_path = os.environ.get(MODEL_ENV) or None
         self.store = Path(args["model_repository"]).parent  # the server's model store
         self.router = Router(self.cfg.routing, self.cfg.affinity_slack)
         self.metrics = SchedulerMetrics(self.mode, pb_utils)
