@@ -154,3 +154,32 @@ def test_without_an_early_text_the_first_response_is_sent(bls):
     assert _texts(sent) == [b" a", b" b", None]
     with pytest.raises(StageGone):  # ended before anything, without a finish_reason
         _relay(bls, [], early=None)
+
+
+def test_past_its_open_requests_an_entry_model_answers_503_at_once(bls):
+    """Each request's stream has a relay thread (``MAX_OPEN`` of them): one request more is refused with a 503 at
+    once, where it used to wait, unseen, for a thread."""
+    import asyncio
+
+    from trident.scheduler.model import MAX_OPEN
+
+    class Metrics:
+        added: list = []
+
+        def add(self, name, **labels):
+            self.added.append((name, labels))
+
+    class Entry:
+        def __init__(self) -> None:
+            self.sender = Sender()
+
+        def get_response_sender(self):
+            return self.sender
+
+    bls.metrics, bls._open = Metrics(), MAX_OPEN
+    entry = Entry()
+    asyncio.run(bls._serve(entry))
+    (response, flags), = entry.sender.sent
+    assert flags == FINAL and response.error().code() == "UNAVAILABLE"
+    assert response.error().message() == f"Unavailable: the e_p_d mode has {MAX_OPEN} requests in flight, its limit; retry later"
+    assert bls._open == MAX_OPEN and Metrics.added == [("trident_scheduler_errors_total", {"code": "UNAVAILABLE"})]

@@ -51,6 +51,7 @@ from .routing import Router, prefix_keys
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
 _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _KV_RECORDS = (HFKVRecord, VLLMKVRecord)
+MAX_OPEN = 256  # requests an entry model serves at once (each stream has a relay thread); one more gets a 503
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
 
 
@@ -95,7 +96,8 @@ class TritonPythonModel:
         self.stages = sorted({s for m in FALLBACK[self.mode] for s in MODES[m] + LOCAL_ENCODE.get(m, ())})
         self.instances = Instances(self.stages, self.store, self._ready, self.cfg.refresh_s, self.router.forget,
                                    lambda line: self.logger.log_info(f"[trident] {self.mode}: {line}"))
-        self._streams = ThreadPoolExecutor(max_workers=256, thread_name_prefix="trident-bls-stream")
+        self._streams = ThreadPoolExecutor(max_workers=MAX_OPEN, thread_name_prefix="trident-bls-stream")
+        self._open = 0  # requests being served
         self._stages = StageClient()
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
@@ -140,8 +142,16 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         pb = self.pb
         timings.mark("execute", time.monotonic_ns())
+        if self._open >= MAX_OPEN:  # each holds a relay thread for its stream: one more would wait for one, unseen
+            error = Unavailable(f"the {self.mode} mode has {self._open} requests in flight, its limit; retry later")
+            self.metrics.add("trident_scheduler_errors_total", code=str(pb.TritonError.UNAVAILABLE))
+            request.get_response_sender().send(
+                pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         # its metric updates are held until its first response is out
         req = EntryRequest(request, request.get_response_sender(), self.metrics.held(asyncio.get_running_loop()))
+        self._open += 1
         try:
             await self._run(req)
         except (StageError, TridentError) as e:
@@ -154,6 +164,7 @@ class TritonPythonModel:
             self.metrics.add("trident_scheduler_errors_total", code="INTERNAL")
             self._end_with_error(req, pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL))
         finally:
+            self._open -= 1
             req.held.apply()
 
     def _end_with_error(self, req: EntryRequest, error) -> None:
