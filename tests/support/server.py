@@ -92,21 +92,22 @@ def _ipc_sockets_in_tmp() -> set[str]:
     return found
 
 
-def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace) -> Server:
-    """A ready `trident serve --backend vllm` of ``model`` from ``pool`` (shared with the next module that asks for
-    ``arch``). When it stops it must exit cleanly (0), leave no process behind, and leave none of vLLM's IPC
-    socket files in the system's temporary folder (they go in each worker's own folder)."""
+def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace, modes: list[str] | None = None) -> Server:
+    """A ready `trident serve --backend vllm` of ``model`` in ``modes`` (default: all) from ``pool`` (shared with the
+    next module that asks for ``arch`` in the same modes). When it stops it must exit cleanly (0), leave no process
+    behind, and leave none of vLLM's IPC socket files in the system's temporary folder (they go in each worker's
+    own folder)."""
     from pathlib import Path
 
     def start() -> Server:
         sockets_before = _ipc_sockets_in_tmp()
-        srv = Server(model, workspace, extra=["--backend", "vllm", "--worker-python", vllm_python()])
+        srv = Server(model, workspace, modes=modes, extra=["--backend", "vllm", "--worker-python", vllm_python()])
         try:
             srv.wait_ready(timeout=400)
         except BaseException:
             srv.stop()
             raise
-        srv.arch, srv.sockets_before = arch, sockets_before
+        srv.arch, srv.sockets_before, srv.modes = arch, sockets_before, modes or ["epd", "e_pd", "e_p_d", "ep_d"]
         srv.tree = [p for pid in srv.worker_pids() for p in (pid, *descendants(pid))]
         return srv
 
@@ -122,4 +123,4 @@ def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace) -> Ser
         left = _ipc_sockets_in_tmp() - srv.sockets_before
         assert not left, f"socket files left in the temporary folder: {sorted(left)[:5]} ({len(left)})"
 
-    return pool.get(arch, start, check_stop)
+    return pool.get((arch, tuple(modes or ())), start, check_stop)
