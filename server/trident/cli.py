@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"trident {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: no traceback from each
+        return 130
 
 
 def settings_problems(e: ValidationError) -> str:

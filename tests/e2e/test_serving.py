@@ -53,7 +53,7 @@ def test_start_up_warms_every_loaded_mode(server):
     assert warmed and warmed[0].startswith("[trident] warmed up epd, e_pd, e_p_d in "), server.log
     assert not [line for line in server.log if "warm-up request" in line], server.log
     assert server.log.index(warmed[0]) < next(i for i, line in enumerate(server.log) if line.startswith("[trident] ready"))
-
+    assert not [line for line in server.log if " WARNING trident" in line], server.log  # a quiet start
 
 def test_add_mode_while_serving(server, reference):
     import tritonclient.http as httpclient

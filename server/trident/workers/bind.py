@@ -226,7 +226,9 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
                 config=ModelConfig(batching=False, decoupled=spec.decoupled),
                 strict=False,
             )
-            log.warning("worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
+            # a worker `trident serve` started: its server says when the stage model is ready; one joined by hand says it
+            (log.info if settings.model_store else log.warning)(
+                "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
             triton.serve()
     except KeyboardInterrupt:
         pass
