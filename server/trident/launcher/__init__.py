@@ -172,6 +172,7 @@ class Launcher:
 
     def _token_file(self) -> Path:
         """The access token in a file of the workspace only its owner may read (never in a log line)."""
+        self.workspace.mkdir(parents=True, exist_ok=True)
         path = self.workspace / "access-token"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)
