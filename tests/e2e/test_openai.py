@@ -107,7 +107,8 @@ def test_completions_and_local_media(client, media_dir):
 BAD = {
     "invalid base64": (_messages("data:image/png;base64,@@not-base64@@"), {}, 400, "not valid base64"),
     "not an image": (_messages(_data_url(b"hello, not an image")), {}, 400, "could not be decoded as an image"),
-    "private url": (_messages("http://127.0.0.1:9/cat.png"), {}, 400, "non-public address"),
+    "private url": (_messages("http://127.0.0.1/cat.png"), {}, 400, "non-public address"),
+    "a port not allowed": (_messages("http://images.example:9/cat.png"), {}, 400, "names port 9; media URLs may"),
     "outside media dir": (_messages("/etc/hostname"), {}, 400, "outside the allowed media folder"),
     "n=2": (_messages("data:,"), {"n": 2}, 400, "n=2 is not supported"),
     "unknown model": (_messages("data:,"), {"model": "gpt-17"}, 404, "does not exist"),
