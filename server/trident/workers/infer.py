@@ -36,12 +36,9 @@ def _parameter(request, name: str) -> str | None:
 
 
 class Streams:
-    """The streamed requests of a stage by the scheduler's id, so that a cancel request can stop one.
-
-    Triton 2.51's python backend cannot cancel a BLS request, so the scheduler sends the stage a second
-    request carrying ``trident_cancel``; the stream it names ends at its next token, which closes the
-    engine's generation (the hf decoder drops it, vLLM aborts it) and frees what it holds.
-    """
+    """The streamed requests of a stage by the scheduler's id, so that a :class:`~trident.protocol.Cancel` message
+    can stop one: the stream it names ends at its next token, which closes the engine's generation (the hf decoder
+    drops it, vLLM aborts it) and frees what it holds."""
 
     def __init__(self) -> None:
         self._stops: dict[str, asyncio.Event] = {}
