@@ -209,3 +209,29 @@ def test_every_listener_is_on_loopback(server):
     assert len(found) >= 5, found  # Triton's HTTP, gRPC and metrics ports, the OpenAI port, UCX's listeners
     outside = [(addr, who) for addr, who in found if not addr.startswith(("127.", "[::1]:", "[::ffff:127."))]
     assert not outside, f"listeners outside loopback: {outside}"
+
+
+def test_the_server_s_files_and_shared_memory_are_its_user_s_alone(server):
+    """``trident serve`` starts everything under a 0077 umask: the workspace (worker files, stats, Triton's log, the
+    model store) and the python backend's /dev/shm regions, which carry every prompt, media item and output, are
+    readable by the server's user alone (the regions used to be 0644)."""
+    import os
+    import stat
+
+    from support import descendants
+
+    open_to_others = [str(p) for p in server.workspace.rglob("*")
+                      if not p.is_symlink() and p.exists() and stat.S_IMODE(p.stat().st_mode) & 0o077]
+    assert not open_to_others, open_to_others[:10]
+    regions = set()
+    for pid in descendants(server.proc.pid):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"triton_python_backend_stub"):
+            regions |= {a.decode().lstrip("/") for a in args if b"shm_region" in a}
+    shm = [f"/dev/shm/{r}" for r in regions if os.path.exists(f"/dev/shm/{r}")]
+    assert shm, f"no python-backend shared memory region found: {regions}"
+    loose = {p: oct(stat.S_IMODE(os.stat(p).st_mode)) for p in shm if stat.S_IMODE(os.stat(p).st_mode) & 0o077}
+    assert not loose, loose

@@ -464,6 +464,9 @@ def _say(line: str) -> None:
 
 
 def serve(settings: ServeSettings) -> int:
+    # every file and shared-memory region of the server (its workspace, worker files, Triton's log, the python
+    # backend's /dev/shm regions, which carry every prompt and output) is its user's alone, in every process it starts
+    os.umask(0o077)
     launcher = Launcher(settings)
 
     interrupted: list[int] = []
