@@ -233,8 +233,8 @@ def test_the_server_s_files_and_shared_memory_are_its_user_s_alone(server):
             args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if args and args[0].endswith(b"triton_python_backend_stub"):
-            regions |= {a.decode().lstrip("/") for a in args if b"shm_region" in a}
+        if args and args[0].endswith(b"triton_python_backend_stub") and len(args) > 2:
+            regions.add(args[2].decode().lstrip("/"))  # its shared-memory region (the stub's third argument)
     shm = [f"/dev/shm/{r}" for r in regions if os.path.exists(f"/dev/shm/{r}")]
     assert shm, f"no python-backend shared memory region found: {regions}"
     loose = {p: oct(stat.S_IMODE(os.stat(p).st_mode)) for p in shm if stat.S_IMODE(os.stat(p).st_mode) & 0o077}
