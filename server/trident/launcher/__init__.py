@@ -464,8 +464,8 @@ def _say(line: str) -> None:
 
 
 def serve(settings: ServeSettings) -> int:
-    # every file and shared-memory region of the server (its workspace, worker files, Triton's log, the python
-    # backend's /dev/shm regions, which carry every prompt and output) is its user's alone, in every process it starts
+    # every file the server and the processes it starts write (its workspace: worker files, stats, Triton's log, the
+    # model store) is its user's alone (the python backend's /dev/shm regions are not: it sets their mode itself)
     os.umask(0o077)
     launcher = Launcher(settings)
 
