@@ -47,7 +47,8 @@ class FetchBudget:
     def refuse(self, kind: str, index: int, size: int | None = None) -> InvalidRequest:
         """The error for an item past :meth:`limit` (``size``: its size when known)."""
         what = f"{size >> 20} MiB" if size is not None and size >= 1 << 20 else "more"
-        if size is not None and size > max_bytes(kind) or self.left >= max_bytes(kind):
+        over_its_kind = (size is not None and size > max_bytes(kind)) or self.left >= max_bytes(kind)
+        if over_its_kind:  # (else what is left of the request's budget was the bound)
             return InvalidRequest(f"{kind} {index} holds {what} than the {max_bytes(kind) >> 20} MiB allowed per "
                                   f"{kind} item ({_BYTES_KEY[kind]})")
         return InvalidRequest(f"{kind} {index} would take the request's media URLs and files past "
