@@ -59,7 +59,7 @@ serve: install
 serve-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident serve --backend vllm --worker-python $(VLLM_PY) $(SERVE_ARGS)
 
-# gdb: a test attaches it to the BLS entry model's python-backend stub (tests/e2e/test_bls_exit.py).
+# gdb: a test attaches it to the BLS entry model's python-backend stub (tests/e2e/test_trust.py).
 test: install install-vllm
 	@command -v gdb >/dev/null || { apt-get update -qq && apt-get install -y -qq gdb; }
 	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)

@@ -9,7 +9,10 @@ One `trident serve --host 127.0.0.1` (LLaVA demo, e_p_d) for the module:
   nor release anything of the producer's;
 - a party that knows a lease's id and the producer's agent (as one that can read the producer's stamp table
   would) still cannot end the lease: the release needs the key that only the record carries;
-- every TCP/UDP listener of the server's processes is on loopback.
+- every TCP/UDP listener of the server's processes is on loopback;
+- the server's files are its user's alone;
+- last, as the server stops: the BLS entry model's python-backend stub exits cleanly (gdb attached to it says how
+  it ended).
 
 The attack is written as a client would run it, against whatever the server gives: on the code before the trust
 boundary it succeeds (the stage answered any client, records were signed but readable, a notification naming the
@@ -20,18 +23,20 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import threading
+import time
+from pathlib import Path
 
 import msgspec
 import pytest
+import requests
 import torch
 
-import threading
-import time
-
-import requests
-
-from support import Server, b64, drain_kv, http_generate, make_image, png_bytes, stage_output, strings
+from support import (
+    Server, b64, descendants, drain_kv, grpc_generate, http_generate, make_image, png_bytes, stage_output, strings,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -223,3 +228,81 @@ def test_the_server_s_files_are_its_user_s_alone(server):
     open_to_others = [str(p) for p in paths if not p.is_symlink() and p.exists() and stat.S_IMODE(p.stat().st_mode) & 0o077
                       and (p.is_dir() or p.suffix != ".py")]
     assert not open_to_others, open_to_others[:10]
+
+
+class _Gdb:
+    """gdb attached to a process in batch mode (``script``); its output is collected by a thread."""
+
+    def __init__(self, gdb: str, pid: int, script: Path) -> None:
+        self.proc = subprocess.Popen([gdb, "-p", str(pid), "-batch", "-x", str(script)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._attached = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("ATTACHED"):  # the script prints it once it has attached
+                self._attached.set()
+
+    def wait_attached(self) -> None:
+        assert self._attached.wait(60), "\n".join(self.lines[-20:])
+
+    def finish(self, log: Path) -> None:
+        """Wait for gdb to end (killed after 60 s), and keep its output in ``log``."""
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(10)
+        log.write_text("\n".join(self.lines))
+
+
+def _entry_stub(server, mode: str) -> int:
+    for pid in descendants(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "triton_python_backend_stub" in cmdline and f"/{mode}/1/model.py" in cmdline:
+            return pid
+    raise AssertionError(f"no python-backend stub runs the {mode} entry model")
+
+
+EXIT_SCRIPT = """\
+set pagination off
+set confirm off
+set print thread-events off
+handle SIGPIPE SIGUSR1 SIGUSR2 SIGTERM SIGINT SIG32 SIG33 SIG34 SIG35 SIG36 nostop noprint pass
+printf "ATTACHED\\n"
+continue
+bt 6
+quit
+"""
+
+
+def test_the_entry_models_stub_exits_cleanly_when_the_server_stops(server, tmp_path):
+    """The module's last test: it stops the server. The BLS's Prometheus metric families are never deleted
+    (``scheduler.metrics._keep_past_exit``): left to the interpreter's exit, their destructors ran after the stub
+    had freed its shared memory, and every entry model's stub segfaulted as the server stopped
+    (``Metric::SaveToSharedMemory``)."""
+    gdb = shutil.which("gdb")
+    assert gdb, "this test needs gdb (`make test` installs it)"
+    script = tmp_path / "exit.gdb"
+    script.write_text(EXIT_SCRIPT)
+    params = {"max_tokens": 2, "temperature": 0}
+    for prompt in ("Count to 3.", "Name a colour."):  # requests create the entry model's metrics
+        assert grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True).num_output_tokens >= 1
+    stub = _entry_stub(server, "e_p_d")
+    gdb_run = _Gdb(gdb, stub, script)
+    gdb_run.wait_attached()
+    assert server.stop() == 0, "\n".join(server.log[-30:])
+    # the server has stopped: the stub has exited (or crashed, and gdb printed where)
+    gdb_run.finish(tmp_path / "gdb.log")
+    lines = gdb_run.lines
+    crashed = [i for i, line in enumerate(lines) if "received signal" in line]
+    assert not crashed, "\n".join(lines[crashed[0]:crashed[0] + 8])
+    assert any(f"process {stub}) exited" in line for line in lines), "\n".join(lines[-10:])

@@ -6,7 +6,8 @@ READY until the entry models are loaded (:mod:`.gate`), the warm-up request thro
 
 Order matters: PyTriton starts Triton with ``--load-model=*`` and an ensemble whose steps are not bound
 fails to load, so the entry models are loaded through the repository API only after every stage model
-is ready. Stopping (Ctrl-C / SIGTERM) stops the workers (they unbind), then Triton.
+is ready. Stopping (Ctrl-C / SIGTERM) stops Triton first (it takes no new request, and the requests in flight
+finish on the workers, still up), then the workers.
 """
 
 from __future__ import annotations
@@ -421,6 +422,12 @@ class Launcher:
         if self._stopping:
             return
         self._stopping = True
+        # Triton first: it takes no new request and lets those in flight finish on the workers, which are still up
+        # (then the workers have no model to unbind)
+        if self.triton is not None:
+            stubs = [pid for pid in descendants(os.getpid()) if is_stub(pid)]
+            self.triton.stop()
+            self._reap(stubs)
         # a worker's own processes (vLLM's engine core and its worker) stop with it, unless it could not
         # stop them (an engine still starting): whatever of them outlives it is killed
         trees = {stage: descendants(proc.pid) for stage, proc in self.workers.items()}
@@ -438,10 +445,6 @@ class Launcher:
             if left:
                 self.out(f"[trident] worker {stage} left {left} process(es) running; killed them")
             remove_direct_socket(self.model_store / stage)
-        if self.triton is not None:
-            stubs = [pid for pid in descendants(os.getpid()) if is_stub(pid)]
-            self.triton.stop()
-            self._reap(stubs)
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.out("[trident] stopped")
