@@ -278,6 +278,11 @@ class ServeSettings(_Settings):
     startup_timeout_s: float = Field(
         300.0, gt=0, description="longest the stage models may take to become ready before serve gives up"
     )
+    drain_s: int = Field(
+        20, ge=0, le=25, description="on SIGTERM / Ctrl-C, longest the requests in flight may take to finish "
+        "(Triton's --exit-timeout-secs); new ones are refused at once and readiness goes false. At most 25: "
+        "PyTriton kills a Triton still running 30 s after its stop"
+    )
     repository: str | None = Field(
         None, description="folder of the user's own entry models, one <mode>/ folder each (default: Trident's, "
         "written from trident.protocol)"

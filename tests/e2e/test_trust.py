@@ -11,8 +11,8 @@ One `trident serve --host 127.0.0.1` (LLaVA demo, e_p_d) for the module:
   would) still cannot end the lease: the release needs the key that only the record carries;
 - every TCP/UDP listener of the server's processes is on loopback;
 - the server's files are its user's alone;
-- last, as the server stops: the BLS entry model's python-backend stub exits cleanly (gdb attached to it says how
-  it ended).
+- last, the server stopped with SIGTERM: a stream in flight runs to its end, new requests are refused at once, and
+  the BLS entry model's python-backend stub exits cleanly (gdb attached to it says how it ended).
 
 The attack is written as a client would run it, against whatever the server gives: on the code before the trust
 boundary it succeeds (the stage answered any client, records were signed but readable, a notification naming the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -35,7 +36,7 @@ import requests
 import torch
 
 from support import (
-    Server, b64, descendants, drain_kv, grpc_generate, http_generate, make_image, png_bytes, stage_output, strings,
+    Server, b64, cancellable_stream, descendants, drain_kv, grpc_generate, http_generate, make_image, png_bytes, stage_output, strings,
 )
 
 pytestmark = pytest.mark.slow
@@ -284,23 +285,54 @@ quit
 """
 
 
-def test_the_entry_models_stub_exits_cleanly_when_the_server_stops(server, tmp_path):
-    """The module's last test: it stops the server. The BLS's Prometheus metric families are never deleted
-    (``scheduler.metrics._keep_past_exit``): left to the interpreter's exit, their destructors ran after the stub
-    had freed its shared memory, and every entry model's stub segfaulted as the server stopped
+def _refused_at_once(server) -> None:
+    """Once the stopping server's HTTP endpoint is closed (readiness: refused), a new request over gRPC and over
+    the OpenAI API is refused with an error naming the model."""
+    import tritonclient.grpc as grpcclient
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            requests.get(f"http://{server.http}/v2/health/ready", timeout=2)
+        except requests.ConnectionError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("Triton's HTTP endpoint still answers 10 s after SIGTERM")
+    with pytest.raises(grpcclient.InferenceServerException, match="e_p_d"):
+        grpc_generate(server.grpc, "e_p_d", "Hi.", [], {"max_tokens": 2}, stream=True, timeout=10)
+    r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/completions",
+                      json={"model": "llava:e_p_d", "prompt": "Hi.", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and "e_p_d" in r.json()["error"]["message"], r.text
+
+
+def test_a_stopping_server_finishes_its_streams_refuses_new_requests_and_exits_cleanly(server, tmp_path):
+    """The module's last test: it stops the server (SIGTERM, as Kubernetes does). A stream in flight runs to its
+    end, whole; new requests are refused at once; the server exits 0.
+
+    And the BLS entry model's stub exits cleanly, as gdb attached to it sees: the BLS's Prometheus metric families
+    are never deleted (``scheduler.metrics._keep_past_exit``); left to the interpreter's exit, their destructors
+    ran after the stub had freed its shared memory, and every entry model's stub segfaulted as the server stopped
     (``Metric::SaveToSharedMemory``)."""
     gdb = shutil.which("gdb")
     assert gdb, "this test needs gdb (`make test` installs it)"
     script = tmp_path / "exit.gdb"
     script.write_text(EXIT_SCRIPT)
-    params = {"max_tokens": 2, "temperature": 0}
-    for prompt in ("Count to 3.", "Name a colour."):  # requests create the entry model's metrics
-        assert grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True).num_output_tokens >= 1
+    prompt, params = "Count from one to one hundred, in words, please.", {"max_tokens": 300, "temperature": 0}
+    whole = grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True)  # (also creates the metrics)
+    assert whole.num_output_tokens > 100
     stub = _entry_stub(server, "e_p_d")
     gdb_run = _Gdb(gdb, stub, script)
     gdb_run.wait_attached()
-    assert server.stop() == 0, "\n".join(server.log[-30:])
-    # the server has stopped: the stub has exited (or crashed, and gdb printed where)
+    with cancellable_stream(server.grpc, "e_p_d", prompt, [], params, timeout=30) as next_response:
+        text = [next_response().as_numpy("text_output").reshape(-1)[0].decode()]
+        server.proc.send_signal(signal.SIGTERM)
+        _refused_at_once(server)
+        while len("".join(text)) < len(whole.text):
+            text.append(next_response().as_numpy("text_output").reshape(-1)[0].decode())
+    assert "".join(text) == whole.text
+    assert server.proc.wait(60) == 0, "\n".join(server.log[-30:])
+    # the stub has exited (or crashed, and gdb printed where)
     gdb_run.finish(tmp_path / "gdb.log")
     lines = gdb_run.lines
     crashed = [i for i, line in enumerate(lines) if "received signal" in line]

@@ -215,7 +215,7 @@ class Launcher:
         close_gate(self.model_store)
         config = TritonConfig(
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
-            metrics_port=self.s.metrics_port, exit_timeout_secs=3, log_verbose=0,
+            metrics_port=self.s.metrics_port, exit_timeout_secs=self.s.drain_s, log_verbose=0,
             log_file=self.workspace / "triton.log", exit_on_error=False,  # (the gate fails to load, by design)
         )
         self.triton = Triton(
