@@ -40,7 +40,13 @@ class TextStream:
 
     Text that could be the start of a stop string, or an incomplete UTF-8 character, is held back until
     it is known not to be.
+
+    A token's text is decoded from a window of the last few tokens (``_WINDOW`` the text has settled on, the context
+    a token's text depends on: a leading space, the bytes of a character), never from the whole output, and a stop
+    string is looked for only where it could end in the new text.
     """
+
+    _WINDOW = 5
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self._tokenizer = tokenizer
@@ -50,19 +56,37 @@ class TextStream:
         self._ends = [{c: sorted((k for k in range(1, len(s)) if s[k - 1] == c), reverse=True) for c in set(s)}
                       for s in self._stop]
         self._ids: list[int] = []
-        self._emitted = 0  # characters of the decoded text already returned
+        self._settled = ""  # the text of ids[:_read]
+        self._start = 0  # ids[_start:_read]: the window decoded again for context; its text ends _settled
+        self._read = 0
+        self._emitted = 0  # characters of the text already returned
         self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _advance(self) -> str:
+        """The text so far: settled up to the last token whose text is whole (not ending in a broken character)."""
+        context = self._decode(self._ids[self._start:self._read])
+        window = self._decode(self._ids[self._start:])
+        if window.endswith("\ufffd") or len(window) <= len(context):
+            return self._settled + window[len(context):]
+        self._settled += window[len(context):]
+        self._read = len(self._ids)
+        self._start = max(0, self._read - self._WINDOW)
+        return self._settled
 
     @property
     def text(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        """The whole text so far (what the tokenizer makes of every token at once)."""
+        return self._settled + self._decode(self._ids[self._start:])[len(self._decode(self._ids[self._start:self._read])):]
 
     def push(self, token: int) -> str:
         """Add a token; return the new text that is safe to emit (may be empty)."""
         if self.stopped:
             return ""
         self._ids.append(token)
-        text = self.text
+        text = self._advance()
         for s in self._stop:
             at = text.find(s, max(0, self._emitted - len(s)))
             if at != -1:

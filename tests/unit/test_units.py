@@ -66,6 +66,16 @@ class _ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+class _PieceTokenizer:
+    """SentencePiece's way: word pieces carry their leading space as "▁", and a decoding drops the space its first
+    piece starts with (so a token's text depends on the tokens before it)."""
+
+    pieces = ["▁Hello", ",", "▁world", "▁", "!", "▁a", "b", "▁c"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
 def _stream(text: str, stop: list[str]) -> tuple[str, bool]:
     ts = TextStream(_ByteTokenizer(), stop)
     out = "".join(ts.push(b) for b in text.encode())
@@ -79,6 +89,28 @@ def test_text_stream_stop_strings_and_partial_characters():
     assert _stream("abcSTdef", ["STOP"]) == ("abcSTdef", False)  # held back, then released
     ts = TextStream(_ByteTokenizer(), [])
     assert [ts.push(b) for b in "é!".encode()] == ["", "é", "!"]  # no half character is emitted
+    ts = TextStream(_PieceTokenizer(), [])
+    ids = [0, 1, 2, 3, 4, 5, 6, 7] * 3
+    assert "".join(ts.push(i) for i in ids) + ts.flush() == _PieceTokenizer().decode(ids)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2vl", "qwen2audio"])
+def test_text_stream_gives_what_the_tokenizer_gives_for_the_whole_output(demo_models, arch):
+    """Token by token, the stream's text is the tokenizer's decoding of all of them at once: for text in several
+    scripts (multi-byte characters split over tokens), and for random ids, special tokens included."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_models[arch])
+    rng = random.Random(7)
+    text = "Hello, world! Ünïcödé 😀🎉 naïve café — 日本語のテキスト, 中文 , don't . Ok ?\n\n  two  spaces"
+    runs = [tok.encode(text, add_special_tokens=False)]
+    runs += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))] for _ in range(300)]
+    for ids in runs:
+        ts = TextStream(tok, [])
+        out = "".join(ts.push(i) for i in ids) + ts.flush()
+        assert out == tok.decode(ids, skip_special_tokens=True), ids
 
 
 def test_decode_base64_image_forms_and_errors():
