@@ -29,11 +29,40 @@ def demo_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_servers():
-    """The vllm-engine servers, one at a time, shared by the modules that ask for the same model one after the
-    other (:func:`support.vllm_server`): a vLLM server takes minutes to start on 2 cores."""
+def shared_servers():
+    """The servers several modules share, one running at a time: the hf LLaVA server of the modules in
+    ``SHARED_LLAVA`` (:func:`support.shared_llava_server`) and the vllm-engine servers (:func:`support.vllm_server`,
+    shared by the modules that ask for the same model one after the other: one takes minutes to start on 2 cores)."""
     from support import OneServerAtATime
 
     pool = OneServerAtATime()
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def admin(server):
+    """A Triton HTTP client of the module's ``server``, closed after the test: a connection left open holds a
+    stopping Triton for up to its ``drain_s``, as any client's would."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http)
+    yield client
+    client.close()
+
+
+# in this order: the bad-input corpus leaves records unused (their leases expire later), which test_openai.py would
+# find held; test_trust.py stops the server
+SHARED_LLAVA = ("test_openai.py", "test_bad_input.py", "test_trust.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that share the hf LLaVA server run one after the other, just before the vLLM modules, which take
+    the pool over from them: the shared server is never idle while other modules run their own."""
+    shared = [i for i in items if i.path.name in SHARED_LLAVA]
+    if not shared:
+        return
+    rest = [i for i in items if i.path.name not in SHARED_LLAVA]
+    at = next((n for n, i in enumerate(rest) if i.path.name.startswith("test_vllm_")),
+              next((n for n, i in enumerate(rest) if i.path.parent.name != "e2e"), len(rest)))
+    items[:] = rest[:at] + sorted(shared, key=lambda i: SHARED_LLAVA.index(i.path.name)) + rest[at:]

@@ -231,6 +231,13 @@ class FrontendSettings(_Settings):
     max_body_bytes: ByteSize = Field(
         64 * MiB, gt=0, description="largest request body; a larger one is refused with 413 before it is read in full"
     )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="longest a request body may take to arrive; a slower one is answered 408 and its "
+        "connection closed"
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="connections (and requests) the frontend serves at once; past it, 503 at once"
+    )
     media: MediaPolicy = Field(MediaPolicy(), description="where media may come from")
     api_key_file: Path | None = Field(
         None, description="file of the OpenAI API's keys, one per line, readable by its owner only: every /v1/ request "
@@ -266,6 +273,10 @@ class ServeSettings(_Settings):
     grpc_port: int = Field(8001, description="Triton's gRPC port")
     metrics_port: int = Field(8002, description="Triton's Prometheus metrics port")
     openai_port: int = Field(9000, description="OpenAI-compatible API port; 0 turns it off")
+    openai_host: str | None = Field(
+        None, description="address the OpenAI API listens on (default: host), so that it alone can face clients while "
+        "Triton stays on a private address"
+    )
     access_token: str | None = Field(
         None, repr=False, json_schema_extra=SECRET,
         description="token for Triton's repository API (default: generated)",

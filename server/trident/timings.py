@@ -7,12 +7,16 @@ CLOCK_MONOTONIC, one clock for every process of the host and the one Triton's ow
 
 Lines carry no request id: ``make bench-hops`` sends one request at a time and gives each request the
 steps that fall inside its send..done window. When tracing is off a step costs one attribute test.
+
+Tracing never fails a request: a folder that cannot be written (a full disk, no permission) turns it off in the
+process, with one warning.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import threading
 import time
@@ -32,9 +36,25 @@ def start(name: str) -> None:
     folder = os.environ.get(ENV)
     if not folder or _out is not None:
         return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    _out = open(Path(folder) / f"{name}.jsonl", "a", buffering=1)  # a line each, flushed as written
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        _out = open(Path(folder) / f"{name}.jsonl", "a", buffering=1)  # a line each, flushed as written
+    except OSError as e:
+        _off(e)
+        return
     gc.callbacks.append(_gc_step)
+
+
+def _off(error: OSError) -> None:
+    """Stop tracing in this process: its folder cannot be written."""
+    global _out
+    out, _out = _out, None
+    logging.getLogger("trident.timings").warning("step timings are off in this process: %s", error)
+    if out is not None:
+        try:
+            out.close()
+        except OSError:
+            pass
 
 
 _gc_t0 = 0
@@ -61,7 +81,11 @@ def mark(step: str, t0: int, t1: int | None = None) -> None:
         return
     line = json.dumps({"step": step, "t0": t0, "t1": t1 if t1 is not None else time.monotonic_ns()})
     with _lock:
-        _out.write(line + "\n")
+        try:
+            if _out is not None:
+                _out.write(line + "\n")
+        except OSError as e:
+            _off(e)
 
 
 @contextmanager

@@ -3,8 +3,9 @@ HTTP), the stage models called directly (forged, truncated, replayed and mis-typ
 and the OpenAI API. Each must get the right 4xx with a message naming the problem, and afterwards a good
 request must still return exactly transformers' text.
 
-The server runs with small image and body limits (``LIMITS``: 4 images of at most 4000000 pixels and 2 MiB, an
-8 MiB body), so the limits are checked as configured, not only as defaulted.
+The server (shared with test_openai.py: :func:`support.shared_llava_server`) runs with small image and body
+limits (4 images of at most 4000000 pixels and 2 MiB, an 8 MiB body that must arrive within 2 s), so the limits
+are checked as configured, not only as defaulted.
 
 Statuses are what each protocol can carry: HTTP status codes for Triton's HTTP endpoints and the OpenAI API;
 for a gRPC ``infer`` the status code's HTTP equivalent; for a gRPC stream (the entry models are decoupled and
@@ -19,6 +20,7 @@ import io
 import json
 import select
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,34 +29,26 @@ import pytest
 import requests
 
 from support import (
-    Server, b64, build_reference, credential, drain_kv, grpc_generate, http_generate, make_image, png_bytes, strings,
+    b64, build_reference, credential, drain_kv, grpc_generate, http_generate, make_image, png_bytes, shared_llava_server,
+    strings,
 )
+from support.server import SHARED_LLAVA_NAME
 from trident import auth, errors
 from trident.protocol import parse_instance
 
 pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
-LIMITS = {  # settings of the server's config file
-    "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB"},
-    "frontend": {"max_body_bytes": "8 MiB"},
-    "scheduling": {"local_prefill_tokens": 0},
-}
 GREEDY = {"max_tokens": 6, "temperature": 0}
-NAME = "demo"
+NAME = SHARED_LLAVA_NAME
 GRPC_TO_HTTP = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404, "StatusCode.PERMISSION_DENIED": 403,
                 "StatusCode.UNAVAILABLE": 503, "StatusCode.INTERNAL": 500, "StatusCode.RESOURCE_EXHAUSTED": 429}
 
 
 @pytest.fixture(scope="module")
-def server(demo_models, tmp_path_factory):
-    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("bad-input") / "ws", modes=["e_p_d", "e_pd"],
-                 extra=["--served-model-name", NAME], config=LIMITS)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        assert srv.stop() == 0
+def server(demo_models, tmp_path_factory, shared_servers):
+    """The LLaVA server this module shares with test_openai.py (its limits: :func:`support.shared_llava_server`)."""
+    return shared_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +175,7 @@ def image_part(url: str) -> list:
 
 def openai_declared_too_big(server) -> Got:
     """Headers that declare a 9 MiB body; none of it is sent: the answer must come at once."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.openai_port, timeout=10)
+    conn = http.client.HTTPConnection(server.openai_host, server.openai_port, timeout=10)
     conn.putrequest("POST", "/v1/chat/completions")
     conn.putheader("Content-Type", "application/json")
     conn.putheader("Content-Length", str(9 * MiB))
@@ -190,9 +184,30 @@ def openai_declared_too_big(server) -> Got:
     return Got(r.status, json.loads(r.read())["error"]["message"])
 
 
+def openai_slow_body(server) -> Got:
+    """A body that trickles in, a byte every half second: answered 408 at the deadline (2 s here), not held open."""
+    s = socket.create_connection((server.openai_host, server.openai_port), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n")
+    answer, t0 = b"", time.monotonic()
+    try:
+        while time.monotonic() - t0 < 8 and not select.select([s], [], [], 0.5)[0]:
+            s.sendall(b" ")
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < 10:
+            part = s.recv(65536)
+            if not part:
+                break
+            answer += part
+    finally:
+        s.close()
+    assert time.monotonic() - t0 < 5, "the slow body was held past its deadline"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return Got(int(head.split()[1]), body.decode(errors="replace"))
+
+
 def openai_chunked_too_big(server) -> Got:
     """A chunked body with no declared size that goes on past the limit."""
-    s = socket.create_connection(("127.0.0.1", server.openai_port), timeout=10)
+    s = socket.create_connection((server.openai_host, server.openai_port), timeout=10)
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Transfer-Encoding: chunked\r\n\r\n")
     chunk = b"%x\r\n%s\r\n" % (MiB, b" " * MiB)
@@ -324,6 +339,8 @@ CORPUS = [
     Bad("grpc: empty text", lambda s, r: entry_grpc(s, r, text="", images=[]), 400, "text_input is empty"),
     Bad("grpc: text not UTF-8", lambda s, r: entry_grpc(s, r, text=b"USER: \xff\xfe hi", images=[]), 400, "not valid UTF-8"),
     Bad("grpc: huge text", lambda s, r: entry_grpc(s, r, text="USER: " + "word " * 5000, images=[]), 400, "context window"),
+    Bad("grpc: text past any prompt's bytes", lambda s, r: entry_grpc(s, r, text="USER: " + "word " * 400_000, images=[]),
+        400, "bytes: more than any prompt that fits the model's context window can have"),
     Bad("grpc: invalid base64", lambda s, r: entry_grpc(s, r, images=["@@@ not base64 @@@"]), 400, "not valid base64"),
     Bad("grpc: not an image", lambda s, r: entry_grpc(s, r, images=[b64(b"plain text, no image")]), 400,
         "could not be decoded as an image"),
@@ -429,6 +446,8 @@ CORPUS = [
         "larger than 8388608 bytes"),
     Bad("openai: chunked body over frontend.max_body_bytes", lambda s, r: openai_chunked_too_big(s), 413,
         "larger than 8388608 bytes"),
+    Bad("openai: body slower than frontend.body_timeout_s", lambda s, r: openai_slow_body(s), 408,
+        "did not arrive within 2 s"),
 ]
 
 

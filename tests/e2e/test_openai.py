@@ -1,4 +1,5 @@
-"""The OpenAI-compatible frontend, driven by the official `openai` client against a real `trident serve`."""
+"""The OpenAI-compatible frontend, driven by the official `openai` client against a real `trident serve` (the LLaVA
+server this module shares with test_bad_input.py: :func:`support.shared_llava_server`)."""
 
 from __future__ import annotations
 
@@ -11,34 +12,30 @@ import urllib.request
 import pytest
 import requests
 
-from support import MODES, b64, grpc_generate, make_image, png_bytes, serving
+from support import MODES, b64, grpc_generate, make_image, png_bytes, shared_llava_server
+from support.server import SHARED_LLAVA_NAME
 
 pytestmark = pytest.mark.slow
 
-NAME = "demo"
+NAME = SHARED_LLAVA_NAME
 GREEDY = {"max_tokens": 24, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("media")
-    (d / "ok.png").write_bytes(png_bytes(make_image(200, 150, 7)))
-    return d
+def server(demo_models, tmp_path_factory, shared_servers):
+    return shared_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def server(demo_models, tmp_path_factory, media_dir):
-    with serving(demo_models["llava"], tmp_path_factory.mktemp("oai") / "ws",
-                 extra=["--served-model-name", NAME],
-                 config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}}) as srv:
-        yield srv
+def media_dir(server):
+    return server.media_dir  # (it holds ok.png)
 
 
 @pytest.fixture(scope="module")
 def client(server):
     import openai
 
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0)
 
 
 def _messages(url: str, text: str = "Describe the picture in detail, please.") -> list[dict]:
@@ -119,6 +116,7 @@ BAD = {
     "a vLLM field": (_messages("data:,"), {"extra_body": {"repetition_penalty": 1.3}}, 400, "repetition_penalty"),
     "seed past 64 bits": (_messages("data:,"), {"seed": 1 << 64}, 400, "seed: Input should be less than or equal"),
     "17 stops": (_messages("data:,"), {"stop": ["x"] * 17}, 400, "stop: List should have at most 16 items"),
+    "4097 messages": ([{"role": "user", "content": "hi"}] * 4097, {}, 400, "messages: List should have at most 4096"),
 }
 
 
@@ -138,7 +136,7 @@ def test_errors(client, image_png, problem):
 
 def test_metrics_count_requests(server, client, image_png):
     def scrape() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics") as r:
+        with urllib.request.urlopen(f"http://{server.openai_host}:{server.openai_port}/metrics") as r:
             return r.read().decode()
 
     def value(text: str, name: str, labels: str) -> float:
@@ -250,7 +248,7 @@ def test_with_an_api_key_file_every_v1_request_needs_a_key(server, tmp_path):
 def test_a_lone_surrogate_is_a_400(server, client):
     """JSON can escape a lone surrogate (``\\ud800``), which is no text: a clear 400, not a 500."""
     body = ('{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}' % NAME)
-    r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", data=body,
+    r = requests.post(f"{server.openai_url}/chat/completions", data=body,
                       headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     assert "the prompt is not valid UTF-8 text" in r.json()["error"]["message"]
@@ -260,7 +258,7 @@ def test_a_lone_surrogate_is_a_400(server, client):
 @pytest.mark.parametrize("tail", ["[" * 50_000 + "]" * 50_000, "1" + "0" * 5000], ids=["deep", "huge number"])
 def test_a_body_json_cannot_read_is_an_openai_shaped_400(server, client, tail):
     body = '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "seed": %s}' % (NAME, tail)
-    r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/chat/completions", data=body,
+    r = requests.post(f"{server.openai_url}/chat/completions", data=body,
                       headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     assert "not JSON that can be read" in r.json()["error"]["message"]
@@ -279,7 +277,7 @@ def test_a_dropped_stream_stops_the_decode_within_a_second(server, client, image
 
     decode = {"e_p_d": "decode", "epd": "generate"}[mode]
     if way == "openai":
-        url = f"http://127.0.0.1:{server.openai_port}/v1/chat/completions"
+        url = f"{server.openai_url}/chat/completions"
         body = {"model": f"{NAME}:{mode}", "stream": True, "max_tokens": 1000, "ignore_eos": True,
                 "messages": _messages(_data_url(image_png))}
     else:
@@ -316,7 +314,7 @@ def test_a_client_gone_from_a_whole_answer_stops_its_decode_within_a_second(serv
 
     body = json.dumps({"model": f"{NAME}:e_p_d", "max_tokens": 1000, "ignore_eos": True,
                        "messages": _messages(_data_url(image_png))}).encode()
-    sock = socket.create_connection(("127.0.0.1", server.openai_port), timeout=30)
+    sock = socket.create_connection((server.openai_host, server.openai_port), timeout=30)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + 30

@@ -80,10 +80,7 @@ def _metric(server, name: str, **labels) -> float:
     return sum(v for (n, ls), v in server.metrics().items() if n == name and want <= set(ls))
 
 
-def test_instances_are_named_models_with_their_own_stats(server):
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(server.http)
+def test_instances_are_named_models_with_their_own_stats(server, admin):
     assert admin.is_model_ready("prefill") and admin.is_model_ready("prefill-2")
     assert {"prefill", "prefill-2", "encode", "decode"} <= set(server.stats())
     assert server.stats()["prefill"]["pid"] != server.stats()["prefill-2"]["pid"]
@@ -354,11 +351,14 @@ def _reload(server, mode: str = "e_p_d", **scheduling) -> None:
     import tritonclient.http as httpclient
 
     admin = httpclient.InferenceServerClient(server.http)
-    config = admin.get_model_config(mode)
-    settings = json.loads(config["parameters"]["scheduler"]["string_value"])
-    settings.update(scheduling)
-    config["parameters"]["scheduler"]["string_value"] = json.dumps(settings)
-    admin.load_model(mode, config=json.dumps(config), headers={"triton-access-token": server.token})
+    try:
+        config = admin.get_model_config(mode)
+        settings = json.loads(config["parameters"]["scheduler"]["string_value"])
+        settings.update(scheduling)
+        config["parameters"]["scheduler"]["string_value"] = json.dumps(settings)
+        admin.load_model(mode, config=json.dumps(config), headers={"triton-access-token": server.token})
+    finally:
+        admin.close()
 
 
 def test_local_encode_runs_few_images_on_a_worker_that_encodes_and_prefills(server, ref):
@@ -448,10 +448,7 @@ def test_affinity_sends_repeats_of_an_image_to_one_instance(server, ref):
         assert sorted(after[n] - before[n] for n in after) == [0, 4], (case, before, after)
 
 
-def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref):
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(server.http)
+def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref, admin):
     os.kill(server.worker_pid("prefill-2"), signal.SIGKILL)
     deadline = time.monotonic() + 10
     while admin.is_model_ready("prefill-2") and time.monotonic() < deadline:
@@ -465,14 +462,11 @@ def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref):
     assert server.proc.poll() is None
 
 
-def test_a_worker_that_joins_later_gets_traffic(server, ref):
+def test_a_worker_that_joins_later_gets_traffic(server, ref, admin):
     """It joins while the supervisor has the killed prefill-2 coming back: it takes the next free name, and
     the restarted prefill-2, the joiner and prefill all serve. The restarted prefill-2 is called on its new Unix
     socket; the joiner (bound from "elsewhere": its files uploaded with the load request, its worker file naming
     only its TCP socket) over TCP, found in the stage directory like any other."""
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(server.http)
     stats_dir = server.workspace / "stats"
     cmd = [sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", server.model_path,
            "--join", f"http://{server.http}", "--stats-dir", str(stats_dir)]
@@ -522,11 +516,8 @@ def test_a_worker_cannot_bind_over_a_live_instance(server):
     assert server.worker_pid("prefill-2") == pid and server.ready("prefill-2")
 
 
-def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref):
+def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref, admin):
     import requests
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(server.http)
     headers = {"triton-access-token": server.token}
     for name in ("prefill", "prefill-2"):
         admin.unload_model(name, headers=headers)

@@ -55,10 +55,7 @@ def test_start_up_warms_every_loaded_mode(server):
     assert server.log.index(warmed[0]) < next(i for i, line in enumerate(server.log) if line.startswith("[trident] ready"))
     assert not [line for line in server.log if " WARNING trident" in line], server.log  # a quiet start
 
-def test_add_mode_while_serving(server, reference):
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(server.http)
+def test_add_mode_while_serving(server, reference, admin):
     assert not admin.is_model_ready("ep_d")
     assert admin.is_model_ready("e_p_d")
     admin.load_model("ep_d", headers={"triton-access-token": server.token})
@@ -172,10 +169,7 @@ def test_bad_requests_are_clear_errors(server, reference, mode, problem):
     assert ok.text == c["expected"]
 
 
-def test_swap_entry_model_while_streaming(server, reference):
-    import tritonclient.http as httpclient
-
-    admin = httpclient.InferenceServerClient(server.http)
+def test_swap_entry_model_while_streaming(server, reference, admin):
     headers = {"triton-access-token": server.token}
     c = reference["one-image"]
     long_params = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}

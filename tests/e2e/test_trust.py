@@ -1,7 +1,8 @@
 """The closed trust boundary on a live server (docs/security.md): what a client that talks to Triton and to NIXL
 itself can and cannot do, and where the server listens.
 
-One `trident serve --host 127.0.0.1` (LLaVA demo, e_p_d) for the module:
+The LLaVA server shared with test_bad_input.py and test_openai.py (:func:`support.shared_llava_server`), this
+module last:
 
 - a client calling a stage model without the stage credential is refused and gets no record;
 - a client holding a record (leaked, say) reads nothing useful out of it: no agent metadata, no regions, no lease
@@ -36,47 +37,22 @@ import requests
 import torch
 
 from support import (
-    Server, b64, cancellable_stream, descendants, drain_kv, grpc_generate, http_generate, make_image, png_bytes, stage_output, strings,
+    b64, cancellable_stream, descendants, drain_kv, grpc_generate, make_image, png_bytes, shared_llava_server,
+    stage_output, strings,
 )
+from support.server import SHARED_LLAVA_NAME
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "USER: <image>\nWhat is it? ASSISTANT:"
 
 
-def _first_ready(url: str, ask, found: dict, key: str, stop: threading.Event) -> None:
-    """Poll ``url`` from start-up; at its first 200, send ``ask()`` at once and keep what it answered."""
-    while not stop.is_set():
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                found[key] = ask()
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.01)
-
-
 @pytest.fixture(scope="module")
-def server(demo_models, tmp_path_factory):
-    """The server, with what a request sent at the first READY of the entry model and of the server got."""
-    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("trust") / "ws", modes=["e_p_d"],
-                 extra=["--host", "127.0.0.1"])
-    image = b64(png_bytes(make_image(64, 48, 7)))
-    ask = lambda: http_generate(srv.http, "e_p_d", PROMPT, [image], {"max_tokens": 2, "temperature": 0}, timeout=120)
-    srv.first_ready, stop = {}, threading.Event()
-    probes = [threading.Thread(target=_first_ready, args=(f"http://{srv.http}{path}", ask, srv.first_ready, key, stop),
-                               daemon=True)
-              for key, path in (("model", "/v2/models/e_p_d/ready"), ("server", "/v2/health/ready"))]
-    for probe in probes:
-        probe.start()
-    try:
-        srv.wait_ready(timeout=240)
-        for probe in probes:
-            probe.join(120)
-        yield srv
-    finally:
-        stop.set()
-        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+def server(demo_models, tmp_path_factory, shared_servers):
+    """The LLaVA server shared with test_bad_input.py and test_openai.py (:func:`support.shared_llava_server`:
+    Triton on loopback, the OpenAI API on an address of its own, a request sent at the first READY of the entry
+    model and of the server); this module is its last user: its last test stops it."""
+    return shared_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
 
 
 def test_readiness_tells_the_truth(server):
@@ -208,6 +184,7 @@ def _listeners(pids: set[int]) -> list[tuple[str, str]]:
 
 
 def test_every_listener_is_on_loopback(server):
+    """Every listener is on loopback; the OpenAI API on its own address (``openai_host``), Triton's on ``--host``."""
     from support import descendants
 
     pids = {server.proc.pid, *descendants(server.proc.pid)}
@@ -215,6 +192,10 @@ def test_every_listener_is_on_loopback(server):
     assert len(found) >= 5, found  # Triton's HTTP, gRPC and metrics ports, the OpenAI port, UCX's listeners
     outside = [(addr, who) for addr, who in found if not addr.startswith(("127.", "[::1]:", "[::ffff:127."))]
     assert not outside, f"listeners outside loopback: {outside}"
+    by_port = {addr.rsplit(":", 1)[1]: addr.rsplit(":", 1)[0].removeprefix("[::ffff:").removesuffix("]")
+               for addr, _ in found}
+    assert by_port[str(server.openai_port)] == server.openai_host != "127.0.0.1", found
+    assert {by_port[str(p)] for p in (server.http_port, server.grpc_port, server.metrics_port)} == {"127.0.0.1"}
 
 
 def test_the_server_s_files_are_its_user_s_alone(server):
@@ -301,8 +282,8 @@ def _refused_at_once(server) -> None:
         raise AssertionError("Triton's HTTP endpoint still answers 10 s after SIGTERM")
     with pytest.raises(grpcclient.InferenceServerException, match="e_p_d"):
         grpc_generate(server.grpc, "e_p_d", "Hi.", [], {"max_tokens": 2}, stream=True, timeout=10)
-    r = requests.post(f"http://127.0.0.1:{server.openai_port}/v1/completions",
-                      json={"model": "llava:e_p_d", "prompt": "Hi.", "max_tokens": 2}, timeout=10)
+    r = requests.post(f"{server.openai_url}/completions",
+                      json={"model": f"{SHARED_LLAVA_NAME}:e_p_d", "prompt": "Hi.", "max_tokens": 2}, timeout=10)
     assert r.status_code == 503 and "e_p_d" in r.json()["error"]["message"], r.text
 
 

@@ -34,9 +34,9 @@ SAME_AS_TRANSFORMERS = {
 
 # (qwen2vl last: tests/e2e/test_vllm_serving.py starts with it, on the same server)
 @pytest.fixture(scope="module", params=["qwen2_5vl", "qwen2audio", "qwen2vl"])
-def server(request, demo_models, tmp_path_factory, vllm_servers):
+def server(request, demo_models, tmp_path_factory, shared_servers):
     modes = None if request.param == "qwen2vl" else ["epd", "e_p_d"]
-    return vllm_server(vllm_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws",
+    return vllm_server(shared_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws",
                        modes)
 
 

@@ -30,10 +30,10 @@ KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
 
 # (qwen2vl first: tests/e2e/test_vllm_media.py ends with it, on the same server)
 @pytest.fixture(scope="module", params=["qwen2vl", "llava"])
-def server(request, demo_models, tmp_path_factory, vllm_servers):
+def server(request, demo_models, tmp_path_factory, shared_servers):
     """A vLLM server (shared, see support.vllm_server, which checks how it stops: exit 0, no process and no IPC
     socket file left behind)."""
-    return vllm_server(vllm_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws")
+    return vllm_server(shared_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws")
 
 
 @pytest.fixture(scope="module")

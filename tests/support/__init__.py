@@ -15,7 +15,9 @@ from .media import bad_media, media_cases
 from .reference import build_media_reference, build_reference
 
 MEDIA_CASES = media_cases()
-from .server import OneServerAtATime, Server, descendants, serving, vllm_python, vllm_server, wait_drained
+from .server import (
+    OneServerAtATime, Server, descendants, serving, shared_llava_server, vllm_python, vllm_server, wait_drained,
+)
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 
@@ -48,6 +50,6 @@ IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300,
 __all__ = [
     "MEDIA_CASES", "vllm_python", "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
     "media_prompt", "video_bytes",
-    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "drain_kv",
+    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "shared_llava_server", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",
 ]

@@ -33,6 +33,7 @@ class Server:
     ) -> None:
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         self.model_path = model
+        self.openai_host = (config or {}).get("openai_host", "127.0.0.1")
         self.workspace = workspace = Path(workspace)
         self.token = "test-token-123"
         files = workspace.with_name(workspace.name + ".serve")
@@ -83,7 +84,7 @@ class Server:
 
     @property
     def openai_url(self) -> str:
-        return f"http://127.0.0.1:{self.openai_port}/v1"
+        return f"http://{self.openai_host}:{self.openai_port}/v1"
 
     def worker_pids(self) -> list[int]:
         return [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in self.log if "started worker" in line]
@@ -98,7 +99,11 @@ class Server:
     def ready(self, model: str) -> bool:
         import tritonclient.http as httpclient
 
-        return httpclient.InferenceServerClient(self.http).is_model_ready(model)
+        client = httpclient.InferenceServerClient(self.http)
+        try:
+            return client.is_model_ready(model)
+        finally:
+            client.close()  # (an open connection holds a stopping Triton: see drain_s)
 
     def swap_scheduler(self, mode: str, kind: str) -> None:
         """Reload entry model ``mode`` as a BLS scheduler or an ensemble while serving (a config override
@@ -109,9 +114,12 @@ class Server:
         from trident.repository import bls_config, ensemble_config
 
         admin = httpclient.InferenceServerClient(self.http)
-        config = bls_config(mode) if kind == "bls" else ensemble_config(mode)
-        admin.load_model(mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.token})
-        assert admin.is_model_ready(mode)
+        try:
+            config = bls_config(mode) if kind == "bls" else ensemble_config(mode)
+            admin.load_model(mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.token})
+            assert admin.is_model_ready(mode)
+        finally:
+            admin.close()
 
     def metrics(self) -> dict[tuple, float]:
         """Triton's metrics port: ``{(name, (("label", "value"), ...)): value}`` (Trident's own families)."""

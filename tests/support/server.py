@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 from .served import Server, descendants, held
 
-__all__ = ["OneServerAtATime", "Server", "descendants", "serving", "vllm_server", "wait_drained"]
+__all__ = ["OneServerAtATime", "Server", "descendants", "serving", "shared_llava_server", "vllm_server", "wait_drained"]
 
 
 @contextlib.contextmanager
@@ -71,6 +72,73 @@ class OneServerAtATime:
         server, check, self._key, self._server = self._server, self._check, None, None
         if server is not None:
             check(server)
+
+
+SHARED_LLAVA_NAME = "demo"  # the OpenAI model id of the shared LLaVA server
+
+
+def shared_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -> Server:
+    """The hf LLaVA server in every mode that test_openai.py, test_bad_input.py and test_trust.py share (from
+    ``pool``; conftest runs them one after the other, in that order: test_trust.py's last test stops it). Its settings are
+    what they need:
+
+    - small media limits and a 2 s body deadline (the bad-input corpus names them), every prompt prefilled by the
+      prefill worker, and ``media_dir`` (a file ``ok.png`` in it) the folder local media may come from;
+    - Triton on 127.0.0.1, the OpenAI API on 127.0.0.2 (``openai_host``: an address of its own);
+    - ``first_ready``: what a request sent at the first READY of the e_p_d entry model (``"model"``) and of the
+      server (``"server"``) got, polled from the start."""
+    from .clients import http_generate
+    from .media import b64, make_image, png_bytes
+
+    def start() -> Server:
+        media_dir = tmp_path_factory.mktemp("media")
+        (media_dir / "ok.png").write_bytes(png_bytes(make_image(200, 150, 7)))
+        srv = Server(model, tmp_path_factory.mktemp("llava") / "ws",
+                     extra=["--served-model-name", SHARED_LLAVA_NAME, "--host", "127.0.0.1"],
+                     config={"openai_host": "127.0.0.2",
+                             "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB"},
+                             "frontend": {"max_body_bytes": "8 MiB", "body_timeout_s": 2,
+                                          "media": {"allowed_media_dir": str(media_dir)}},
+                             "scheduling": {"local_prefill_tokens": 0}})
+        image = b64(png_bytes(make_image(64, 48, 7)))
+        ask = lambda: http_generate(srv.http, "e_p_d", "USER: <image>\nWhat is it? ASSISTANT:", [image],  # noqa: E731
+                                    {"max_tokens": 2, "temperature": 0}, timeout=120)
+        srv.first_ready, stop = {}, threading.Event()
+        probes = [threading.Thread(target=_first_ready, args=(f"http://{srv.http}{path}", ask, srv.first_ready, key, stop),
+                                   daemon=True)
+                  for key, path in (("model", "/v2/models/e_p_d/ready"), ("server", "/v2/health/ready"))]
+        for probe in probes:
+            probe.start()
+        try:
+            srv.wait_ready(timeout=240)
+            for probe in probes:
+                probe.join(120)
+        except BaseException:
+            srv.stop()
+            raise
+        finally:
+            stop.set()
+        srv.media_dir = media_dir
+        return srv
+
+    def check_stop(srv: Server) -> None:
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+    return pool.get(("llava", "shared"), start, check_stop)
+
+
+def _first_ready(url: str, ask, found: dict, key: str, stop: threading.Event) -> None:
+    """Poll ``url`` from start-up; at its first 200, send ``ask()`` at once and keep what it answered."""
+    import requests
+
+    while not stop.is_set():
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                found[key] = ask()
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.01)
 
 
 def _ipc_sockets_in_tmp() -> set[str]:

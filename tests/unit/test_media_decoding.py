@@ -79,6 +79,20 @@ def test_bad_audio_is_refused_with_its_problem():
         MediaItem(b"garbage" * 20, 1, "audio").open()
 
 
+def test_audio_at_an_absurd_rate_or_with_many_channels_is_refused_before_decoding():
+    """A clip whose header claims 50 MHz, or 12 channels: refused before a sample is decoded or resampled."""
+    import io
+
+    import soundfile
+
+    for rate, channels, message in ((50_000_000, 1, "audio 0 has a sample rate of 50000000 Hz; accepted: 1 to 384000"),
+                                    (16000, 12, "audio 0 has 12 channels; at most 8 are accepted")):
+        buf = io.BytesIO()
+        soundfile.write(buf, np.zeros((64, channels), np.float32), rate, format="WAV", subtype="FLOAT")
+        with pytest.raises(InvalidRequest, match=message):
+            MediaItem(buf.getvalue(), 0, "audio").open()
+
+
 def test_input_audio_format_must_match_its_bytes():
     import base64
 

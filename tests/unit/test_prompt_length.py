@@ -78,3 +78,17 @@ def test_measuring_does_not_import_transformers_or_torch(demo_models):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2vl"])
+def test_the_text_bytes_limit_holds_a_context_window_of_the_longest_tokens(demo_models, arch):
+    """No text that fits the context window is over the limit: not even one made of the longest token only."""
+    from transformers import AutoTokenizer
+
+    from trident.scheduler.prompt_length import text_bytes_limit
+
+    tok, limit = AutoTokenizer.from_pretrained(demo_models[arch]), text_bytes_limit(demo_models[arch])
+    context = Processor(demo_models[arch]).max_model_len
+    longest = max(range(len(tok)), key=lambda i: len(tok.decode([i]).encode()))
+    widest = tok.decode([longest] * context).encode()
+    assert len(widest) <= limit < 4 * len(widest)

@@ -50,3 +50,17 @@ def test_steps_are_lines_on_the_monotonic_clock(tmp_path):
     assert by["instant"]["t0"] == by["instant"]["t1"]
     # one clock for every process of the host: the child's times fall inside this process's window
     assert all(before <= r["t0"] <= r["t1"] <= after for r in lines)
+
+
+def test_a_trace_folder_that_cannot_be_written_turns_tracing_off_and_fails_nothing(tmp_path):
+    """A full disk (``/dev/full``: every write is ENOSPC) or a folder that cannot be made: the steps run, tracing is
+    off after one warning, and nothing is raised."""
+    out = subprocess.run([sys.executable, "-c", _SCRIPT.replace(
+        'timings.start("proc")', 'timings.start("proc"); timings._out = open("/dev/full", "w", buffering=1)')],
+        env=dict(os.environ, TRIDENT_TRACE_DIR=str(tmp_path / "t")), capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert out.stderr.count("step timings are off in this process") == 1, out.stderr
+    (tmp_path / "file").write_text("")
+    unmakeable = subprocess.run([sys.executable, "-c", _SCRIPT], env=dict(os.environ, TRIDENT_TRACE_DIR=str(tmp_path / "file" / "t")),
+                                capture_output=True, text=True, check=True)
+    assert unmakeable.stdout.strip() == "False" and "step timings are off" in unmakeable.stderr

@@ -323,3 +323,36 @@ def test_every_stage_model_runs_trident_s_proxy_without_pytriton_s_tensor_store(
     local = json.loads((store / "prefill" / "1" / WORKER_FILE).read_text())
     assert local == {"name": "prefill", "pid": os.getpid(), "direct": server.path, "tcp": ["127.0.0.1", server.address[1]]}
     server.stop()
+
+
+def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
+    """The stats thread of a worker whose folder cannot be written (full disk, gone) keeps going, warns once, and
+    writes as soon as it can."""
+    import json
+    import threading
+    import time
+
+    from trident.workers.bind import _write_stats
+
+    class Engine:
+        n = 0
+
+        def stats(self):
+            self.n += 1
+            return {"ticks": self.n}
+
+    folder = tmp_path / "stats"  # not there yet: every write fails
+    stop = threading.Event()
+    thread = threading.Thread(target=_write_stats, args=(Engine(), folder / "w.json", stop), daemon=True)
+    with caplog.at_level("WARNING", logger="trident.worker"):
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not folder.exists()
+        folder.mkdir()
+        deadline = time.monotonic() + 5
+        while not (folder / "w.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        thread.join(5)
+    assert json.loads((folder / "w.json").read_text())["ticks"] > 1
+    assert sum("worker stats: cannot write" in r.getMessage() for r in caplog.records) == 1

@@ -108,7 +108,9 @@ class OpenAIServer:
                 media[kind].append(await self._media_part(part, kind, len(media[kind]), budget))
                 parts.append({"type": kind})
             converted.append({"role": m.role, "content": parts})
-        prompt = self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
+        # (off the event loop: a long conversation takes a while to render, and other requests go on meanwhile)
+        prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, converted, tokenize=False,
+                                         add_generation_prompt=True)
         return prompt, {kind: items for kind, items in media.items() if items}
 
     async def _media_part(self, part, kind: str, index: int, budget: FetchBudget) -> str:
@@ -218,7 +220,7 @@ def _check_text(prompt: str) -> None:
 def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     server = OpenAIServer(settings, engine)
     app = FastAPI(title="Trident OpenAI-compatible API")
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, deadline_s=settings.body_timeout_s)
     if settings.api_key_file is not None:  # (outside the body limit: a request without a key is not read)
         require_keys(app, load_keys(settings.api_key_file))
 
@@ -285,5 +287,6 @@ def run_frontend(settings: FrontendSettings) -> int:
     app = create_app(settings, TritonEngine(settings.grpc_url))
     # an idle keep-alive connection stays open longer than clients keep theirs (aiohttp 15 s, load balancers
     # 60 s): with uvicorn's 5 s a client could send a request on a connection the server was just closing
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+                limit_concurrency=settings.max_connections)
     return 0

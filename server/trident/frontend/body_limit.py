@@ -1,7 +1,11 @@
-"""A bound on request bodies: one over the limit is answered 413 (OpenAI-style JSON naming the limit) before
-more of it is read, whether it declares its size (``Content-Length``) or arrives chunked."""
+"""Bounds on request bodies: one over the size limit is answered 413 (OpenAI-style JSON naming the limit) before
+more of it is read, whether it declares its size (``Content-Length``) or arrives chunked; one that takes longer
+than the deadline to arrive (a client sending a byte now and then) is answered 408."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -10,11 +14,19 @@ from .responses import error_body
 
 
 class BodyLimit:
-    """ASGI middleware: reads a request's body up to ``limit`` bytes, then hands it to ``app`` whole."""
+    """ASGI middleware: reads a request's body up to ``limit`` bytes within ``deadline_s``, then hands it to ``app``
+    whole."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, deadline_s: float) -> None:
         self.app = app
         self.limit = limit
+        self.deadline_s = deadline_s
+
+    async def _too_slow(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = (f"the request body did not arrive within {self.deadline_s:g} s, this server's limit "
+                   "(frontend.body_timeout_s)")
+        await JSONResponse(error_body(message, 408), status_code=408, headers={"Connection": "close"})(
+            scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body is larger than {self.limit} bytes, this server's limit (frontend.max_body_bytes)"
@@ -27,8 +39,12 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(scope, receive, send)
         parts, size = [], 0
+        end = time.monotonic() + self.deadline_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, end - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await self._too_slow(scope, receive, send)
             if message["type"] != "http.request":  # the client went away
                 return None
             parts.append(message.get("body", b""))

@@ -50,11 +50,15 @@ class ContentPart(BaseModel):
     input_audio: InputAudio | None = None
 
 
+MAX_MESSAGES = 4096  # per chat request
+MAX_PARTS = 512  # content parts per message
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(None, max_length=MAX_PARTS)
 
 
 class StreamOptions(BaseModel):
@@ -95,7 +99,7 @@ class _Sampling(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ finish on the workers, still up), then the workers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -94,6 +95,10 @@ class Launcher:
     def grpc_url(self) -> str:
         return f"{self.s.host}:{self.s.grpc_port}"
 
+    @property
+    def openai_host(self) -> str:
+        return self.s.openai_host or self.s.host
+
     # -- start ------------------------------------------------------------------------------------
     def start(self) -> None:
         t0 = time.monotonic()
@@ -141,13 +146,14 @@ class Launcher:
         for done in loading:
             done.result()
         # READY from here: each entry model is
-        open_gate(self._client(), self.headers, self.model_store, load[0] if load else None, self.out)
+        with self._client() as client:
+            open_gate(client, self.headers, self.model_store, load[0] if load else None, self.out)
         if self.s.warm_up and load:
             warm_up(self.http_url, str(self.model_path), load, self.s.instances, self.out)
         openai = ""
         if self.s.openai_port:
             self._wait_frontend(frontend)
-            openai = f"  OpenAI http://{self.s.host}:{self.s.openai_port}/v1"
+            openai = f"  OpenAI http://{self.openai_host}:{self.s.openai_port}/v1"
         self.out(
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
@@ -257,7 +263,7 @@ class Launcher:
 
     def _spawn_frontend(self) -> subprocess.Popen:
         settings = (self.s.frontend or FrontendSettings(model_path=str(self.model_path))).model_copy(
-            update={"model_path": str(self.model_path), "grpc_url": self.grpc_url, "host": self.s.host,
+            update={"model_path": str(self.model_path), "grpc_url": self.grpc_url, "host": self.openai_host,
                     "port": self.s.openai_port}
         )
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
@@ -271,7 +277,7 @@ class Launcher:
         import urllib.request
 
         try:
-            with urllib.request.urlopen(f"http://{self.s.host}:{self.s.openai_port}/health", timeout=2):
+            with urllib.request.urlopen(f"http://{self.openai_host}:{self.s.openai_port}/health", timeout=2):
                 return True
         except urllib.error.HTTPError:  # it answers (503: no mode ready yet)
             return True
@@ -287,17 +293,27 @@ class Launcher:
                 raise TimeoutError("the OpenAI frontend did not answer /health within 60 s") from None
             time.sleep(0.2)
 
-    def _client(self):
+    @contextlib.contextmanager
+    def _client(self, network_timeout: float = 60.0):
+        """A Triton HTTP client, closed after use: a connection left open holds a stopping Triton for its whole
+        ``drain_s`` (Triton waits for its HTTP connections to close)."""
         import tritonclient.http as httpclient
 
-        return httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}")
+        client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}", network_timeout=network_timeout)
+        try:
+            yield client
+        finally:
+            client.close()
 
     @property
     def headers(self) -> dict[str, str]:
         return {"triton-access-token": self.token}
 
     def _wait_ready(self, names: list[str]) -> None:
-        client = self._client()
+        with self._client() as client:
+            self._wait_ready_on(client, names)
+
+    def _wait_ready_on(self, client, names: list[str]) -> None:
         deadline = time.monotonic() + self.s.startup_timeout_s
         pending = set(names)
         while pending:
@@ -316,12 +332,9 @@ class Launcher:
             time.sleep(0.2)
 
     def load_entry_model(self, mode: str) -> None:
-        import tritonclient.http as httpclient
-
         # Triton loads one model at a time: a load may wait for the others
-        client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}",
-                                                  network_timeout=self.s.startup_timeout_s)
-        client.load_model(mode, headers=self.headers)
+        with self._client(network_timeout=self.s.startup_timeout_s) as client:
+            client.load_model(mode, headers=self.headers)
         self.out(f"[trident] entry model {mode} loaded")
 
     def _load_beside(self, mode: str) -> Future:
@@ -377,10 +390,8 @@ class Launcher:
         else:
             self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
             try:
-                import tritonclient.http as httpclient
-
-                client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}", network_timeout=10)
-                client.unload_model(name, headers=self.headers)
+                with self._client(network_timeout=10) as client:
+                    client.unload_model(name, headers=self.headers)
             except Exception as e:  # Triton may be going away too
                 self.out(f"[trident] could not unload {name}: {e}")
         what = "the OpenAI frontend" if name == "frontend" else f"worker {name}"
@@ -411,7 +422,8 @@ class Launcher:
                     self.out(f"[trident] the OpenAI frontend is back on port {self.s.openai_port}")
                 continue
             try:
-                ready = self._client().is_model_ready(name)
+                with self._client() as client:
+                    ready = client.is_model_ready(name)
             except Exception:
                 ready = False
             if ready:

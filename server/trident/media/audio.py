@@ -1,6 +1,7 @@
 """Audio clips: decoded with soundfile (wav, flac, ogg, mp3), or with PyAV where soundfile cannot, mixed
-down to mono float32 and resampled to the model's rate. The length comes from the header and is checked
-before decoding; decoding stops at the limit whatever the header said."""
+down to mono float32 and resampled to the model's rate. The length, the sample rate (at most ``MAX_RATE``) and the
+channels (at most ``MAX_CHANNELS``) come from the header and are checked before decoding; decoding stops at the
+length limit whatever the header said."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import numpy as np
 
 from ..errors import InvalidRequest
 from . import LIMITS, ffmpeg_reason
+
+MAX_RATE = 384_000  # Hz: the highest rate audio is made at
+MAX_CHANNELS = 8  # 7.1
 
 
 def open_audio(raw: bytes, index: int = 0, sample_rate: int = 16000) -> np.ndarray:
@@ -22,6 +26,7 @@ def open_audio(raw: bytes, index: int = 0, sample_rate: int = 16000) -> np.ndarr
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError):
         wave, rate = _decode_av(raw, name, sample_rate)
     else:
+        _check_shape(info.samplerate, info.channels, name)
         _check_length(info.frames / info.samplerate if info.samplerate else 0.0, name)
         try:
             data, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
@@ -47,6 +52,14 @@ def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
 
+def _check_shape(rate: int | None, channels: int | None, name: str) -> None:
+    """A sample rate and a channel count the clip may have (before any sample is decoded)."""
+    if rate is not None and not 0 < rate <= MAX_RATE:
+        raise InvalidRequest(f"{name} has a sample rate of {rate} Hz; accepted: 1 to {MAX_RATE} Hz")
+    if channels is not None and channels > MAX_CHANNELS:
+        raise InvalidRequest(f"{name} has {channels} channels; at most {MAX_CHANNELS} are accepted")
+
+
 def _check_length(seconds: float, name: str) -> None:
     if seconds > LIMITS.audio_max_seconds:
         raise InvalidRequest(
@@ -67,6 +80,7 @@ def _decode_av(raw: bytes, name: str, sample_rate: int) -> tuple[np.ndarray, int
         if not container.streams.audio:
             raise InvalidRequest(f"{name} has no audio stream (container {container.format.name})")
         stream = container.streams.audio[0]
+        _check_shape(stream.codec_context.sample_rate or None, stream.codec_context.channels or None, name)
         if stream.duration is not None and stream.time_base is not None:
             _check_length(float(stream.duration * stream.time_base), name)
         elif container.duration is not None:

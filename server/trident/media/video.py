@@ -3,7 +3,9 @@
 Frames are taken at ``LIMITS.video_fps`` from the start, at most ``LIMITS.video_max_frames`` (a longer clip
 is sampled evenly over its length). The clip's length and frame size come from its header and are checked
 before anything is decoded; decoding then streams, keeping only the sampled frames, and stops at the
-length limit whatever the header said.
+length limit whatever the header said. A frame's time never goes back, nor stands still: timestamps that do are
+taken as the nominal rate's (at most ``MAX_FPS``), and no clip decodes more frames than ``MAX_FPS`` per second of
+its length.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 
 from ..errors import InvalidRequest
 from . import LIMITS, ffmpeg_reason
+
+MAX_FPS = 240.0  # frames per second a clip is decoded at, at most
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,11 @@ def open_video(raw: bytes, index: int = 0) -> Video:
 def _sample(container, stream, duration: float | None, name: str) -> Video:
     import av
 
-    rate = float(stream.average_rate or stream.guessed_rate or 25)
+    rate = min(float(stream.average_rate or stream.guessed_rate or 25), MAX_FPS)
     if duration is None or duration <= 0:  # unknown length: sample at the fps up to the frame limit
         duration = LIMITS.video_max_frames / LIMITS.video_fps
     targets = sample_times(duration, LIMITS.video_fps, LIMITS.video_max_frames)
+    most = int(min(duration, LIMITS.video_max_seconds) * MAX_FPS) + LIMITS.video_max_frames  # frames decoded
     frames: list[np.ndarray] = []
     times: list[float] = []
     half = 0.5 / rate
@@ -87,7 +92,12 @@ def _sample(container, stream, duration: float | None, name: str) -> Video:
     try:
         for frame in container.decode(stream):
             t = float(frame.time) if frame.time is not None else decoded / rate
+            if decoded and t <= last:  # a time that goes back or stands still: the nominal rate's
+                t = last + 1 / rate
             decoded += 1
+            if decoded > most:
+                raise InvalidRequest(f"{name} holds more than {most} frames for its {duration:g} s, past {MAX_FPS:g} "
+                                     "frames per second")
             if t > LIMITS.video_max_seconds:
                 raise InvalidRequest(
                     f"{name} runs past {LIMITS.video_max_seconds:g} s (media_limits.video_max_seconds) although its header "

@@ -22,6 +22,7 @@ The python backend imports this through the ``model.py`` that :mod:`trident.repo
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import time
@@ -44,7 +45,7 @@ from ..stagecall import StageClient, responses_of
 from .instances import Instances
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
-from .prompt_length import PromptLength
+from .prompt_length import PromptLength, text_bytes_limit
 from .request import EntryRequest
 from .routing import Router, prefix_keys
 
@@ -99,6 +100,7 @@ class TritonPythonModel:
         self._streams = ThreadPoolExecutor(max_workers=MAX_OPEN, thread_name_prefix="trident-bls-stream")
         self._open = 0  # requests being served
         self._stages = StageClient()
+        self._text_limit = text_bytes_limit(self.model_path) if self.model_path else None
         self._measure: PromptLength | None = None  # measures prompts for local prefill
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             self._measure = PromptLength(self.model_path)
@@ -188,7 +190,7 @@ class TritonPythonModel:
     async def _run(self, req: EntryRequest) -> None:
         with timings.step("inputs"):
             req.inputs = self._inputs(req.triton)
-            req.text = _text(req.inputs.get("text_input"))
+            req.text = _text(req.inputs.get("text_input"), self._text_limit)
             req.image_ids, req.kinds = _media_ids(req.inputs)
             req.keys = prefix_keys(req.text, req.image_ids)
         retries = 3
@@ -211,7 +213,7 @@ class TritonPythonModel:
         embeddings = RECORD_TENSOR["embeddings"]
         posted = None
         if stages[0] == "encode":
-            posted = self._post_prefill(p, req)
+            posted = await self._post_prefill(p, req)
             try:
                 outputs = await self._call("encode", req, [embeddings, ENCODE_REPORT],
                                            posted.hand_to if posted else None, keys=req.image_ids)
@@ -226,7 +228,7 @@ class TritonPythonModel:
                 posted = None
         if posted is None and needs_prompt_length(p, self.cfg.local_prefill_tokens):  # (a handed record: too long)
             token_counts = decode_record(records[embeddings], EmbeddingsRecord).token_counts if embeddings in records else []
-            length = self._prompt_length(req.text, token_counts, req.kinds)
+            length = await self._prompt_length(req, token_counts)
             if length is not None:
                 p = with_local_prefill(p, length, self.cfg.local_prefill_tokens, bool(req.image_ids))
                 stages = [s for s in p.stages if s != "encode"]
@@ -248,7 +250,7 @@ class TritonPythonModel:
             records[out] = outputs[out]
         await self._stream(stages[-1], req, p)
 
-    def _post_prefill(self, p: Plan, req: EntryRequest) -> _Posted | None:
+    async def _post_prefill(self, p: Plan, req: EntryRequest) -> _Posted | None:
         """E/P/D: the prefill call, posted now, to wait on its worker for the record the encode worker will hand it
         (the encode's answer, this model's turn and the prefill call's way in are then off the path). The encode
         worker hands it on only for a prompt too long for the decode worker to prefill (``local_prefill_tokens``):
@@ -257,7 +259,7 @@ class TritonPythonModel:
             return None
         above = -1
         if needs_prompt_length(p, self.cfg.local_prefill_tokens):
-            text_tokens = self._prompt_length(req.text, [0] * len(req.kinds), req.kinds)  # less its media's rows
+            text_tokens = await self._prompt_length(req, [0] * len(req.kinds))  # less its media's rows
             if text_tokens is not None:
                 above = self.cfg.local_prefill_tokens - text_tokens
         instance = self._route("prefill", req.keys, req.held)
@@ -283,12 +285,14 @@ class TritonPythonModel:
         except Exception as e:  # the call still ends, at the latest when its wait does
             self.logger.log_warn(f"[trident] {self.mode}: could not withdraw a prefill call on {posted.instance}: {e}")
 
-    def _prompt_length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
+    async def _prompt_length(self, req: EntryRequest, token_counts: list[int]) -> int | None:
         """The prompt's token count with media expanded; None when it cannot be told here (the stage that
-        prefills will name the problem)."""
-        if self._measure is None or (kinds and not token_counts):
+        prefills will name the problem). Its text is encoded once, off the event loop."""
+        if self._measure is None or (req.kinds and not token_counts):
             return None
-        return self._measure.length(text, token_counts, kinds)
+        if req.text_ids is None:
+            req.text_ids = await asyncio.to_thread(self._measure.ids, req.text)
+        return self._measure.count(req.text_ids, token_counts, req.kinds)
 
     @staticmethod
     def _record_for(stage: str, records: dict[str, bytes], local_prefill: bool = False) -> tuple[str, bytes] | None:
@@ -492,6 +496,10 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._stages.close()
         self._streams.shutdown(wait=False, cancel_futures=True)
+        # Triton's requests still referenced from garbage (an error's traceback, a dropped task) are freed now, while
+        # the stub's shared memory holds them: freed at the interpreter's exit, after it, the stub segfaulted
+        # (InferRequest::~InferRequest)
+        gc.collect()
 
 
 def _stage_inputs(stage: str, inputs: dict, record: tuple[str, bytes] | None):
@@ -535,13 +543,18 @@ def _flag(tensor) -> bool:
     return bool(values[0]) if values.size else False
 
 
-def _text(tensor) -> str:
+def _text(tensor, limit: int | None = None) -> str:
+    """The prompt's text; ``limit``: the most bytes a text that fits the context window can have."""
     if tensor is None:
         raise InvalidRequest("text_input is required")
     values = tensor.as_numpy().reshape(-1)
     if values.size == 0:
         raise InvalidRequest("text_input is empty")
     value = values[0]
+    size = len(value) if isinstance(value, bytes) else len(str(value).encode("utf-8", "surrogatepass"))
+    if limit is not None and size > limit:
+        raise InvalidRequest(f"text_input is {size} bytes: more than any prompt that fits the model's context "
+                             f"window can have ({limit} bytes)")
     try:
         text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:

@@ -5,6 +5,11 @@ models measure each prompt. They use the checkpoint's ``tokenizer.json`` through
 not transformers: transformers imports torch as it loads, about 3 s of CPU in each such stub at start-up, on
 the cores the engines start on. The ids are the ones :class:`trident.processor.Processor` gives (a unit test
 holds every demo model's to it); a checkpoint without a ``tokenizer.json`` falls back to the Processor.
+``tokenizers`` lets other threads run only while it encodes a batch, so a prompt is encoded as a batch of one
+(the BLS runs it off its event loop).
+
+Every entry model bounds a prompt's text before any of that (:func:`text_bytes_limit`): more bytes than the
+context window's tokens could hold, each as long as the longest token, cannot be served.
 """
 
 from __future__ import annotations
@@ -23,27 +28,51 @@ class PromptLength:
 
     def __init__(self, model_path: str | Path) -> None:
         path = Path(model_path)
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((path / "config.json").read_bytes())
         family = family_of(SimpleNamespace(model_type=config.get("model_type")))
         if (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-            self._ids = lambda text: tokenizer.encode(text, add_special_tokens=True).ids
+            self.ids = lambda text: tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
             token_id = tokenizer.token_to_id
         else:
             from ..processor import Processor
 
             processor = Processor(path)
-            self._ids = lambda text: processor.tokenizer(text, add_special_tokens=True)["input_ids"]
+            self.ids = lambda text: processor.tokenizer(text, add_special_tokens=True)["input_ids"]
             token_id = processor.tokenizer.convert_tokens_to_ids
         self.placeholder_ids = {kind: token_id(p.token) for kind, p in family.placeholders.items()}
 
     def length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
+        return self.count(self.ids(text), token_counts, kinds)
+
+    def count(self, ids: list[int], token_counts: list[int], kinds: list[str]) -> int | None:
+        """:meth:`length` of a text already encoded (``ids``: :attr:`ids` of it)."""
         if len(token_counts) != len(kinds) or any(kind not in self.placeholder_ids for kind in kinds):
             return None
-        ids = self._ids(text)
         for kind, token in self.placeholder_ids.items():
             if ids.count(token) != kinds.count(kind):
                 return None
         return len(ids) - len(token_counts) + sum(token_counts)
+
+
+def text_bytes_limit(model_path: str | Path) -> int | None:
+    """The most UTF-8 bytes a prompt's text can have and still fit the model's context window: its length in tokens
+    times the longest token's bytes (a token's string in the vocabulary is at least as long in UTF-8 as the text it
+    stands for). None when the checkpoint has no ``tokenizer.json`` or no context length to tell it by."""
+    path = Path(model_path)
+    try:
+        # (bytes: the python-backend stub's locale may be ASCII)
+        config = json.loads((path / "config.json").read_bytes())
+        vocab = json.loads((path / "tokenizer.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    context = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
+    model = vocab.get("model") or {}
+    tokens = list(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else \
+        [t[0] for t in model.get("vocab") or [] if isinstance(t, list) and t]
+    tokens += [t.get("content", "") for t in vocab.get("added_tokens") or [] if isinstance(t, dict)]
+    if not isinstance(context, int) or context <= 0 or not tokens:
+        return None
+    return context * max(len(t.encode("utf-8", "surrogatepass")) for t in tokens)

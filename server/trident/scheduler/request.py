@@ -17,6 +17,7 @@ class EntryRequest:
     held: Any  # its metric updates, held until its first response is out (SchedulerMetrics.held)
     inputs: dict = field(default_factory=dict)  # entry tensors by name (pb_utils.Tensor, or arrays passed on)
     text: str = ""
+    text_ids: list[int] | None = None  # its text's token ids, once measured (PromptLength.ids)
     image_ids: list[str] = field(default_factory=list)  # content ids of its media items
     kinds: list[str] = field(default_factory=list)  # each item's modality
     keys: list[str] = field(default_factory=list)  # its prefix keys, for affinity routing

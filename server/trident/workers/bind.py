@@ -25,8 +25,9 @@ _PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stu
 
 def _write_stats(engine, path: Path, stop: threading.Event, inbox=None) -> None:
     """Keep ``path`` holding this worker's transfer, decode and KV-cache counters, and those of its record inbox
-    (``handoff_*``, :mod:`.record_handoff`), read by tests and operators."""
-    last = None
+    (``handoff_*``, :mod:`.record_handoff`), read by tests and operators. A write that fails (a full disk) is
+    tried again at the next change or tick, with one warning until one succeeds: serving goes on."""
+    last, failing = None, False
     while True:
         stats = dict(engine.stats())
         if inbox is not None:
@@ -34,9 +35,15 @@ def _write_stats(engine, path: Path, stop: threading.Event, inbox=None) -> None:
         stats["pid"] = os.getpid()
         if stats != last:
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(stats, sort_keys=True))
-            tmp.replace(path)
-            last = stats
+            try:
+                tmp.write_text(json.dumps(stats, sort_keys=True))
+                tmp.replace(path)
+            except OSError as e:
+                if not failing:
+                    log.warning("worker stats: cannot write %s (%s); trying again", path, e)
+                failing = True
+            else:
+                last, failing = stats, False
         if stop.wait(0.2):
             return
 
