@@ -58,7 +58,14 @@ SHARED_LLAVA = ("test_openai.py", "test_bad_input.py", "test_trust.py")
 
 def pytest_collection_modifyitems(session, config, items):
     """The modules that share the hf LLaVA server run one after the other, just before the vLLM modules, which take
-    the pool over from them: the shared server is never idle while other modules run their own."""
+    the pool over from them: the shared server is never idle while other modules run their own.
+
+    A module's ``SERVED_MODES`` (``{server param: its modes, None: all}``) deselects the tests of a ``mode`` its
+    ``server`` does not run."""
+    unserved = [i for i in items if _unserved(i)]
+    if unserved:
+        config.hook.pytest_deselected(items=unserved)
+        items[:] = [i for i in items if i not in unserved]
     shared = [i for i in items if i.path.name in SHARED_LLAVA]
     if not shared:
         return
@@ -66,3 +73,12 @@ def pytest_collection_modifyitems(session, config, items):
     at = next((n for n, i in enumerate(rest) if i.path.name.startswith("test_vllm_")),
               next((n for n, i in enumerate(rest) if i.path.parent.name != "e2e"), len(rest)))
     items[:] = rest[:at] + sorted(shared, key=lambda i: SHARED_LLAVA.index(i.path.name)) + rest[at:]
+
+
+def _unserved(item) -> bool:
+    served = getattr(getattr(item, "module", None), "SERVED_MODES", None)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if not isinstance(served, dict) or "mode" not in params or "server" not in params:
+        return False
+    modes = served.get(params["server"])
+    return modes is not None and params["mode"] not in modes

@@ -1,7 +1,7 @@
-"""Video and audio through the vllm engine: `trident serve --backend vllm` of the Qwen2-VL demo in every mode, and
-of the Qwen2.5-VL and Qwen2-Audio demos in EPD and E/P/D (their families' own code is the encoder and the split of
-prefill from decode; E/PD and EP/D are the same stages paired otherwise, checked on Qwen2-VL here and on LLaVA in
-test_vllm_serving.py), over gRPC streaming and HTTP `generate`.
+"""Video and audio through the vllm engine: `trident serve --backend vllm` of the Qwen2-VL, Qwen2.5-VL and
+Qwen2-Audio demos in EPD and E/P/D (their families' own code is the encoder and the split of prefill from decode;
+E/PD and EP/D are the same stages paired otherwise, checked with vLLM on LLaVA in test_vllm_serving.py and with the
+hf engine on every family), over gRPC streaming and HTTP `generate`.
 
 Every vllm mode gives exactly what vLLM gives in one engine (epd). Where that is also transformers'
 `model.generate()`, the test holds it to that too:
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from support import (
-    MEDIA_CASES, MODES, bad_media, build_media_reference, grpc_generate, http_generate, media_prompt,
+    MEDIA_CASES, bad_media, build_media_reference, grpc_generate, http_generate, media_prompt,
     vllm_server, wait_drained,
 )
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
+SERVED_MODES = ["epd", "e_p_d"]
 SAME_AS_TRANSFORMERS = {
     "qwen2vl": {"short-video"}, "qwen2_5vl": {"short-video"}, "qwen2audio": set(MEDIA_CASES["qwen2audio"]),
 }
@@ -35,9 +36,8 @@ SAME_AS_TRANSFORMERS = {
 # (qwen2vl last: tests/e2e/test_vllm_serving.py starts with it, on the same server)
 @pytest.fixture(scope="module", params=["qwen2_5vl", "qwen2audio", "qwen2vl"])
 def server(request, demo_models, tmp_path_factory, shared_servers):
-    modes = None if request.param == "qwen2vl" else ["epd", "e_p_d"]
     return vllm_server(shared_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws",
-                       modes)
+                       SERVED_MODES)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_epd_equals_transformers_where_they_agree(server, reference, aggregated)
 
 
 def test_every_served_mode_equals_vllm_in_one_engine(server, reference, aggregated):
-    assert set(server.modes) >= {"epd", "e_p_d"} and (server.arch != "qwen2vl" or set(server.modes) == set(MODES))
+    assert server.modes == SERVED_MODES
     for mode in server.modes:
         for case, c in reference.items():
             streamed = grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True)

@@ -19,6 +19,9 @@ __all__ = ["Server", "descendants", "held"]  # descendants: for the tests and th
 FAULTS = Path(__file__).with_name("faults")  # the fault wrapper's sitecustomize
 
 
+DRAIN_S = 5
+
+
 class Server:
     """`trident serve` on free localhost ports; stopped with SIGTERM like a user's Ctrl-C.
 
@@ -42,16 +45,17 @@ class Server:
         token_file.touch(mode=0o600)
         token_file.chmod(0o600)  # trident refuses a secret file others may read
         token_file.write_text(self.token)
-        config = dict(config or {}, **({"load": load} if load is not None else {}))
+        # a test server drains for 5 s unless told otherwise: Triton counts an idle HTTP connection (one a process
+        # keeps open) against the drain, and a stop then takes all of it
+        config = {"drain_s": DRAIN_S, **(config or {}), **({"load": load} if load is not None else {})}
         cmd = [
             sys.executable, "-m", "trident.cli", "serve", "--model", model,
             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
             "--workspace", str(workspace), "--access-token-file", str(token_file), "--mode", *(modes or ["all"]),
         ]
-        if config:
-            (files / "serve.json").write_text(json.dumps(config, indent=1))
-            cmd += ["--config", str(files / "serve.json")]
+        (files / "serve.json").write_text(json.dumps(config, indent=1))
+        cmd += ["--config", str(files / "serve.json")]
         cmd += extra or []
         self.log: list[str] = []
         env = dict(os.environ, HF_HUB_OFFLINE="1")

@@ -95,7 +95,7 @@ def shared_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) ->
         (media_dir / "ok.png").write_bytes(png_bytes(make_image(200, 150, 7)))
         srv = Server(model, tmp_path_factory.mktemp("llava") / "ws",
                      extra=["--served-model-name", SHARED_LLAVA_NAME, "--host", "127.0.0.1"],
-                     config={"openai_host": "127.0.0.2",
+                     config={"openai_host": "127.0.0.2", "drain_s": 20,  # (test_trust.py drains a stream)
                              "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB"},
                              "frontend": {"max_body_bytes": "8 MiB", "body_timeout_s": 2,
                                           "media": {"allowed_media_dir": str(media_dir)}},

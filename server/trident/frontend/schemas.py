@@ -51,7 +51,7 @@ class ContentPart(BaseModel):
 
 
 MAX_MESSAGES = 4096  # per chat request
-MAX_PARTS = 512  # content parts per message
+MAX_PARTS = 4096  # content parts per message
 
 
 class Message(BaseModel):
