@@ -184,15 +184,10 @@ def openai_declared_too_big(server) -> Got:
     return Got(r.status, json.loads(r.read())["error"]["message"])
 
 
-def openai_slow_body(server) -> Got:
-    """A body that trickles in, a byte every half second: answered 408 at the deadline (2 s here), not held open."""
-    s = socket.create_connection((server.openai_host, server.openai_port), timeout=10)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 100\r\n\r\n")
-    answer, t0 = b"", time.monotonic()
+def _answer(s: socket.socket) -> Got:
+    """The HTTP answer on ``s`` (its status and the start of its body); the socket is closed."""
+    answer = b""
     try:
-        while time.monotonic() - t0 < 8 and not select.select([s], [], [], 0.5)[0]:
-            s.sendall(b" ")
         while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < 10:
             part = s.recv(65536)
             if not part:
@@ -200,9 +195,21 @@ def openai_slow_body(server) -> Got:
             answer += part
     finally:
         s.close()
-    assert time.monotonic() - t0 < 5, "the slow body was held past its deadline"
     head, _, body = answer.partition(b"\r\n\r\n")
     return Got(int(head.split()[1]), body.decode(errors="replace"))
+
+
+def openai_slow_body(server) -> Got:
+    """A body that trickles in, a byte every half second: answered 408 at the deadline (2 s here), not held open."""
+    s = socket.create_connection((server.openai_host, server.openai_port), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8 and not select.select([s], [], [], 0.5)[0]:
+        s.sendall(b" ")
+    got = _answer(s)
+    assert time.monotonic() - t0 < 5, "the slow body was held past its deadline"
+    return got
 
 
 def openai_chunked_too_big(server) -> Got:
@@ -211,22 +218,11 @@ def openai_chunked_too_big(server) -> Got:
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Transfer-Encoding: chunked\r\n\r\n")
     chunk = b"%x\r\n%s\r\n" % (MiB, b" " * MiB)
-    try:
-        for _ in range(16):
-            s.sendall(chunk)
-            if select.select([s], [], [], 0.05)[0]:
-                break
-        answer = b""
-        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < 10:
-            part = s.recv(65536)
-            if not part:
-                break
-            answer += part
-    finally:
-        s.close()
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status = int(head.split()[1])
-    return Got(status, body.decode(errors="replace"))
+    for _ in range(16):
+        s.sendall(chunk)
+        if select.select([s], [], [], 0.05)[0]:
+            break
+    return _answer(s)
 
 
 # -- what the cases send -----------------------------------------------------------------------------------

@@ -28,6 +28,13 @@ CASES = {"one-image": [(224, 224, 1)], "text-only": [], "two-images": [(224, 224
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
 
 
+def _kv_stages(server) -> set[str]:
+    """The stages of ``server``'s modes that hold records or KV for a request."""
+    from trident.protocol import MODES as STAGES_OF
+
+    return KV_STAGES & {stage for mode in server.modes for stage in STAGES_OF[mode]}
+
+
 # The modes each server runs (None: all). Qwen2-VL runs EPD and E/P/D, as in test_vllm_media.py (qwen2vl first here:
 # that module ends with it, on the same server); E/PD and EP/D pair the same stages otherwise and are checked on LLaVA.
 # A test of a mode its server does not run is deselected (tests/conftest.py).
@@ -106,7 +113,7 @@ def test_scheduler_paths_and_embedding_cache(server, reference):
     assert after.get(image_path, 0) - before.get(image_path, 0) == 2
     time.sleep(0.5)
     assert server.stats()["encode"]["vision_runs"] == runs  # the image came from the cache both times
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
 
 
 def test_two_images_agree_across_modes(server, reference):
@@ -175,7 +182,7 @@ def test_decode_continues_from_the_prefill_s_token(server, lengths_reference):
     assert _first_tokens_from_prefill(server) == before
     time.sleep(0.3)
     assert _early_texts(server, "e_p_d") == early_before
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
 
 
 def test_stage_records_are_small(server, reference):
@@ -189,7 +196,7 @@ def test_stage_records_are_small(server, reference):
     assert 0 < len(emb) <= 1024 and all(0 < len(r) <= 1024 for r in records), (len(emb), [len(r) for r in records])
     for record in records:
         drain_kv(server.grpc, record, c["text"])  # read the KV so nothing waits for its lease
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
 
 
 def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
@@ -202,13 +209,13 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(16)))
     assert [got for got, _ in results] == [expected for _, expected in results]
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
 
 
 def test_an_idle_server_leaves_the_cores_free(server, reference):
     """With nothing to serve, the workers and their vLLM processes use almost no CPU. (NIXL's progress thread,
     which vLLM's NixlConnector starts by default, polls without pausing: a whole core in each KV worker.)"""
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
     time.sleep(2)  # vLLM's engine loops spin for a second after their last message
     tree = [p for pid in server.worker_pids() for p in (pid, *descendants(pid))]
     tick = os.sysconf("SC_CLK_TCK")
@@ -248,7 +255,7 @@ def test_a_cancelled_stream_frees_its_kv_blocks_within_a_second(server, referenc
         time.sleep(0.05)
     stopped = time.monotonic() - start
     assert server.stats()["decode"]["vllm_running"] == 0 and stopped < 1.0 + 0.2  # (stats are rewritten every 0.2 s)
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
     assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
 
 
@@ -257,14 +264,14 @@ def test_a_stream_cancelled_at_its_first_token_frees_the_prefill_s_blocks(server
     """The decode sends the prefill's token before vLLM pulls the KV; a client that cancels right after it
     still has its request aborted in vLLM, which frees the prefill's blocks at once (not at vLLM's 30 s
     lease)."""
-    wait_drained(server, KV_STAGES, timeout=30)
+    wait_drained(server, _kv_stages(server), timeout=30)
     before = _first_tokens_from_prefill(server)
     c = lengths_reference["again-1"]
     params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with cancellable_stream(server.grpc, mode, c["text"], c["images"], params) as next_response:
         next_response()
     assert _first_tokens_from_prefill(server) == before + 1
-    wait_drained(server, KV_STAGES, timeout=5)
+    wait_drained(server, _kv_stages(server), timeout=5)
 
 
 VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images", "seed past 64 bits"]
@@ -310,6 +317,6 @@ def test_media_the_model_does_not_take_is_a_clear_400(server, reference, mode):
         media, message = {"video": [b64(video_bytes(make_frames(4, 64, 64, 1), fps=2))]}, "this model (llava) takes image only"
     status, body = http_generate(server.http, mode, media_prompt(tok, [], "Hi."), media, GREEDY)
     assert status == 400 and message in body["error"], body
-    wait_drained(server, KV_STAGES, timeout=10)
+    wait_drained(server, _kv_stages(server), timeout=10)
     c = reference["one-image"]
     assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
