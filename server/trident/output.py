@@ -59,27 +59,32 @@ class TextStream:
         self._settled = ""  # the text of ids[:_read]
         self._start = 0  # ids[_start:_read]: the window decoded again for context; its text ends _settled
         self._read = 0
+        self._context = ""  # the text of ids[_start:_read] alone
         self._emitted = 0  # characters of the text already returned
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _pending(self) -> str:
+        """The text of the tokens past ``_read``, decoded after the window's context."""
+        return self._decode(self._ids[self._start:])[len(self._context):]
+
     def _advance(self) -> str:
         """The text so far: settled up to the last token whose text is whole (not ending in a broken character)."""
-        context = self._decode(self._ids[self._start:self._read])
-        window = self._decode(self._ids[self._start:])
-        if window.endswith("\ufffd") or len(window) <= len(context):
-            return self._settled + window[len(context):]
-        self._settled += window[len(context):]
+        pending = self._pending()
+        if not pending or pending.endswith("\ufffd"):
+            return self._settled + pending
+        self._settled += pending
         self._read = len(self._ids)
         self._start = max(0, self._read - self._WINDOW)
+        self._context = self._decode(self._ids[self._start:self._read])
         return self._settled
 
     @property
     def text(self) -> str:
         """The whole text so far (what the tokenizer makes of every token at once)."""
-        return self._settled + self._decode(self._ids[self._start:])[len(self._decode(self._ids[self._start:self._read])):]
+        return self._settled + self._pending()
 
     def push(self, token: int) -> str:
         """Add a token; return the new text that is safe to emit (may be empty)."""
