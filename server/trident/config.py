@@ -85,7 +85,8 @@ class VLLMConfig(_Settings):
         "thread in the KV workers (it polls without pausing: a core each); "
         "off, the engine's steps progress the KV transfers"
     )
-    log_level: str = Field("WARNING", description="VLLM_LOGGING_LEVEL of the engines")
+    log_level: str = Field("ERROR", description="VLLM_LOGGING_LEVEL of the engines (WARNING shows vLLM's warnings "
+                           "about its environment, several per engine at start-up)")
 
 
 class MediaLimits(_Settings):

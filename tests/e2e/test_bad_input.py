@@ -3,7 +3,7 @@ HTTP), the stage models called directly (forged, truncated, replayed and mis-typ
 and the OpenAI API. Each must get the right 4xx with a message naming the problem, and afterwards a good
 request must still return exactly transformers' text.
 
-The server (shared with test_openai.py: :func:`support.shared_llava_server`) runs with small image and body
+The server (the LLaVA server of test_serving.py and test_openai.py: :func:`support.shared_llava_server`) runs with small image and body
 limits (4 images of at most 4000000 pixels and 2 MiB, an 8 MiB body that must arrive within 2 s), so the limits
 are checked as configured, not only as defaulted.
 
@@ -47,7 +47,7 @@ GRPC_TO_HTTP = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404,
 
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory, shared_servers):
-    """The LLaVA server this module shares with test_openai.py (its limits: :func:`support.shared_llava_server`)."""
+    """The LLaVA server this module shares with test_serving.py, test_openai.py and test_trust.py (its limits: :func:`support.shared_llava_server`)."""
     return shared_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
 
 

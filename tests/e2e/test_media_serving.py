@@ -13,23 +13,23 @@ from support import (
     credential,
     MEDIA_CASES as CASES, MODES, audio_bytes, b64, bad_media, build_media_reference, drain_kv, grpc_generate, http_generate,
     make_frames, make_wave, media_prompt, stage_output, strings,
-    serving, video_bytes, wait_drained,
+    shared_media_server, video_bytes, wait_drained,
 )
+from support.server import SHARED_MEDIA_NAME
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 16
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
-NAME = "media-demo"
+NAME = SHARED_MEDIA_NAME
 
-@pytest.fixture(scope="module", params=list(CASES))
-def server(request, demo_models, tmp_path_factory):
-    media_dir = tmp_path_factory.mktemp("media-files")
-    with serving(demo_models[request.param], tmp_path_factory.mktemp("media") / "ws",
-                 extra=["--served-model-name", NAME],
-                 config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}}) as srv:
-        srv.arch, srv.media_dir = request.param, media_dir
-        yield srv
+
+@pytest.fixture(scope="module", params=["qwen2audio", "qwen2_5vl", "qwen2vl"])
+def server(request, demo_models, tmp_path_factory, shared_servers):
+    """Each family's server in every mode; Qwen2-VL's (last) goes on to test_serving.py."""
+    srv = shared_media_server(shared_servers, demo_models[request.param], request.param, tmp_path_factory)
+    srv.arch = request.param
+    return srv
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible frontend, driven by the official `openai` client against a real `trident serve` (the LLaVA
-server this module shares with test_bad_input.py: :func:`support.shared_llava_server`)."""
+server this module shares with test_serving.py, test_bad_input.py and test_trust.py: :func:`support.shared_llava_server`)."""
 
 from __future__ import annotations
 

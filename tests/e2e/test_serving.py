@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,8 +11,9 @@ import pytest
 
 from support import (
     credential,
-    BAD_REQUESTS, IMAGE_CASES, MODES, Server, b64, bad_request, build_reference, drain_kv, grpc_generate,
-    http_generate, make_image, png_bytes, stage_output, strings, wait_drained,
+    BAD_REQUESTS, IMAGE_CASES, MODES, b64, bad_request, build_reference, drain_kv, grpc_generate,
+    http_generate, make_image, png_bytes, settled_vllm_metrics, shared_llava_server, shared_media_server, stage_output,
+    strings, vllm_metrics, wait_drained,
 )
 from trident.protocol import HFKVRecord, decode_record
 
@@ -23,23 +24,15 @@ GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 IMAGE_SPECS = IMAGE_CASES
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2vl"])
-def server(request, demo_models, tmp_path_factory):
-    # ep_d's stages run but its entry model is loaded by a test, as a user adds a mode while serving.
-    srv = Server(demo_models[request.param], tmp_path_factory.mktemp("serve") / "ws", load=["epd", "e_pd", "e_p_d"])
-    try:
-        srv.wait_ready()
-        srv.arch = request.param
-        srv.model_path = demo_models[request.param]
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, "\n".join(srv.log[-30:])
-        # (a worker's own output may share the line: it writes to the same pipe)
-        assert any(line.endswith("[trident] stopped") for line in srv.log), "\n".join(srv.log[-30:])
-        for pid in srv.worker_pids():
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+@pytest.fixture(scope="module", params=["qwen2vl", "llava"])
+def server(request, demo_models, tmp_path_factory, shared_servers):
+    """Qwen2-VL's server from test_media_serving.py, then the LLaVA server test_openai.py, test_bad_input.py and
+    test_trust.py go on with (conftest orders them): every mode, every test here leaves it as it found it."""
+    model = demo_models[request.param]
+    srv = shared_media_server(shared_servers, model, request.param, tmp_path_factory) if request.param == "qwen2vl" \
+        else shared_llava_server(shared_servers, model, tmp_path_factory)
+    srv.arch, srv.model_path = request.param, model
+    return srv
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +42,26 @@ def reference(server):
 
 def test_start_up_warms_every_loaded_mode(server):
     """Before `ready`, one request with an image went through each loaded entry model, and none failed."""
-    warmed = [line for line in server.log if line.startswith("[trident] warmed up ")]
-    assert warmed and warmed[0].startswith("[trident] warmed up epd, e_pd, e_p_d in "), server.log
-    assert not [line for line in server.log if "warm-up request" in line], server.log
-    assert server.log.index(warmed[0]) < next(i for i, line in enumerate(server.log) if line.startswith("[trident] ready"))
-    assert not [line for line in server.log if " WARNING trident" in line], server.log  # a quiet start
+    ready = next(i for i, line in enumerate(server.log) if line.startswith("[trident] ready"))
+    start_up = server.log[:ready]
+    warmed = [line for line in start_up if line.startswith("[trident] warmed up ")]
+    assert warmed and warmed[0].startswith("[trident] warmed up epd, e_pd, e_p_d, ep_d in "), start_up
+    assert not [line for line in start_up if "warm-up request" in line], start_up
+    assert not [line for line in start_up if " WARNING trident" in line], start_up  # a quiet start
+    if not shutil.which("nvidia-smi"):  # Triton asked for no GPU metrics, so no NVML error
+        assert not [line for line in start_up if "NVML" in line], start_up
+
 
 def test_add_mode_while_serving(server, reference, admin):
+    """A mode unloaded while the others serve, then loaded again (as a user adds a mode): it serves as before."""
+    headers = {"triton-access-token": server.token}
+    admin.unload_model("ep_d", headers=headers)
+    deadline = time.monotonic() + 30
+    while admin.is_model_ready("ep_d") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not admin.is_model_ready("ep_d")
     assert admin.is_model_ready("e_p_d")
-    admin.load_model("ep_d", headers={"triton-access-token": server.token})
+    admin.load_model("ep_d", headers=headers)
     assert admin.is_model_ready("ep_d")
     c = reference["one-image"]
     assert grpc_generate(server.grpc, "ep_d", c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
@@ -118,7 +121,7 @@ def test_include_input_in_output(server, reference):
     assert httpclient  # the HTTP client package is importable for users of the examples
 
 
-@pytest.mark.parametrize("size", [(64, 64), (224, 224), (1024, 768), (2048, 2048)])
+@pytest.mark.parametrize("size", [(64, 64), (224, 224), (1024, 768)])  # (the shared server takes up to 2 MiB)
 def test_stage_records_are_small(server, reference, size):
     text = reference["one-image"]["text"]
     image = strings(b64(png_bytes(make_image(*size, 5))))
@@ -192,3 +195,43 @@ def test_swap_entry_model_while_streaming(server, reference, admin):
     # The repository API refuses callers without the token.
     with pytest.raises(Exception, match="(?i)token|unauthori|denied|permission"):
         admin.unload_model("e_pd")
+
+
+def test_vllm_backend_metrics_count_each_answered_request(server, reference):
+    """The eight families of Triton's vLLM backend, in its names, labels and buckets, per entry model: a streamed
+    answer and a whole one are each counted once with their token counts; a refused request is not; the outputs the
+    scheduler always asks the stage for reach only a client that asked for them."""
+    import requests
+
+    from trident.scheduler.engine_metrics import LATENCY_BUCKETS, N_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+
+    c = reference["one-image"]
+    before = vllm_metrics(server, ("e_p_d", "epd"))
+    streamed = grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True)
+    status, whole = http_generate(server.http, "epd", c["text"], c["images"], GREEDY)
+    assert status == 200 and streamed.text == whole["text_output"] == c["expected"]
+    status, _ = http_generate(server.http, "epd", c["text"], c["images"], {"max_tokens": -1})
+    assert status == 400
+    r = requests.post(f"http://{server.http}/v2/models/e_p_d/generate", timeout=60, json={
+        "text_input": c["text"], "image": c["images"], "sampling_parameters": json.dumps({"max_tokens": 2})})
+    assert r.status_code == 200 and not {"finish_reason", "num_input_tokens", "num_output_tokens"} & set(r.json())
+    # (an entry model counts a request just after its last response: poll)
+    after = settled_vllm_metrics(server, before, {"e_p_d": 2, "epd": 1})
+
+    def delta(model: str, name: str) -> float:
+        return after[model].get(name, 0) - before[model].get(name, 0)
+
+    for model, answers, tokens, streams in (("e_p_d", 2, NEW_TOKENS + 2, 1), ("epd", 1, NEW_TOKENS, 0)):
+        assert delta(model, "vllm:prompt_tokens_total") == answers * c["num_input_tokens"], model
+        assert delta(model, "vllm:generation_tokens_total") == tokens, model
+        assert delta(model, "vllm:request_prompt_tokens_sum") == answers * c["num_input_tokens"], model
+        assert delta(model, "vllm:request_generation_tokens_sum") == tokens, model
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                     "request_generation_tokens", "request_params_n"):
+            assert delta(model, f"vllm:{name}_count") == answers, (model, name)
+        assert delta(model, "vllm:request_params_n_sum") == answers, model
+        assert delta(model, "vllm:time_per_output_token_seconds_count") == streams, model
+    for name, buckets in (("time_to_first_token_seconds", TTFT_BUCKETS), ("time_per_output_token_seconds", TPOT_BUCKETS),
+                          ("e2e_request_latency_seconds", LATENCY_BUCKETS), ("request_params_n", N_BUCKETS)):
+        les = sorted(float(k.split("{")[1].rstrip("}")) for k in after["e_p_d"] if k.startswith(f"vllm:{name}_bucket{{"))
+        assert les == [float(b) for b in buckets] + [float("inf")], name

@@ -1,8 +1,8 @@
 """The closed trust boundary on a live server (docs/security.md): what a client that talks to Triton and to NIXL
 itself can and cannot do, and where the server listens.
 
-The LLaVA server shared with test_bad_input.py and test_openai.py (:func:`support.shared_llava_server`), this
-module last:
+The LLaVA server shared with test_serving.py, test_openai.py and test_bad_input.py
+(:func:`support.shared_llava_server`), this module last:
 
 - a client calling a stage model without the stage credential is refused and gets no record;
 - a client holding a record (leaked, say) reads nothing useful out of it: no agent metadata, no regions, no lease
@@ -49,7 +49,7 @@ PROMPT = "USER: <image>\nWhat is it? ASSISTANT:"
 
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory, shared_servers):
-    """The LLaVA server shared with test_bad_input.py and test_openai.py (:func:`support.shared_llava_server`:
+    """The LLaVA server shared with test_serving.py, test_openai.py and test_bad_input.py (:func:`support.shared_llava_server`:
     Triton on loopback, the OpenAI API on an address of its own, a request sent at the first READY of the entry
     model and of the server); this module is its last user: its last test stops it."""
     return shared_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
@@ -292,7 +292,7 @@ def test_a_stopping_server_finishes_its_streams_refuses_new_requests_and_exits_c
     end, whole; new requests are refused at once; the server exits 0.
 
     And the BLS entry model's stub exits cleanly, as gdb attached to it sees: the BLS's Prometheus metric families
-    are never deleted (``scheduler.metrics._keep_past_exit``); left to the interpreter's exit, their destructors
+    are never deleted (``scheduler.metrics.keep_past_exit``); left to the interpreter's exit, their destructors
     ran after the stub had freed its shared memory, and every entry model's stub segfaulted as the server stopped
     (``Metric::SaveToSharedMemory``)."""
     gdb = shutil.which("gdb")

@@ -16,8 +16,8 @@ import pytest
 from support import (
     credential,
     MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
-    grpc_generate, http_generate, make_frames, make_wave, media_prompt, stage_output, strings, video_bytes,
-    vllm_server, wait_drained,
+    grpc_generate, http_generate, make_frames, make_wave, media_prompt, settled_vllm_metrics, stage_output, strings,
+    video_bytes, vllm_metrics, vllm_server, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,7 @@ def reference(server):
 @pytest.mark.parametrize("mode", MODES)
 def test_modes_equal_generate(server, reference, mode, case):
     c = reference[case]
+    before = vllm_metrics(server, [mode])
     streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
     assert streamed.text == c["expected"]
     assert streamed.responses > 1
@@ -68,6 +69,11 @@ def test_modes_equal_generate(server, reference, mode, case):
     assert whole.text == c["expected"] and whole.responses == 1
     status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
     assert status == 200 and body["text_output"] == c["expected"]
+    # the vLLM backend's metrics (test_serving.py checks them all) count the three answers' tokens
+    after = settled_vllm_metrics(server, before, {mode: 3})[mode]
+    for name, count in (("vllm:prompt_tokens_total", 3 * c["num_input_tokens"]), ("vllm:generation_tokens_total", 3 * NEW_TOKENS),
+                        ("vllm:time_per_output_token_seconds_count", 1)):
+        assert after.get(name, 0) - before[mode].get(name, 0) == count, name
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -16,7 +16,8 @@ from .reference import build_media_reference, build_reference
 
 MEDIA_CASES = media_cases()
 from .server import (
-    OneServerAtATime, Server, descendants, serving, shared_llava_server, vllm_python, vllm_server, wait_drained,
+    OneServerAtATime, Server, descendants, serving, settled_vllm_metrics, shared_llava_server, shared_media_server,
+    vllm_metrics, vllm_python, vllm_server, wait_drained,
 )
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
@@ -28,7 +29,7 @@ BAD_REQUESTS = {  # problem -> (what changes in a good one-image request, what t
     "bad json": ({"params": "{max_tokens: 3"}, "sampling_parameters is not valid JSON"),
     "bad value": ({"params": {"max_tokens": -4}}, "max_tokens"),
     "too long": ({"suffix": " word" * 5000}, "context window"),
-    "too many images": ({"images": 17}, "carries 17 images; at most 16 are accepted"),
+    "too many images": ({"images": 17}, "carries 17 images; at most"),
     "seed past 64 bits": ({"params": {"max_tokens": 4, "seed": 1 << 64}}, "seed: Input should be less than"),
     "not honoured": ({"params": {"max_tokens": 4, "presence_penalty": 0.5}},
                      "not supported by Trident's engines: presence_penalty"),
@@ -50,6 +51,6 @@ IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300,
 __all__ = [
     "MEDIA_CASES", "vllm_python", "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
     "media_prompt", "video_bytes",
-    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "shared_llava_server", "drain_kv",
+    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",
 ]

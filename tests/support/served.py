@@ -39,6 +39,7 @@ class Server:
         self.openai_host = (config or {}).get("openai_host", "127.0.0.1")
         self.workspace = workspace = Path(workspace)
         self.token = "test-token-123"
+        self._bls_configs: dict[str, str] = {}  # an entry model's BLS config while an ensemble stands in for it
         files = workspace.with_name(workspace.name + ".serve")
         files.mkdir(parents=True, exist_ok=True)
         token_file = files / "access-token"
@@ -119,21 +120,26 @@ class Server:
 
         admin = httpclient.InferenceServerClient(self.http)
         try:
-            config = bls_config(mode) if kind == "bls" else ensemble_config(mode)
-            admin.load_model(mode, config=json_format.MessageToJson(config), headers={"triton-access-token": self.token})
+            if kind == "ensemble":  # the BLS's own config (its scheduler settings) comes back with it
+                self._bls_configs.setdefault(mode, json.dumps(admin.get_model_config(mode)))
+                config = json_format.MessageToJson(ensemble_config(mode))
+            else:
+                config = self._bls_configs.pop(mode, None) or json_format.MessageToJson(bls_config(mode))
+            admin.load_model(mode, config=config, headers={"triton-access-token": self.token})
             assert admin.is_model_ready(mode)
         finally:
             admin.close()
 
-    def metrics(self) -> dict[tuple, float]:
-        """Triton's metrics port: ``{(name, (("label", "value"), ...)): value}`` (Trident's own families)."""
+    def metrics(self, prefix: str = "trident") -> dict[tuple, float]:
+        """Triton's metrics port: ``{(name, (("label", "value"), ...)): value}`` of the families named ``prefix...``
+        (Trident's own; ``"vllm:"``: those in the vLLM backend's names)."""
         import requests
         from prometheus_client.parser import text_string_to_metric_families
 
         text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
         return {
             (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) if family.name.startswith("trident")
+            for family in text_string_to_metric_families(text) if family.name.startswith(prefix)
             for sample in family.samples
         }
 

@@ -8,7 +8,8 @@ import time
 
 from .served import Server, descendants, held
 
-__all__ = ["OneServerAtATime", "Server", "descendants", "serving", "shared_llava_server", "vllm_server", "wait_drained"]
+__all__ = ["OneServerAtATime", "Server", "descendants", "serving", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics",
+           "vllm_server", "wait_drained"]
 
 
 @contextlib.contextmanager
@@ -21,6 +22,30 @@ def serving(model: str, workspace, *, timeout: float = 240, **kwargs):
         yield srv
     finally:
         assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+
+def vllm_metrics(server: Server, models) -> dict[str, dict[str, float]]:
+    """Each entry model's ``vllm:*`` samples: ``{model: {sample name, or name{le}: value}}`` (its ``version`` 1)."""
+    out: dict[str, dict[str, float]] = {m: {} for m in models}
+    for (name, labels), value in server.metrics("vllm:").items():
+        labels = dict(labels)
+        if labels.get("model") in out:
+            assert labels["version"] == "1", labels
+            out[labels["model"]][f"{name}{{{labels['le']}}}" if "le" in labels else name] = value
+    return out
+
+
+def settled_vllm_metrics(server: Server, before: dict, answered: dict[str, int], timeout: float = 5.0) -> dict:
+    """:func:`vllm_metrics` once each entry model has counted ``answered[model]`` more requests than in ``before``
+    (an entry model counts a request just after its last response)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = vllm_metrics(server, answered)
+        done = all(now[m].get("vllm:request_params_n_count", 0) - before[m].get("vllm:request_params_n_count", 0) >= n
+                   for m, n in answered.items())
+        if done or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
 
 
 def wait_drained(server: Server, stages: set[str], timeout: float = 10.0) -> dict[str, dict]:
@@ -78,9 +103,9 @@ SHARED_LLAVA_NAME = "demo"  # the OpenAI model id of the shared LLaVA server
 
 
 def shared_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -> Server:
-    """The hf LLaVA server in every mode that test_openai.py, test_bad_input.py and test_trust.py share (from
-    ``pool``; conftest runs them one after the other, in that order: test_trust.py's last test stops it). Its settings are
-    what they need:
+    """The hf LLaVA server in every mode that test_serving.py, test_openai.py, test_bad_input.py and test_trust.py
+    share (from ``pool``; conftest runs them one after the other, in that order: test_trust.py's last test stops
+    it). Its settings are what they need:
 
     - small media limits and a 2 s body deadline (the bad-input corpus names them), every prompt prefilled by the
       prefill worker, and ``media_dir`` (a file ``ok.png`` in it) the folder local media may come from;
@@ -121,10 +146,46 @@ def shared_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) ->
         srv.media_dir = media_dir
         return srv
 
-    def check_stop(srv: Server) -> None:
-        assert srv.stop() == 0, "\n".join(srv.log[-30:])
+    return pool.get(("llava", "shared"), start, check_stopped)
 
-    return pool.get(("llava", "shared"), start, check_stop)
+
+SHARED_MEDIA_NAME = "media-demo"  # the OpenAI model id of the shared hf servers of the media families
+
+
+def shared_media_server(pool: OneServerAtATime, model: str, arch: str, tmp_path_factory) -> Server:
+    """The hf server of a media family (``arch``) in every mode that test_media_serving.py and test_serving.py
+    share (from ``pool``; conftest runs them one after the other), its OpenAI model id ``SHARED_MEDIA_NAME`` and
+    ``media_dir`` the folder local media may come from."""
+
+    def start() -> Server:
+        media_dir = tmp_path_factory.mktemp("media-files")
+        srv = Server(model, tmp_path_factory.mktemp(arch) / "ws", extra=["--served-model-name", SHARED_MEDIA_NAME],
+                     config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}})
+        try:
+            srv.wait_ready(timeout=240)
+        except BaseException:
+            srv.stop()
+            raise
+        srv.media_dir = media_dir
+        return srv
+
+    return pool.get((arch, "media"), start, check_stopped)
+
+
+def check_stopped(srv: Server) -> None:
+    """Stop ``srv`` (if a test has not): it must exit cleanly (0), say so last, and leave no worker running."""
+    import os
+
+    code = srv.stop()
+    assert code == 0, "\n".join(srv.log[-30:])
+    # (a worker's own output may share the line: it writes to the same pipe)
+    assert any(line.endswith("[trident] stopped") for line in srv.log), "\n".join(srv.log[-30:])
+    for pid in srv.worker_pids():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"worker {pid} is still running after the server stopped")
 
 
 def _first_ready(url: str, ask, found: dict, key: str, stop: threading.Event) -> None:

@@ -1,7 +1,7 @@
 """The BLS entry model's relay of a decode stream after it sent the first text itself (from the prefill's
 ``kv_meta``): the decode's copy of that text is dropped, a decode gone before anything else is retried, and a
 retry that begins differently ends the client's stream with a 503. The python backend's ``pb_utils`` is faked
-(the relay is plain Python around it); the real path is in tests/e2e/test_scheduler.py and test_soak.py."""
+(the relay is plain Python around it); the real path is in tests/e2e/test_scheduler.py and test_supervision.py (its soak)."""
 
 from __future__ import annotations
 

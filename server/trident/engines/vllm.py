@@ -156,6 +156,7 @@ class VLLMStageEngine:
     def __init__(
         self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
     ) -> None:
+        _environment(config, threads)  # (before vLLM's import: its logging level is read then)
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -180,7 +181,6 @@ class VLLMStageEngine:
         self._stats = _EngineStats()
         self._first_tokens_sent = 0  # decodes that started from the prefill's token
 
-        _environment(config, threads)
         cpu = current_platform.is_cpu()
         max_len = min(config.max_model_len or self.processor.max_model_len, self.processor.max_model_len)
         self.processor.max_model_len = max_len  # prompts are checked against what the engine accepts

@@ -223,6 +223,8 @@ class Launcher:
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
             metrics_port=self.s.metrics_port, exit_timeout_secs=self.s.drain_s, log_verbose=0,
             log_file=self.workspace / "triton.log", exit_on_error=False,  # (the gate fails to load, by design)
+            # GPU metrics need NVML; without an NVIDIA driver, asking for them only prints an error at start
+            allow_gpu_metrics=None if shutil.which("nvidia-smi") else False,
         )
         self.triton = Triton(
             config=config,

@@ -25,7 +25,7 @@ _FAMILIES = {
 }
 
 
-def _keep_past_exit(family: Any) -> None:
+def keep_past_exit(family: Any) -> None:
     """Give ``family`` a reference that is never dropped, so that it is never deleted.
 
     A ``MetricFamily``'s destructor tells Triton through the stub's shared memory. Left to the interpreter's
@@ -50,7 +50,7 @@ class SchedulerMetrics:
         if pb_utils is not None and hasattr(pb_utils, "MetricFamily"):
             for name, (kind, description) in _FAMILIES.items():
                 family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
-                _keep_past_exit(family)
+                keep_past_exit(family)
                 self._families[name] = family
 
     def held(self, loop=None) -> "SchedulerMetrics":

@@ -43,9 +43,10 @@ from ..protocol import (
 )
 from ..stagecall import StageClient, responses_of
 from .instances import Instances
+from .engine_metrics import Answered, EngineMetrics
 from .metrics import SchedulerMetrics
 from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
-from .prompt_length import PromptLength, text_bytes_limit
+from .prompt_length import PromptLength, context_length, text_bytes_limit
 from .request import EntryRequest
 from .routing import Router, prefix_keys
 
@@ -54,6 +55,10 @@ _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 MAX_OPEN = 256  # requests an entry model serves at once (each stream has a relay thread); one more gets a 503
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
+# outputs the last stage always sends on its last response (the scheduler needs them), passed on only where the
+# client asked for them: {flag: output}
+_ALWAYS_ASKED = {"return_finish_reason": "finish_reason", "return_num_input_tokens": "num_input_tokens",
+                 "return_num_output_tokens": "num_output_tokens"}
 
 
 @dataclass
@@ -93,6 +98,8 @@ class TritonPythonModel:
         self.store = Path(args["model_repository"]).parent  # the server's model store
         self.router = Router(self.cfg.routing, self.cfg.affinity_slack)
         self.metrics = SchedulerMetrics(self.mode, pb_utils)
+        self.engine_metrics = EngineMetrics(args["model_name"], str(args.get("model_version") or 1),
+                                            context_length(self.model_path) if self.model_path else None, pb_utils)
         self.logger = pb_utils.Logger
         self.stages = sorted({s for m in FALLBACK[self.mode] for s in MODES[m] + LOCAL_ENCODE.get(m, ())})
         self.instances = Instances(self.stages, self.store, self._ready, self.cfg.refresh_s, self.router.forget,
@@ -143,7 +150,8 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         pb = self.pb
-        timings.mark("execute", time.monotonic_ns())
+        arrived = time.monotonic_ns()
+        timings.mark("execute", arrived)
         if self._open >= MAX_OPEN:  # each holds a relay thread for its stream: one more would wait for one, unseen
             error = Unavailable(f"the {self.mode} mode has {self._open} requests in flight, its limit; retry later")
             self.metrics.add("trident_scheduler_errors_total", code=str(pb.TritonError.UNAVAILABLE))
@@ -152,7 +160,8 @@ class TritonPythonModel:
                 flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         # its metric updates are held until its first response is out
-        req = EntryRequest(request, request.get_response_sender(), self.metrics.held(asyncio.get_running_loop()))
+        req = EntryRequest(request, request.get_response_sender(), self.metrics.held(asyncio.get_running_loop()),
+                           arrived_ns=arrived)
         self._open += 1
         try:
             await self._run(req)
@@ -167,6 +176,10 @@ class TritonPythonModel:
             self._end_with_error(req, pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL))
         finally:
             self._open -= 1
+            if req.answered is not None and req.first_ns is not None:
+                prompt, generated, last = req.answered
+                req.held.later(self.engine_metrics.observe, Answered(
+                    prompt, generated, (req.first_ns - arrived) / 1e9, (last - arrived) / 1e9))
             req.held.apply()
 
     def _end_with_error(self, req: EntryRequest, error) -> None:
@@ -351,9 +364,10 @@ class TritonPythonModel:
         instance = self._route(stage, req.keys, req.held)
         request_id = uuid.uuid4().hex
         self.router.begin(instance)
-        # the stage always says why it stopped: a stream that ends without a finish_reason was cut off
-        wants_reason = _flag(req.inputs.get("return_finish_reason"))
-        inputs = {**req.inputs, "return_finish_reason": self.pb.Tensor("return_finish_reason", np.array([True]))}
+        # the stage always says why it stopped (a stream that ends without a finish_reason was cut off) and how many
+        # tokens the answer took (the vllm:* metrics count them)
+        unasked = {out for flag, out in _ALWAYS_ASKED.items() if not _flag(req.inputs.get(flag))}
+        inputs = {**req.inputs, **{flag: self.pb.Tensor(flag, np.array([True])) for flag in _ALWAYS_ASKED}}
         try:
             # with the first text out, or a prefill's KV in hand, the decode is called even if the client has gone
             # (a check here would be an IPC round trip before that text; dropped, the KV would wait for its lease):
@@ -368,7 +382,7 @@ class TritonPythonModel:
             if stream is None:
                 raise StageGone(instance)
             outcome = await asyncio.get_running_loop().run_in_executor(
-                self._streams, self._relay, stream, instance, req, wants_reason, f"call:{stage}", t0)
+                self._streams, self._relay, stream, instance, req, unasked, f"call:{stage}", t0)
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, request_id)
                 self._cancelled(req.sender)
@@ -388,7 +402,7 @@ class TritonPythonModel:
         if first_text is None:
             return None
         text = first_text.encode("utf-8")
-        t1 = time.monotonic_ns()
+        t1 = req.first_ns = time.monotonic_ns()
         req.sender.send(self.pb.InferenceResponse(
             output_tensors=[self.pb.Tensor("text_output", np.array([text], dtype=np.object_))]))
         timings.mark("first_send", t1)
@@ -396,15 +410,16 @@ class TritonPythonModel:
         req.held.apply()
         return text
 
-    def _relay(self, stream, instance: str, req: EntryRequest, wants_reason: bool, step: str = "stream",
+    def _relay(self, stream, instance: str, req: EntryRequest, unasked: set[str], step: str = "stream",
                t0: int = 0) -> str:
         """Send the stage's responses to the client, in a thread of their own (no event-loop hop per token);
         looks for a cancelled client every ``_CANCEL_CHECK_S``. Returns "done" or "cancelled" (the caller then
         stops the stage). The call (from ``t0``) up to its first response is timed as ``step``, the first send to
         the client as ``first_send``.
 
-        The stage's last response carries a ``finish_reason`` (asked for whether or not the client did; it is
-        passed on only if the client did). A stream that ends without one was cut off: with nothing sent yet the
+        The stage's last response carries a ``finish_reason`` and the token counts (asked for whether or not the
+        client did; passed on only where it did: ``unasked`` are the ones it did not; the counts go to
+        ``req.answered``). A stream that ends without one was cut off: with nothing sent yet the
         instance counts as gone (the request is planned again), after some tokens the client's stream ends with a
         503. A stage's error before anything was sent is the request's error; after, it ends the client's stream.
 
@@ -445,12 +460,13 @@ class TritonPythonModel:
                     return "cancelled"
             if reason is not None:
                 finished = True
-                if not wants_reason:
-                    tensors = [t for t in tensors if t.name() != "finish_reason"]
+                counts = _counts(tensors)
+                tensors = [t for t in tensors if t.name() not in unasked]
             if tensors:
                 t1 = 0 if sent else time.monotonic_ns()
                 sender.send(pb.InferenceResponse(output_tensors=tensors))
                 if not sent:
+                    req.first_ns = t1
                     timings.mark(step, t0, t1)
                     timings.mark("first_send", t1)
                     if held is not None:  # the first response is out: now the metric updates (an IPC each),
@@ -463,6 +479,8 @@ class TritonPythonModel:
                                 "or its model was unloaded)")
             sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if finished:
+            req.answered = (*counts, time.monotonic_ns())
         return "done"
 
     def _not_again(self, tensors: list, early: bytes, reason: bytes | None, instance: str) -> list | None:
@@ -524,6 +542,12 @@ def _finish_reason(pb, response) -> bytes | None:
         return None
     value = tensor.as_numpy().reshape(-1)
     return value[0] if value.size and isinstance(value[0], bytes) and value[0] else None
+
+
+def _counts(tensors: list) -> tuple[int, int]:
+    """(num_input_tokens, num_output_tokens) of a stage's last response (0 where absent)."""
+    found = {t.name(): t.as_numpy().reshape(-1) for t in tensors if t.name() in ("num_input_tokens", "num_output_tokens")}
+    return tuple(int(found[n][0]) if n in found and found[n].size else 0 for n in ("num_input_tokens", "num_output_tokens"))
 
 
 def _bytes_of(arrays: dict, outputs: list[str]) -> dict[str, bytes]:

@@ -68,7 +68,7 @@ def text_bytes_limit(model_path: str | Path) -> int | None:
         vocab = json.loads((path / "tokenizer.json").read_bytes())
     except (OSError, ValueError):
         return None
-    context = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
+    context = _context(config)
     model = vocab.get("model") or {}
     tokens = list(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else \
         [t[0] for t in model.get("vocab") or [] if isinstance(t, list) and t]
@@ -76,3 +76,16 @@ def text_bytes_limit(model_path: str | Path) -> int | None:
     if not isinstance(context, int) or context <= 0 or not tokens:
         return None
     return context * max(len(t.encode("utf-8", "surrogatepass")) for t in tokens)
+
+
+def context_length(model_path: str | Path) -> int | None:
+    """The model's context window in tokens (its config's ``max_position_embeddings``), or None where it has none."""
+    try:
+        return _context(json.loads((Path(model_path) / "config.json").read_bytes()))  # (bytes: see above)
+    except (OSError, ValueError):
+        return None
+
+
+def _context(config: dict) -> int | None:
+    context = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
+    return context if isinstance(context, int) and context > 0 else None

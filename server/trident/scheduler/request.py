@@ -23,6 +23,9 @@ class EntryRequest:
     keys: list[str] = field(default_factory=list)  # its prefix keys, for affinity routing
     records: dict[str, bytes] = field(default_factory=dict)  # the records of this attempt, by tensor name
     early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
+    arrived_ns: int = 0  # time.monotonic_ns() at its arrival
+    first_ns: int | None = None  # ... when its first response went out
+    answered: tuple[int, int, int] | None = None  # (prompt tokens, generated tokens, last response's time) once answered
 
     def cancelled(self) -> bool:
         return self.triton.is_cancelled()
