@@ -89,7 +89,7 @@ def main() -> int:
                 return 1
             print(result.as_numpy("text_output")[0].decode(), end="", flush=True)
             reason = result.as_numpy("finish_reason")
-            if reason is not None:
+            if reason is not None and reason[0] != b"None":  # ("None" on every response before the last)
                 print(f"\n[finish_reason: {reason[0].decode()}]")
                 return 0
     finally:

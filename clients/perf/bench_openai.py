@@ -73,7 +73,7 @@ async def grpc_stream(client, mode: str, text: str, images: list[str], max_token
             ttft = (time.monotonic_ns() - t0) / 1e9
         n = result.as_numpy("num_output_tokens")
         if n is not None and n.size:
-            tokens = int(n.reshape(-1)[0])
+            tokens += int(n.reshape(-1)[0])  # (each response counts its own tokens)
             if tokens >= max_tokens:
                 break
     return ttft or float("nan"), tokens

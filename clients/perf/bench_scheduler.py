@@ -201,7 +201,7 @@ class Stream:
                 clock["first"] = arrived
             n = result.as_numpy("num_output_tokens")
             if n is not None and n.size:
-                tokens = int(n.reshape(-1)[0])
+                tokens += int(n.reshape(-1)[0])  # (each response counts its own tokens)
             final = result.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 clock["done"] = arrived

@@ -57,7 +57,7 @@ class InProcess:
         opts = OutputOptions(stream=True, exclude_input_in_output=True, return_num_output_tokens=True)
         async for response in entry_responses(generation, opts, None):
             ttft = ttft or (time.monotonic_ns() - t0) / 1e9
-            tokens = int(response.get("num_output_tokens", [tokens])[0])
+            tokens += int(response["num_output_tokens"][0])  # (each response counts its own tokens)
         return ttft or float("nan"), tokens
 
     def close(self) -> None:

@@ -10,21 +10,55 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import numpy as np
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One candidate at a generated position: its token, its log-probability (the log-softmax of the model's raw
+    logits, before temperature and the other sampling rules, as vLLM's default ``raw_logprobs``) and its rank
+    (1: the likeliest; ties share the larger rank, as in vLLM)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+
+
 @dataclass
 class DecodeEvent:
-    """One step's output of a request: new token ids and text; ``finish_reason`` set on the last event."""
+    """One step's output of a request: new token ids and text; ``finish_reason`` set on the last event.
+
+    ``logprobs``: when the request asked for them (``sampling_parameters.logprobs``), one entry per new token in the
+    vLLM backend's shape, ``{token id: {"logprob", "rank", "decoded_token"}}`` (the sampled token, then the top
+    ones); ``cumulative_logprob``: the sampled tokens' logprobs summed so far (None when not asked for)."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
     num_output_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    logprobs: list[dict[int, dict]] | None = None
+    cumulative_logprob: float | None = None
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token's own text (a logprob entry's ``decoded_token``): the tokenizer's decoding of it alone, with the
+    leading spaces a SentencePiece piece (``▁word``) stands for, which decoding a piece alone drops."""
+    text = tokenizer.decode([token_id]) or ""
+    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    markers = len(piece) - len(piece.lstrip("\u2581"))
+    missing = markers - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text
+
+
+def logprob_entry(tokenizer: Any, candidates: list[TokenLogprob]) -> dict[int, dict]:
+    """One position's entry in the vLLM backend's shape."""
+    return {c.token_id: {"logprob": c.logprob, "rank": c.rank, "decoded_token": token_text(tokenizer, c.token_id)}
+            for c in candidates}
 
 
 @dataclass
@@ -128,11 +162,18 @@ class RequestOutput:
         self.text = TextStream(processor.tokenizer, params.stop)
         self._eos = processor.eos_token_ids
         self._max_len = processor.max_model_len
+        self._tokenizer = processor.tokenizer
         self.generated = 0
+        self.cumulative_logprob: float | None = None
 
-    def push(self, token: int, cache_len: int) -> DecodeEvent:
-        """The event of a sampled ``token`` with ``cache_len`` positions already in the KV cache."""
+    def push(self, token: int, cache_len: int, candidates: list[TokenLogprob] | None = None) -> DecodeEvent:
+        """The event of a sampled ``token`` with ``cache_len`` positions already in the KV cache; ``candidates``:
+        its logprob entry (the sampled token's first) when the request asked for logprobs."""
         self.generated += 1
+        entries = None
+        if candidates is not None:
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + candidates[0].logprob
+            entries = [logprob_entry(self._tokenizer, candidates)]
         is_eos = token in self._eos and not self.params.ignore_eos
         text = "" if is_eos else self.text.push(token)
         reason = None
@@ -142,10 +183,11 @@ class RequestOutput:
             reason = "length"
         if reason is not None and not self.text.stopped:
             text += self.text.flush()
-        return DecodeEvent([token], text, reason, self.generated)
+        return DecodeEvent([token], text, reason, self.generated, logprobs=entries,
+                           cumulative_logprob=self.cumulative_logprob)
 
     def abort(self) -> DecodeEvent:
-        return DecodeEvent([], "", "abort", self.generated)
+        return DecodeEvent([], "", "abort", self.generated, cumulative_logprob=self.cumulative_logprob)
 
 
 def early_text(first: DecodeEvent | None) -> str | None:
@@ -164,6 +206,8 @@ class OutputOptions:
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
 
@@ -173,36 +217,48 @@ def string_tensor(value: str | bytes) -> np.ndarray:
     return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
 
 
-def _response(text: str, event: DecodeEvent | None, opts: OutputOptions, num_input_tokens: int) -> dict:
+def _response(events: list[DecodeEvent], opts: OutputOptions, num_input_tokens: int, text: str) -> dict:
+    """One response covering ``events`` (those not sent yet), in the vLLM backend's shape: every output the request
+    asked for on every response; ``finish_reason`` "None" before the last; ``num_output_tokens`` and ``logprobs``
+    the tokens new since the last response; ``cumulative_logprob`` so far (NaN where logprobs were not asked for)."""
+    last = events[-1]
     out = {"text_output": string_tensor(text)}
-    if event is not None and event.finish_reason is not None:
-        if opts.return_finish_reason:
-            out["finish_reason"] = string_tensor(event.finish_reason)
-        if opts.return_num_input_tokens:
-            out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
-        if opts.return_num_output_tokens:
-            out["num_output_tokens"] = np.array([event.num_output_tokens], dtype=np.uint32)
+    if opts.return_finish_reason:
+        out["finish_reason"] = string_tensor(str(last.finish_reason))
+    if opts.return_cumulative_logprob:
+        value = last.cumulative_logprob
+        out["cumulative_logprob"] = np.array([float("nan") if value is None else value], dtype=np.float32)
+    if opts.return_logprobs:
+        asked = any(e.logprobs is not None for e in events) or last.cumulative_logprob is not None
+        entries = [entry for e in events for entry in e.logprobs or ()]
+        out["logprobs"] = string_tensor(json.dumps(entries) if asked else "null")
+    if opts.return_num_input_tokens:
+        out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
+    if opts.return_num_output_tokens:
+        out["num_output_tokens"] = np.array([sum(len(e.token_ids) for e in events)], dtype=np.uint32)
     return out
 
 
 async def entry_responses(
     generation: Generation, opts: OutputOptions, prompt: str | None
 ) -> AsyncIterator[dict[str, np.ndarray]]:
-    """A generation's events -> entry responses: one per event when streaming, else one with the whole text
-    (the prompt first unless ``exclude_input_in_output``). Stops the generation if the client goes away."""
+    """A generation's events -> entry responses: when streaming, one per event with text (an event without text,
+    held back, goes with the next), else one with the whole text (the prompt first unless
+    ``exclude_input_in_output``). Stops the generation if the client goes away."""
     events, n_in = generation.events, generation.num_input_tokens
     try:
         if opts.stream:
+            pending: list[DecodeEvent] = []
             async for event in events:
+                pending.append(event)
                 if event.text or event.finish_reason is not None:
-                    yield _response(event.text, event, opts, n_in)
+                    yield _response(pending, opts, n_in, "".join(e.text for e in pending))
+                    pending = []
             return
-        text, last = [], None
-        async for event in events:
-            text.append(event.text)
-            last = event
+        got = [event async for event in events]
+        text = "".join(e.text for e in got)
         if not opts.exclude_input_in_output and prompt:
-            text.insert(0, prompt)
-        yield _response("".join(text), last, opts, n_in)
+            text = prompt + text
+        yield _response(got, opts, n_in, text) if got else {"text_output": string_tensor(text)}
     finally:
         await events.aclose()

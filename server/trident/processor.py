@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .families import Family, family_of
 from .errors import InvalidRequest
+from .protocol import MAX_LOGPROBS
 
 
 GREEDY_BELOW = 1e-5
@@ -28,7 +29,7 @@ MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "stop_token_ids": None,
+    "min_p": 0.0, "min_tokens": 0, "prompt_logprobs": None, "stop_token_ids": None,
     "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "detokenize": True, "logit_bias": None,
     "allowed_token_ids": None, "output_kind": None, "guided_decoding": None, "structured_outputs": None,
@@ -60,6 +61,8 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: list[str] = Field([], max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    # top logprobs per generated token, besides the sampled token's (None: none, not even its own)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod

@@ -35,13 +35,15 @@ _AUDIO = Tensor(name="audio", dtype=bytes, shape=(-1,), optional=True)
 _MEDIA = (_IMAGE, _VIDEO, _AUDIO)  # trident.media.MODALITIES
 _OUTPUT_CONTROLS = tuple(
     Tensor(name=n, dtype=np.bool_, shape=(1,), optional=True)
-    for n in ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-              "return_num_output_tokens")
+    for n in ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+              "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 )
 ENTRY_INPUTS: tuple[Tensor, ...] = (_TEXT, *_MEDIA, _SAMPLING, *_OUTPUT_CONTROLS)
 ENTRY_OUTPUTS: tuple[Tensor, ...] = (
     Tensor(name="text_output", dtype=bytes, shape=(-1,)),
     Tensor(name="finish_reason", dtype=bytes, shape=(-1,)),
+    Tensor(name="cumulative_logprob", dtype=np.float32, shape=(-1,)),
+    Tensor(name="logprobs", dtype=bytes, shape=(-1,)),
     Tensor(name="num_input_tokens", dtype=np.uint32, shape=(-1,)),
     Tensor(name="num_output_tokens", dtype=np.uint32, shape=(-1,)),
 )
@@ -437,6 +439,7 @@ class HFKVRecord(_Record, tag=f"hf_kv/{RECORD_VERSION}"):
     rope_delta: int = 0  # Qwen2-VL: decode position = cache length + rope_delta
     seed: int = 0  # sampling seed the decode side continues with
     first_text: str | None = None  # the decode's first response text (see above)
+    first_logprobs: list[tuple[int, float, int]] | None = None  # as in VLLMKVRecord
 
     def validate(self) -> None:
         self.transfer.validate()
@@ -444,6 +447,7 @@ class HFKVRecord(_Record, tag=f"hf_kv/{RECORD_VERSION}"):
             raise MalformedRecord("kv record must hold (k, v) pairs")
         if self.prompt_len <= 0 or self.first_token < 0:
             raise MalformedRecord("kv record has an invalid prompt length or first token")
+        _check_logprobs(self.first_logprobs, self.first_token)
 
 
 class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
@@ -460,14 +464,33 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
     first_token: int | None = None  # the prefill's greedy token (None: not sampled)
     first_text: str | None = None  # as in HFKVRecord
+    # the first token's logprob entries when the request asked for logprobs: (token id, logprob, rank), the
+    # sampled token's first, then the top ones (trident.output.TokenLogprob)
+    first_logprobs: list[tuple[int, float, int]] | None = None
 
     def validate(self) -> None:
         if self.first_token is not None and self.first_token < 0:
             raise MalformedRecord("kv_meta has a negative first token")
+        _check_logprobs(self.first_logprobs, self.first_token)
         if len(self.token_counts) != len(self.image_ids):
             raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")
         _check_kinds(self.kinds, len(self.token_counts))
         _check_seconds(self.seconds, len(self.token_counts))
+
+
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default max_logprobs)
+
+
+def _check_logprobs(entries: list[tuple[int, float, int]] | None, token: int | None) -> None:
+    """A record's first-token logprob entries: the sampled token's first, at most MAX_LOGPROBS more, each a token id,
+    a logprob (<= 0, or -inf) and a rank (>= 1)."""
+    if entries is None:
+        return
+    if not 1 <= len(entries) <= MAX_LOGPROBS + 1 or entries[0][0] != token or any(
+        len(e) != 3 or not isinstance(e[0], int) or e[0] < 0 or not isinstance(e[2], int) or e[2] < 1
+        or not isinstance(e[1], float) or not e[1] <= 0.0 for e in entries
+    ):
+        raise MalformedRecord("kv record has invalid first-token logprobs")
 
 
 def _check_seconds(seconds: list[float] | None, items: int) -> None:

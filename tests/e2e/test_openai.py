@@ -85,6 +85,48 @@ def test_chat_with_image_equals_entry_model(server, client, image_png, mode):
     assert usage.completion_tokens == GREEDY["max_tokens"] and usage.prompt_tokens == expected.num_input_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_the_entry_model_s(server, client, image_png, stream):
+    """Chat ``logprobs`` + ``top_logprobs`` and the legacy ``logprobs``: each generated token's logprob, its top
+    alternatives, and the token texts are the entry model's (its ``logprobs`` output, in E/P/D: the first token's
+    from the prefill's record), streamed or not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    text = "Describe the picture in detail, please."
+    prompt = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+                                     tokenize=False, add_generation_prompt=True)
+    params = {**GREEDY, "logprobs": 3}
+    ours = grpc_generate(server.grpc, "e_p_d", prompt, [b64(image_png)], params, stream=True,
+                         flags=("return_logprobs", "return_num_output_tokens")).logprobs
+    assert len(ours) == GREEDY["max_tokens"]
+    kwargs = dict(model=f"{NAME}:e_p_d", max_tokens=GREEDY["max_tokens"], temperature=0, stream=stream)
+    r = client.chat.completions.create(messages=_messages(_data_url(image_png), text), logprobs=True, top_logprobs=3,
+                                       **kwargs)
+    content = [t for chunk in r for t in (chunk.choices[0].logprobs.content if chunk.choices and chunk.choices[0].logprobs
+                                          else [])] if stream else r.choices[0].logprobs.content
+    assert len(content) == len(ours)
+    for got, entry in zip(content, ours):
+        sampled, *_ = entry.values()
+        assert (got.token, got.logprob, got.bytes) == (sampled["decoded_token"], sampled["logprob"],
+                                                       list(sampled["decoded_token"].encode()))
+        top = sorted((c for c in entry.values() if c["rank"] <= 3), key=lambda c: c["rank"])
+        assert [(t.token, t.logprob) for t in got.top_logprobs] == [(c["decoded_token"], c["logprob"]) for c in top]
+        assert len(got.top_logprobs) == 3
+
+    completion = "Once upon a time"
+    legacy = grpc_generate(server.grpc, "e_p_d", completion, [], {**GREEDY, "logprobs": 1}, stream=True,
+                           flags=("return_logprobs",)).logprobs
+    r = client.completions.create(prompt=completion, logprobs=1, **kwargs)
+    choices = [chunk.choices[0] for chunk in r if chunk.choices] if stream else r.choices
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+    token_logprobs = [t for c in choices if c.logprobs for t in c.logprobs.token_logprobs]
+    offsets = [t for c in choices if c.logprobs for t in c.logprobs.text_offset]
+    assert tokens == [next(iter(e.values()))["decoded_token"] for e in legacy]
+    assert token_logprobs == [next(iter(e.values()))["logprob"] for e in legacy]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
 def test_bare_model_id_is_the_default_mode_and_models_list(client, image_png):
     ids = {m.id for m in client.models.list().data}
     assert ids == {NAME, *(f"{NAME}:{m}" for m in MODES)}
@@ -109,8 +151,9 @@ BAD = {
     "outside media dir": (_messages("/etc/hostname"), {}, 400, "outside the allowed media folder"),
     "n=2": (_messages("data:,"), {"n": 2}, 400, "n=2 is not supported"),
     "unknown model": (_messages("data:,"), {"model": "gpt-17"}, 404, "does not exist"),
-    "logprobs": (_messages("data:,"), {"logprobs": True, "top_logprobs": 2}, 400,
-                 "not supported by Trident yet: logprobs, top_logprobs"),
+    "top_logprobs alone": (_messages("data:,"), {"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+    "21 top_logprobs": (_messages("data:,"), {"logprobs": True, "top_logprobs": 21}, 400,
+                        "top_logprobs: Input should be less than or equal to 20"),
     "json output": (_messages("data:,"), {"response_format": {"type": "json_object"}}, 400, "yet: response_format"),
     "a penalty": (_messages("data:,"), {"presence_penalty": 0.5}, 400, "presence_penalty (send 0.0 or leave it out)"),
     "a vLLM field": (_messages("data:,"), {"extra_body": {"repetition_penalty": 1.3}}, 400, "repetition_penalty"),

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support import (
-    credential,
+    ADDITIONAL, LOGPROB_FLAGS, credential,
     BAD_REQUESTS, IMAGE_CASES, MODES, b64, bad_request, build_reference, drain_kv, grpc_generate,
     http_generate, make_image, png_bytes, settled_vllm_metrics, shared_llava_server, shared_media_server, stage_output,
     strings, vllm_metrics, wait_drained,
@@ -235,3 +235,35 @@ def test_vllm_backend_metrics_count_each_answered_request(server, reference):
                           ("e2e_request_latency_seconds", LATENCY_BUCKETS), ("request_params_n", N_BUCKETS)):
         les = sorted(float(k.split("{")[1].rstrip("}")) for k in after["e_p_d"] if k.startswith(f"vllm:{name}_bucket{{"))
         assert les == [float(b) for b in buckets] + [float("inf")], name
+@pytest.mark.parametrize("mode", MODES)
+def test_logprobs_equal_transformers_log_softmax(server, reference, mode):
+    """``logprobs`` and ``cumulative_logprob`` in the vLLM backend's shape (every response: its own tokens' entries
+    and the sum so far; ``finish_reason`` "None" before the last), each token's equal to the log-softmax of
+    transformers' logits at that step (in E/P/D and EP/D the first token's comes in the prefill's record), streamed
+    and not. Without ``logprobs`` in the sampling parameters they are null and NaN, as the vLLM backend's."""
+    import math
+
+    import torch
+
+    c = reference["one-image"]
+    flags = (*ADDITIONAL, *LOGPROB_FLAGS)
+    for stream in (True, False):
+        r = grpc_generate(server.grpc, mode, c["text"], c["images"], {**GREEDY, "logprobs": 2}, stream=stream, flags=flags)
+        assert r.text == c["expected"] and (r.responses > 1) == stream
+        for i, o in enumerate(r.outputs):
+            assert o["finish_reason"] == ("length" if i == r.responses - 1 else "None")
+            assert o["num_input_tokens"] == c["num_input_tokens"]
+            assert o["num_output_tokens"] == len(json.loads(o["logprobs"])) >= 1
+        entries = r.logprobs
+        assert [int(next(iter(e))) for e in entries] == c["ids"]
+        for entry, ref in zip(entries, c["logprobs"]):
+            ranked = torch.sort(ref, descending=True).values
+            assert {1, 2} <= {v["rank"] for v in entry.values()} and len(entry) <= 3
+            for token, got in entry.items():
+                assert abs(got["logprob"] - float(ref[int(token)])) < 1e-3, (token, got)
+                assert abs(float(ranked[got["rank"] - 1]) - got["logprob"]) < 1e-3, (token, got)  # its rank's value
+        total = sum(next(iter(e.values()))["logprob"] for e in entries)
+        assert abs(r.outputs[-1]["cumulative_logprob"] - total) < 1e-3 * len(entries)
+    plain = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True, flags=LOGPROB_FLAGS)
+    assert plain.text == c["expected"]
+    assert all(o["logprobs"] == "null" and math.isnan(o["cumulative_logprob"]) for o in plain.outputs)

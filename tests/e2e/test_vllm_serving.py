@@ -6,6 +6,7 @@ test`` sets it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import (
-    credential,
+    ADDITIONAL, LOGPROB_FLAGS, credential,
     MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
     grpc_generate, http_generate, make_frames, make_wave, media_prompt, settled_vllm_metrics, stage_output, strings,
     video_bytes, vllm_metrics, vllm_server, wait_drained,
@@ -326,3 +327,35 @@ def test_media_the_model_does_not_take_is_a_clear_400(server, reference, mode):
     wait_drained(server, _kv_stages(server), timeout=10)
     c = reference["one-image"]
     assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
+
+
+@pytest.fixture(scope="module")
+def one_engine_logprobs(server, reference):
+    """vLLM's own logprobs (``logprobs`` 2) in one engine (epd), for the one-image case."""
+    c = reference["one-image"]
+    r = grpc_generate(server.grpc, "epd", c["text"], c["images"], {**GREEDY, "logprobs": 2}, stream=False,
+                      flags=LOGPROB_FLAGS)
+    assert r.text == c["expected"] and len(r.logprobs) == NEW_TOKENS
+    return r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logprobs_are_vllm_s_own_in_every_mode(server, reference, one_engine_logprobs, mode):
+    """``logprobs`` and ``cumulative_logprob`` in the vLLM backend's shape, streamed, equal in every mode to what vLLM
+    gives in one engine (in E/P/D and EP/D the first token's come in the prefill's record)."""
+    c = reference["one-image"]
+    r = grpc_generate(server.grpc, mode, c["text"], c["images"], {**GREEDY, "logprobs": 2}, stream=True,
+                      flags=(*ADDITIONAL, *LOGPROB_FLAGS))
+    assert r.text == c["expected"] and r.responses > 1
+    for i, o in enumerate(r.outputs):
+        assert o["finish_reason"] == ("length" if i == r.responses - 1 else "None")
+        assert o["num_output_tokens"] == len(json.loads(o["logprobs"])) >= 1
+    ours, theirs = r.logprobs, one_engine_logprobs.logprobs
+    assert [list(e)[0] for e in ours] == [list(e)[0] for e in theirs]  # the sampled tokens
+    for got, want in zip(ours, theirs):
+        for token, entry in got.items():
+            if token in want:
+                assert abs(entry["logprob"] - want[token]["logprob"]) < 1e-3, (token, entry, want[token])
+                assert entry["decoded_token"] == want[token]["decoded_token"]
+        assert {1, 2} <= {v["rank"] for v in got.values()}
+    assert abs(r.outputs[-1]["cumulative_logprob"] - one_engine_logprobs.outputs[-1]["cumulative_logprob"]) < 1e-2

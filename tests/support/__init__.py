@@ -6,7 +6,7 @@
 - :mod:`.reference`: transformers' ``generate()`` references
 """
 
-from .clients import Result, cancellable_stream, credential, drain_kv, grpc_generate, http_generate, stage_output, strings
+from .clients import ADDITIONAL, LOGPROB_FLAGS, Result, cancellable_stream, credential, drain_kv, grpc_generate, http_generate, stage_output, strings
 from .media import (
     audio_bytes, b64, chat_prompt, frameless_video, long_header_video, make_frames, make_image, make_wave, media_prompt,
     png_bytes, video_bytes,
@@ -49,6 +49,7 @@ def bad_request(case: dict, problem: str, params) -> tuple[str, list[str], objec
 IMAGE_CASES = {"one-image": [(224, 224, 1)], "two-images": [(224, 224, 1), (300, 200, 2)], "text-only": []}
 
 __all__ = [
+    "ADDITIONAL", "LOGPROB_FLAGS",
     "MEDIA_CASES", "vllm_python", "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
     "media_prompt", "video_bytes",
     "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics", "drain_kv",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import queue
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,10 +22,16 @@ def credential() -> dict:
 @dataclass
 class Result:
     text: str
-    finish_reason: str | None
+    finish_reason: str | None  # the last response's
     num_input_tokens: int | None
-    num_output_tokens: int | None
+    num_output_tokens: int | None  # the responses' summed (each counts its own tokens)
     responses: int
+    outputs: list[dict] = field(default_factory=list)  # each response's outputs besides text_output, by name
+
+    @property
+    def logprobs(self) -> list[dict]:
+        """Every token's logprob entry, over the responses (each response's ``logprobs`` JSON holds its own)."""
+        return [entry for o in self.outputs for entry in json.loads(o["logprobs"]) or ()]
 
 
 def by_kind(media: list[str] | dict[str, list[str]] | None) -> dict[str, list[str]]:
@@ -35,9 +41,15 @@ def by_kind(media: list[str] | dict[str, list[str]] | None) -> dict[str, list[st
     return {k: v for k, v in media.items() if v} if isinstance(media, dict) else {"image": list(media)}
 
 
-def entry_inputs(text: str, images, params: dict | str | None, stream: bool, exclude: bool = True):
+ADDITIONAL = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+"""The additional outputs the helpers ask for unless told otherwise (``flags``)."""
+LOGPROB_FLAGS = ("return_logprobs", "return_cumulative_logprob")
+
+
+def entry_inputs(text: str, images, params: dict | str | None, stream: bool, exclude: bool = True,
+                 flags=ADDITIONAL):
     """(name, numpy array, Triton dtype) of an entry-model request; ``images`` is a list of base64 images or
-    a dict of media by input (``image``, ``video``, ``audio``)."""
+    a dict of media by input (``image``, ``video``, ``audio``); ``flags``: the ``return_*`` outputs asked for."""
     out = [("text_input", np.array([text.encode()], dtype=np.object_), "BYTES")]
     for kind, items in by_kind(images).items():
         out.append((kind, np.array([i.encode() for i in items], dtype=np.object_), "BYTES"))
@@ -46,7 +58,7 @@ def entry_inputs(text: str, images, params: dict | str | None, stream: bool, exc
         out.append(("sampling_parameters", np.array([sp.encode()], dtype=np.object_), "BYTES"))
     out.append(("stream", np.array([stream]), "BOOL"))
     out.append(("exclude_input_in_output", np.array([exclude]), "BOOL"))
-    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+    for flag in flags:
         out.append((flag, np.array([True]), "BOOL"))
     return out
 
@@ -56,20 +68,24 @@ def _scalar(result, name):
     if value is None or value.size == 0:
         return None
     v = value.reshape(-1)[0]
-    return v.decode() if isinstance(v, bytes) else int(v)
+    return v.decode() if isinstance(v, bytes) else float(v) if isinstance(v, np.floating) else int(v)
+
+
+OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 
 
 def grpc_generate(url: str, model: str, text: str, images, params, stream: bool, timeout: float = 120,
-                  parameters: dict | None = None) -> Result:
+                  parameters: dict | None = None, flags=ADDITIONAL) -> Result:
     import tritonclient.grpc as grpcclient
 
-    inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in entry_inputs(text, images, params, stream)})
+    inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in
+                                       entry_inputs(text, images, params, stream, flags=flags)})
     q: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
-        parts, last, n = [], {}, 0
+        parts, outputs = [], []
         while True:
             result, error = q.get(timeout=timeout)
             if error is not None:
@@ -78,17 +94,17 @@ def grpc_generate(url: str, model: str, text: str, images, params, stream: bool,
             final = response.parameters.get("triton_final_response")
             text_out = result.as_numpy("text_output")
             if text_out is not None and text_out.size:
-                n += 1
                 parts.append(text_out.reshape(-1)[0].decode())
-                for name in ("finish_reason", "num_input_tokens", "num_output_tokens"):
-                    if result.as_numpy(name) is not None:
-                        last[name] = _scalar(result, name)
+                outputs.append({name: _scalar(result, name) for name in OUTPUTS if result.as_numpy(name) is not None})
             if final is not None and final.bool_param:
                 break
     finally:
         client.stop_stream()
         client.close()
-    return Result("".join(parts), last.get("finish_reason"), last.get("num_input_tokens"), last.get("num_output_tokens"), n)
+    last = outputs[-1] if outputs else {}
+    counts = [o["num_output_tokens"] for o in outputs if "num_output_tokens" in o]
+    return Result("".join(parts), last.get("finish_reason"), last.get("num_input_tokens"), sum(counts) if counts else None,
+                  len(outputs), outputs)
 
 
 def http_generate(url: str, model: str, text: str, images, params, timeout: float = 120, parameters: dict | None = None):

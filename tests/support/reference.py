@@ -24,9 +24,12 @@ def build_reference(model_path: str, specs_by_case: dict, new_tokens: int, promp
         text = chat_prompt(processor.tokenizer, len(images), (prompts or {}).get(case, PROMPT))
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
-        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         cases[case] = {
+            # each step's log-softmax of the raw logits (what a logprob entry holds)
+            "logprobs": [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits],
             "text": text,
             "images": [b64(png_bytes(i)) for i in images],
             "pngs": [png_bytes(i) for i in images],

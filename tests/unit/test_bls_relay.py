@@ -96,11 +96,38 @@ def bls() -> TritonPythonModel:
     return model
 
 
-def _relay(bls, stream: list[Response], early: bytes | None) -> tuple[str, list]:
+EXTRAS = {"finish_reason", "num_input_tokens", "num_output_tokens"}  # what the BLS always asks the stage for
+
+
+def _relay(bls, stream: list[Response], early: bytes | None, unasked: set[str] = EXTRAS,
+           req: EntryRequest | None = None) -> tuple[str, list]:
     sender = Sender()
-    req = EntryRequest(Request(), sender, None, early=early)  # (no metric updates held)
-    outcome = bls._relay(iter(stream), "decode", req, False, "call:decode", 0)
+    req = req or EntryRequest(Request(), sender, None, early=early)  # (no metric updates held)
+    req.sender = sender
+    outcome = bls._relay(iter(stream), "decode", req, unasked, "call:decode", 0)
     return outcome, sender.sent
+
+
+def _counted(value: bytes, reason: bytes, tokens: int) -> Response:
+    """A stage response in the vLLM backend's shape, with everything asked for."""
+    return Response([Tensor("text_output", np.array([value], dtype=np.object_)),
+                     Tensor("finish_reason", np.array([reason], dtype=np.object_)),
+                     Tensor("num_input_tokens", np.array([9], dtype=np.uint32)),
+                     Tensor("num_output_tokens", np.array([tokens], dtype=np.uint32))])
+
+
+def test_the_counts_of_every_response_are_summed_and_passed_on_only_where_asked(bls):
+    stream = [_counted(b" a", b"None", 1), _counted(b" bc", b"None", 2), _counted(b" d", b"length", 1)]
+    req = EntryRequest(Request(), None, None)
+    outcome, sent = _relay(bls, stream, None, unasked={"num_input_tokens"}, req=req)
+    assert outcome == "done" and req.answered[:2] == (9, 4)
+    assert [[t.name() for t in r.output_tensors()] for r, _ in sent[:-1]] == [["text_output", "finish_reason",
+                                                                                 "num_output_tokens"]] * 3
+    assert [r.output_tensors()[1].as_numpy()[0] for r, _ in sent[:-1]] == [b"None", b"None", b"length"]
+    # after an early first text (which carried the first response's outputs), the decode's copy is dropped whole
+    req = EntryRequest(Request(), None, None, early=b" a")
+    _, sent = _relay(bls, stream, b" a", unasked={"num_input_tokens"}, req=req)
+    assert _texts(sent) == [b" bc", b" d", None] and req.answered[:2] == (9, 4)
 
 
 def _texts(sent: list) -> list[bytes | None]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
-from ..output import DecodeEvent, Generation, RequestOutput
+from ..output import DecodeEvent, Generation, RequestOutput, TokenLogprob
 from ..processor import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class PrefillResult:
     rope_delta: int = 0  # Qwen2-VL: decode position = cache length + rope_delta
     seed: int = 0  # sampling seed the decode side continues with
     kv_region: Region | None = None  # the send-pool region ``kv`` was computed into, back to back (handed on as it is)
+    first_logprobs: list[TokenLogprob] | None = None  # the first token's logprob entry (when the request asks)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class DecodeRequest:
     # the request's output with the first token already pushed and sent (the engine emits it before the KV is
     # read, so that it does not wait behind a READ and a decode step); None: the decoder emits it on admission
     output: RequestOutput | None = None
+    first_logprobs: list[TokenLogprob] | None = None  # the first token's logprob entry, for the decoder to emit
 
 
 class Encoder(Protocol):

@@ -14,7 +14,7 @@ from typing import Callable
 
 from .. import timings
 from ..errors import TridentError
-from ..output import RequestOutput
+from ..output import RequestOutput, TokenLogprob
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
 from ..transfer import TransferEndpoint, TransferSender
@@ -95,7 +95,14 @@ def publish_kv(endpoint: TransferEndpoint, result: PrefillResult, first_text: st
     return HFKVRecord(
         transfer=transfer, prompt_len=result.prompt_len,
         first_token=result.first_token, rope_delta=result.rope_delta, seed=result.seed, first_text=first_text,
+        first_logprobs=None if result.first_logprobs is None else
+        [(c.token_id, c.logprob, c.rank) for c in result.first_logprobs],
     )
+
+
+def first_logprobs(record: HFKVRecord) -> list[TokenLogprob] | None:
+    """The first token's logprob entry a record carries (None: the request asked for none)."""
+    return None if record.first_logprobs is None else [TokenLogprob(*e) for e in record.first_logprobs]
 
 
 def open_kv(
@@ -129,7 +136,7 @@ def receive_kv(
     return DecodeRequest(
         kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,
         params=params, rope_delta=record.rope_delta, seed=record.seed, request_id=request_id,
-        on_admit=received.release, output=output,
+        on_admit=received.release, output=output, first_logprobs=first_logprobs(record),
     )
 
 
@@ -149,6 +156,7 @@ def continue_locally(
     return DecodeRequest(
         kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
         rope_delta=result.rope_delta, seed=result.seed, request_id=request_id, output=output,
+        first_logprobs=result.first_logprobs,
     )
 
 

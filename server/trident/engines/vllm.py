@@ -44,7 +44,7 @@ from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
 from ..media import counts as media_counts
 from ..media.image import image_digest
-from ..output import DecodeEvent, Generation, early_text
+from ..output import DecodeEvent, Generation, TokenLogprob, early_text, logprob_entry
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from . import handoff
@@ -137,6 +137,14 @@ def _token_ids(value: int | list[int] | None) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value)
 
 
+def _candidates(position: dict, sampled: int) -> list[tuple[TokenLogprob, str]]:
+    """vLLM's logprob entry of one position (``{token id: Logprob}``): each candidate with vLLM's text of it, the
+    sampled token's first."""
+    order = [sampled, *(t for t in position if t != sampled)] if sampled in position else list(position)
+    return [(TokenLogprob(t, float(position[t].logprob), int(position[t].rank)), position[t].decoded_token or "")
+            for t in order]
+
+
 def _sampling(params: SamplingParams, **overrides):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -145,6 +153,7 @@ def _sampling(params: SamplingParams, **overrides):
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0, seed=params.seed, stop=list(params.stop) or None,
         ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+        logprobs=params.logprobs,
     )
     args.update(overrides)
     return VSamplingParams(**args)
@@ -334,13 +343,17 @@ class VLLMStageEngine:
         if final is None or not final.kv_transfer_params:
             raise RuntimeError("vLLM's prefill returned no kv_transfer_params (is the NixlConnector configured?)")
         digest = prompt_digest(prompt["prompt_token_ids"])
-        sampled = final.outputs[0].token_ids if final.outputs else []
-        first_token = sampled[0] if sampled else None
+        completion = final.outputs[0] if final.outputs else None
+        first_token = completion.token_ids[0] if completion is not None and completion.token_ids else None
+        first_logprobs = None
+        if params.logprobs is not None and first_token is not None and completion.logprobs:
+            first_logprobs = [(c.token_id, c.logprob, c.rank) for c, _ in _candidates(completion.logprobs[0], first_token)]
         return VLLMKVRecord(
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
             token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
             kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
-            first_token=first_token, first_text=early_text(self._first_event(prompt, length, first_token, params)),
+            first_token=first_token, first_logprobs=first_logprobs,
+            first_text=early_text(self._first_event(prompt, length, first_token, params, first_logprobs)),
         ).encode()
 
     async def generate(
@@ -355,7 +368,7 @@ class VLLMStageEngine:
                                 "this kv_meta")
             extra = {"kv_transfer_params": record.kv_transfer_params}
             t0 = time.monotonic_ns()
-            first = self._first_event(prompt, length, record.first_token, params)
+            first = self._first_event(prompt, length, record.first_token, params, record.first_logprobs)
             if first is not None:
                 timings.mark("first_token", t0)
                 self._first_tokens_sent += 1
@@ -395,7 +408,8 @@ class VLLMStageEngine:
             await stream.aclose()  # aborts the request in vLLM if it has not finished
 
     def _first_event(
-        self, prompt: dict, length: int, token: int | None, params: SamplingParams
+        self, prompt: dict, length: int, token: int | None, params: SamplingParams,
+        logprobs: list[tuple[int, float, int]] | None = None,
     ) -> DecodeEvent | None:
         """The event of the prefill's token when the decode can start from it (see the module docstring), or
         None when vLLM must sample the first token itself:
@@ -409,10 +423,12 @@ class VLLMStageEngine:
         - the token is a special or added one (a media placeholder would be taken for media);
         - the token ends inside a character (its text depends on the next token, so vLLM's detokenizer,
           primed with the prompt and this token, would join them differently), or the tokenizer is not a fast
-          one (vLLM's detokenizer then works otherwise).
+          one (vLLM's detokenizer then works otherwise);
+        - the request asks for logprobs and the prefill's are not given (``logprobs``: its record's).
         """
         if (
             token is None or self._detokenizer is None or not params.greedy or params.stop or params.max_tokens < 2
+            or (params.logprobs is not None and not logprobs)
             or not 0 <= token < self.vocab_size or token in self._added_ids
             or (token in self.stop_ids and not params.ignore_eos)
             or length + 1 >= self.processor.max_model_len or not 0 < length % self.block_size < self.block_size - 1
@@ -422,22 +438,34 @@ class VLLMStageEngine:
         text = stream.step(self._detokenizer, token)
         if text is None:
             return None
-        return DecodeEvent(token_ids=[token], text=text, num_output_tokens=1)
+        if params.logprobs is None:
+            return DecodeEvent(token_ids=[token], text=text, num_output_tokens=1)
+        entry = [TokenLogprob(*e) for e in logprobs]
+        return DecodeEvent(token_ids=[token], text=text, num_output_tokens=1,
+                           logprobs=[logprob_entry(self.processor.tokenizer, entry)], cumulative_logprob=entry[0].logprob)
 
     async def _events(self, prompt: dict, sampling, first: DecodeEvent | None = None):
         """vLLM's outputs as events, after ``first`` (the prefill's token) when given: vLLM takes the request
         once ``first`` is out and the next event is asked for. (A generation closed right after ``first``
         never reaches vLLM; the prefill side frees its blocks at vLLM's KV lease, 30 s.)"""
-        count = 0
+        count, before = 0, 0.0  # tokens so far; the logprob of the first, when vLLM did not sample it
         if first is not None:
             yield first
-            count = first.num_output_tokens
+            count, before = first.num_output_tokens, first.cumulative_logprob or 0.0
         async for output in self._run(prompt, sampling):
             completion = output.outputs[0]
             count += len(completion.token_ids)
+            logprobs = cumulative = None
+            if sampling.logprobs is not None:  # vLLM's own entries and sum
+                logprobs = [{c.token_id: {"logprob": c.logprob, "rank": c.rank, "decoded_token": text}
+                             for c, text in _candidates(position, token)}
+                            for position, token in zip(completion.logprobs or (), completion.token_ids)]
+                if completion.cumulative_logprob is not None:
+                    cumulative = before + completion.cumulative_logprob
             yield DecodeEvent(
                 token_ids=list(completion.token_ids), text=completion.text,
                 finish_reason=completion.finish_reason if output.finished else None, num_output_tokens=count,
+                logprobs=logprobs, cumulative_logprob=cumulative,
             )
 
     def discard(self, record: bytes) -> None:

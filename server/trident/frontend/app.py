@@ -148,9 +148,10 @@ class OpenAIServer:
     async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str,
                       http: Request | None = None):
         _check_text(prompt)
-        chunks = self._chunks(mode, endpoint, prompt, media, req.sampling(self.settings.default_max_tokens))
+        sampling = req.sampling(self.settings.default_max_tokens)
+        chunks = self._chunks(mode, endpoint, prompt, media, sampling)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        shape = Completion(endpoint, req.model, include_usage)
+        shape = Completion(endpoint, req.model, include_usage, sampling.get("logprobs"))
         if not req.stream:
             whole = await _unless_gone(_collect(chunks), http)
             if whole is None:  # the client went away: its generation has been stopped
@@ -182,12 +183,14 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _collect(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk | None]:
-    text, last = [], None
+async def _collect(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk | None, list[dict]]:
+    """The whole text, the last chunk, and every token's logprob entry (when asked for)."""
+    text, last, logprobs = [], None, []
     async for c in chunks:
         text.append(c.text)
+        logprobs += c.logprobs or ()
         last = c
-    return "".join(text), last
+    return "".join(text), last, logprobs
 
 
 async def _unless_gone(work, http: Request | None, every_s: float = 0.25):

@@ -14,12 +14,15 @@ from ..errors import TridentError, Unavailable, from_message
 
 @dataclass
 class Chunk:
-    """One streamed piece of a generation; the last one has ``finish_reason`` and the token counts."""
+    """One streamed piece of a generation; the last one has ``finish_reason``. ``num_output_tokens``: the tokens
+    generated so far; ``logprobs``: the entries of this piece's tokens, when the request asked for them (each
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, the sampled token's first)."""
 
     text: str
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    logprobs: list[dict] | None = None
 
 
 class Engine(Protocol):
@@ -72,6 +75,8 @@ class TritonEngine:
             ("return_num_input_tokens", np.array([True]), "BOOL"),
             ("return_num_output_tokens", np.array([True]), "BOOL"),
         ]
+        if sampling.get("logprobs") is not None:
+            spec.append(("return_logprobs", np.array([True]), "BOOL"))
         for kind, items in media.items():
             if items:
                 spec.append((kind, np.array([i.encode() for i in items], dtype=np.object_), "BYTES"))
@@ -88,15 +93,20 @@ class TritonEngine:
         async def requests():
             yield request
 
+        generated = 0  # (each response counts its own tokens, as the vLLM backend's do)
         try:
             async for result, error in self.client.stream_infer(requests()):
                 if error is not None:
                     raise await self._error(mode, str(error.message() if hasattr(error, "message") else error))
+                reason = _scalar(result, "finish_reason")
+                generated += _scalar(result, "num_output_tokens") or 0
+                logprobs = _scalar(result, "logprobs")
                 chunk = Chunk(
                     text=_scalar(result, "text_output") or "",
-                    finish_reason=_scalar(result, "finish_reason"),
+                    finish_reason=None if reason == "None" else reason,  # ("None": not the last response)
                     num_input_tokens=_scalar(result, "num_input_tokens"),
-                    num_output_tokens=_scalar(result, "num_output_tokens"),
+                    num_output_tokens=generated,
+                    logprobs=json.loads(logprobs) if logprobs else None,
                 )
                 yield chunk
                 if chunk.finish_reason is not None:

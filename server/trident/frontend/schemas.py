@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..processor import UNSUPPORTED_DEFAULTS
+from ..protocol import MAX_LOGPROBS
 
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "echo": (None, False), "suffix": (None, ""),
 }
 """OpenAI request fields Trident does not do yet, with the values that ask for nothing: any other value is refused
 (400, naming the field), never ignored."""
-FORWARDED = (set(UNSUPPORTED_DEFAULTS) - {"logprobs"}) | {"top_k"}
+FORWARDED = set(UNSUPPORTED_DEFAULTS) | {"top_k"}
 """vLLM's sampling names a request may carry besides OpenAI's (vLLM's server takes them in the body): passed on in
-``sampling_parameters``, where the entry models honour or refuse each one (``logprobs`` is OpenAI's here)."""
+``sampling_parameters``, where the entry models honour or refuse each one."""
 
 
 class ImageURL(BaseModel):
@@ -101,13 +102,30 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         out = super().sampling(default_max_tokens)
         if self.max_completion_tokens is not None:
             out["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            out["logprobs"] = self.top_logprobs or 0
         return out
 
 
 class CompletionRequest(_Sampling):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the top logprobs per token (the legacy API's)
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        out = super().sampling(default_max_tokens)
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out

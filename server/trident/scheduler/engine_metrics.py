@@ -9,7 +9,7 @@ mode, next to Trident's own ``trident_*`` families (:mod:`.metrics`), measured w
 - ``vllm:time_to_first_token_seconds``: from the request's arrival to its first response (for an answer sent in
   one response, that response);
 - ``vllm:time_per_output_token_seconds``: each streamed answer's time from its first response to its last, per
-  token after the first (one observation per request of two tokens or more);
+  token after the first (one observation per request answered in two responses or more);
 - ``vllm:e2e_request_latency_seconds``: from arrival to the last response;
 - ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``: the two counts, per request;
 - ``vllm:request_params_n``: the request's ``n`` (always 1: a request asking for more is refused).
@@ -50,6 +50,7 @@ class Answered:
     generation_tokens: int
     first_s: float  # its first response
     last_s: float  # its last response
+    responses: int = 1  # how many it had
 
 
 class EngineMetrics:
@@ -89,7 +90,7 @@ class EngineMetrics:
         if answered.generation_tokens:
             m["vllm:generation_tokens_total"].increment(answered.generation_tokens)
         m["vllm:time_to_first_token_seconds"].observe(answered.first_s)
-        if answered.generation_tokens > 1 and answered.last_s > answered.first_s:
+        if answered.responses > 1 and answered.generation_tokens > 1:
             m["vllm:time_per_output_token_seconds"].observe(
                 (answered.last_s - answered.first_s) / (answered.generation_tokens - 1))
         m["vllm:e2e_request_latency_seconds"].observe(answered.last_s)

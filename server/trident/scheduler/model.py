@@ -177,9 +177,9 @@ class TritonPythonModel:
         finally:
             self._open -= 1
             if req.answered is not None and req.first_ns is not None:
-                prompt, generated, last = req.answered
+                prompt, generated, last, responses = req.answered
                 req.held.later(self.engine_metrics.observe, Answered(
-                    prompt, generated, (req.first_ns - arrived) / 1e9, (last - arrived) / 1e9))
+                    prompt, generated, (req.first_ns - arrived) / 1e9, (last - arrived) / 1e9, responses))
             req.held.apply()
 
     def _end_with_error(self, req: EntryRequest, error) -> None:
@@ -393,18 +393,27 @@ class TritonPythonModel:
         """Send a streaming client the first response now when the prefill told its text (the ``first_text``
         of ``kv_meta``: see :class:`~trident.protocol.HFKVRecord`), rather than after the decode call's round
         trip. Returns the text sent (the decode's first response, which :meth:`_relay` then drops), or None."""
-        if record is None or record[0] != RECORD_TENSOR["kv"] or not _flag(req.inputs.get("stream")):
-            return None
+        if record is None or record[0] != RECORD_TENSOR["kv"] or not _flag(req.inputs.get("stream")) \
+                or any(_flag(req.inputs.get(f)) for f in ("return_logprobs", "return_cumulative_logprob")):
+            return None  # (the logprobs of the first token are the decode's to tell)
         try:
-            first_text = decode_record(record[1], _KV_RECORDS).first_text
+            kv = decode_record(record[1], _KV_RECORDS)
         except TridentError:  # not ours to refuse: the decode stage names the problem
             return None
-        if first_text is None:
+        if kv.first_text is None:
             return None
-        text = first_text.encode("utf-8")
+        text = kv.first_text.encode("utf-8")
+        # the decode's first response as it would be: one token, not the last (finish_reason "None")
+        outputs = {"text_output": np.array([text], dtype=np.object_)}
+        if _flag(req.inputs.get("return_finish_reason")):
+            outputs["finish_reason"] = np.array([b"None"], dtype=np.object_)
+        if _flag(req.inputs.get("return_num_input_tokens")):
+            outputs["num_input_tokens"] = np.array([kv.prompt_len], dtype=np.uint32)
+        if _flag(req.inputs.get("return_num_output_tokens")):
+            outputs["num_output_tokens"] = np.array([1], dtype=np.uint32)
         t1 = req.first_ns = time.monotonic_ns()
         req.sender.send(self.pb.InferenceResponse(
-            output_tensors=[self.pb.Tensor("text_output", np.array([text], dtype=np.object_))]))
+            output_tensors=[self.pb.Tensor(name, value) for name, value in outputs.items()]))
         timings.mark("first_send", t1)
         req.held.add("trident_decisions_total", decision="first_text_from_prefill")
         req.held.apply()
@@ -417,9 +426,9 @@ class TritonPythonModel:
         stops the stage). The call (from ``t0``) up to its first response is timed as ``step``, the first send to
         the client as ``first_send``.
 
-        The stage's last response carries a ``finish_reason`` and the token counts (asked for whether or not the
-        client did; passed on only where it did: ``unasked`` are the ones it did not; the counts go to
-        ``req.answered``). A stream that ends without one was cut off: with nothing sent yet the
+        The stage's responses carry ``finish_reason`` (its last one's not "None") and the token counts (asked for
+        whether or not the client did; passed on only where it did: ``unasked`` are the ones it did not; the counts
+        go to ``req.answered``). A stream that ends without a last response was cut off: with nothing sent yet the
         instance counts as gone (the request is planned again), after some tokens the client's stream ends with a
         503. A stage's error before anything was sent is the request's error; after, it ends the client's stream.
 
@@ -432,6 +441,8 @@ class TritonPythonModel:
         request, sender, held, early = req.triton, req.sender, req.held, req.early
         before = int(early is not None)  # responses the client had before this stage's
         sent, finished, check_at = before, False, time.monotonic() + _CANCEL_CHECK_S
+        prompt = generated = 0  # the answer's token counts, from the stage's responses
+        last_ns = req.first_ns or 0  # when the client's last response went out
         for response in stream:
             if time.monotonic() >= check_at:
                 if request.is_cancelled():
@@ -447,6 +458,9 @@ class TritonPythonModel:
                 error = response.error()
                 raise StageError(error.message(), error.code())
             tensors = response.output_tensors()
+            n_in, n_out = _counts(tensors)
+            prompt, generated = n_in or prompt, generated + n_out  # (each response counts its own tokens)
+            tensors = [t for t in tensors if t.name() not in unasked]
             if early is not None:  # the stage's first response: the one already sent
                 tensors, early = self._not_again(tensors, early, reason, instance), None
                 timings.mark(step, t0)
@@ -460,11 +474,10 @@ class TritonPythonModel:
                     return "cancelled"
             if reason is not None:
                 finished = True
-                counts = _counts(tensors)
-                tensors = [t for t in tensors if t.name() not in unasked]
             if tensors:
                 t1 = 0 if sent else time.monotonic_ns()
                 sender.send(pb.InferenceResponse(output_tensors=tensors))
+                last_ns = time.monotonic_ns()
                 if not sent:
                     req.first_ns = t1
                     timings.mark(step, t0, t1)
@@ -480,17 +493,19 @@ class TritonPythonModel:
             sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if finished:
-            req.answered = (*counts, time.monotonic_ns())
+            req.answered = (prompt, generated, last_ns or time.monotonic_ns(), sent)
         return "done"
 
     def _not_again(self, tensors: list, early: bytes, reason: bytes | None, instance: str) -> list | None:
-        """The stage's first response's tensors less what :meth:`_send_early` sent already; None when that response
-        does not begin with it."""
+        """The stage's first response's tensors (those the client asked for) less what :meth:`_send_early` sent
+        already; None when that response does not begin with it. The same response is dropped whole (the early
+        one carried its outputs); one with more text (a retry's) goes on with the rest only when the client asked
+        for nothing that counts its tokens."""
         text = next((t.as_numpy().reshape(-1) for t in tensors if t.name() == "text_output"), None)
         first = text[0] if text is not None and text.size == 1 and isinstance(text[0], bytes) else None
-        if first == early and reason is None and len(tensors) == 1:
+        if first == early and reason is None:
             return []
-        if first is not None and first.startswith(early):  # the rest of it (the same first token, then more)
+        if first is not None and first.startswith(early) and len(tensors) == 1:  # the same first token, then more
             return [self.pb.Tensor("text_output", np.array([first[len(early):]], dtype=np.object_)),
                     *(t for t in tensors if t.name() != "text_output")]
         self.logger.log_error(f"[trident] {self.mode}: {instance}'s first response does not begin with the first text "
@@ -541,11 +556,12 @@ def _finish_reason(pb, response) -> bytes | None:
     if tensor is None:
         return None
     value = tensor.as_numpy().reshape(-1)
-    return value[0] if value.size and isinstance(value[0], bytes) and value[0] else None
+    # ("None": not the last response, as the vLLM backend says it)
+    return value[0] if value.size and isinstance(value[0], bytes) and value[0] not in (b"", b"None") else None
 
 
 def _counts(tensors: list) -> tuple[int, int]:
-    """(num_input_tokens, num_output_tokens) of a stage's last response (0 where absent)."""
+    """(num_input_tokens, num_output_tokens) of a stage's response (0 where absent)."""
     found = {t.name(): t.as_numpy().reshape(-1) for t in tensors if t.name() in ("num_input_tokens", "num_output_tokens")}
     return tuple(int(found[n][0]) if n in found and found[n].size else 0 for n in ("num_input_tokens", "num_output_tokens"))
 

@@ -25,7 +25,8 @@ class EntryRequest:
     early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
     arrived_ns: int = 0  # time.monotonic_ns() at its arrival
     first_ns: int | None = None  # ... when its first response went out
-    answered: tuple[int, int, int] | None = None  # (prompt tokens, generated tokens, last response's time) once answered
+    # once answered: (prompt tokens, generated tokens, its last response's time, the responses it had)
+    answered: tuple[int, int, int, int] | None = None
 
     def cancelled(self) -> bool:
         return self.triton.is_cancelled()

@@ -20,7 +20,7 @@ from ... import timings
 from ...output import DecodeEvent, RequestOutput
 from ..base import DecodeRequest
 from .model import HFModel
-from .sampling import sample
+from .sampling import candidates, sample
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class HFDecoder:
                     active, finished = _Active(req, stream, req.output), False
                 else:  # the first token was sampled by prefill: emit it before the request enters the batch
                     active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
-                    finished = self._emit(active, req.first_token, req.prompt_len)
+                    finished = self._emit(active, req.first_token, req.prompt_len, req.first_logprobs)
                     timings.mark("first_token", t0)
                 if not finished:
                     self._kv.add(req.kv)
@@ -240,10 +240,10 @@ class HFDecoder:
                     req.on_admit()
                 timings.mark("decode_admit", t0)
 
-    def _emit(self, a: _Active, token: int, cache_len: int) -> bool:
-        """Send one generated token; True when the request is finished."""
+    def _emit(self, a: _Active, token: int, cache_len: int, logprobs: list | None = None) -> bool:
+        """Send one generated token (with its logprob entry, when asked for); True when the request is finished."""
         a.last_token = token
-        event = a.output.abort() if a.stream.cancelled else a.output.push(token, cache_len)
+        event = a.output.abort() if a.stream.cancelled else a.output.push(token, cache_len, logprobs)
         a.stream.put(event)
         return event.finish_reason is not None
 
@@ -272,8 +272,10 @@ class HFDecoder:
         finished = []
         for row, a in enumerate(self._active):
             try:
-                token = sample(logits[row], a.req.params, a.req.seed, step=a.generated)
-                done = self._emit(a, token, kv.lens[row])
+                params = a.req.params
+                token = sample(logits[row], params, a.req.seed, step=a.generated)
+                logprobs = candidates(logits[row], token, params.logprobs) if params.logprobs is not None else None
+                done = self._emit(a, token, kv.lens[row], logprobs)
             except Exception as e:  # this request's sampling or output failed: it alone ends
                 log.exception("decode request %s failed", a.req.request_id)
                 a.stream.put(e)

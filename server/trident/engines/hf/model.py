@@ -20,7 +20,7 @@ from ...processor import Processor, SamplingParams
 from ...protocol import HFKVRecord, TensorSpec
 from ...transfer.tensors import dtype_name
 from ..base import MediaEmbeddings, PrefillResult
-from .sampling import sample
+from .sampling import candidates, sample
 
 
 DTYPE = torch.float32  # what the hf engine computes in, and so the dtype of every KV cache it hands on
@@ -142,8 +142,11 @@ class HFPrefiller:
         rope_delta = family.rope_delta(out)
         cache = out.past_key_values
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        first = sample(out.logits[0, -1], params, seed, step=0)
-        return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed)
+        logits = out.logits[0, -1]
+        first = sample(logits, params, seed, step=0)
+        logprobs = candidates(logits, first, params.logprobs) if params.logprobs is not None else None
+        return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed,
+                             first_logprobs=logprobs)
 
 
 class _IntoLayer(DynamicLayer):

@@ -1,4 +1,5 @@
-"""Token sampling of the hf engine: greedy, or temperature / top-k / top-p with a per-step seed."""
+"""Token sampling of the hf engine: greedy, or temperature / top-k / top-p with a per-step seed; and the sampled
+token's logprob entry, when a request asks for logprobs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import random
 
 import torch
 
+from ...output import TokenLogprob
 from ...processor import SamplingParams
 
 
@@ -35,3 +37,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) & 0xFFFF_FFFF_FFFF)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def candidates(logits: torch.Tensor, token: int, top: int) -> list[TokenLogprob]:
+    """The logprob entry of ``token`` sampled from one row of raw ``logits``: its own log-probability and rank,
+    then the ``top`` likeliest tokens' (ranks 1..top; the sampled one is not repeated)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    own = float(logprobs[token])
+    out = [TokenLogprob(token, own, int((logprobs >= logprobs[token]).sum()))]
+    if top:
+        values, ids = torch.topk(logprobs, top)
+        out += [TokenLogprob(int(i), float(v), rank) for rank, (v, i) in enumerate(zip(values, ids), 1) if int(i) != token]
+    return out

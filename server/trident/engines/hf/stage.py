@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ... import timings
 from ...config import TransferConfig
+from ...errors import MalformedRecord
 from ...media import MediaItem, counts
 from ...output import DecodeEvent, Generation, RequestOutput, early_text
 from ...processor import SamplingParams
@@ -177,7 +178,8 @@ class HFStageEngine:
     ) -> bytes:
         result = await self._run(self._prefill, text, params, list(media), embedding_meta)
         try:
-            first = RequestOutput(self.processor, params).push(result.first_token, result.prompt_len)  # as the decode's
+            first = RequestOutput(self.processor, params).push(  # as the decode's
+                result.first_token, result.prompt_len, result.first_logprobs)
             with timings.step("publish"):
                 record = handoff.publish_kv(self.endpoint, result, early_text(first))
         except BaseException:
@@ -241,6 +243,10 @@ class HFStageEngine:
         if kv_meta is not None:
             record = handoff.open_kv(self.endpoint, kv_meta, self.model.check_kv)
             first_token, prompt_len = record.first_token, record.prompt_len
+            logprobs = handoff.first_logprobs(record) if params.logprobs is not None else None
+            if params.logprobs is not None and logprobs is None:  # (a prefill that did not see the same parameters)
+                handoff.release_kv(self.endpoint, record)
+                raise MalformedRecord("the kv record carries no first-token logprobs, and the request asks for logprobs")
 
             def read() -> DecodeRequest:
                 return handoff.receive_kv(self.endpoint, record, params, output=output)
@@ -250,10 +256,10 @@ class HFStageEngine:
         else:
             result = await self._run(self._prefill, text, params, list(media), embedding_meta)
             local = handoff.continue_locally(result, params, output=output)
-            first_token, prompt_len = local.first_token, local.prompt_len
+            first_token, prompt_len, logprobs = local.first_token, local.prompt_len, local.first_logprobs
             read, unread = None, None
         t0 = time.monotonic_ns()
-        first = output.push(first_token, prompt_len)
+        first = output.push(first_token, prompt_len, logprobs)
         timings.mark("first_token", t0)
         return Generation(prompt_len, self._events(first, read or (lambda: local), unread))
 
