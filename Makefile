@@ -29,6 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	@# the `nixl` import shim: with its dependencies it would pull CUDA torch and both CUDA variants
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps nixl==1.5.1
+	@# structured output on the hf engine (vLLM's own library; its `triton` dependency is for GPUs only)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	@touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)

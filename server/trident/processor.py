@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .families import Family, family_of
 from .errors import InvalidRequest
 from .protocol import MAX_LOGPROBS
+from .structured import StructuredOutput
 
 
 GREEDY_BELOW = 1e-5
@@ -32,7 +33,7 @@ UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "min_p": 0.0, "min_tokens": 0, "prompt_logprobs": None, "stop_token_ids": None,
     "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "detokenize": True, "logit_bias": None,
-    "allowed_token_ids": None, "output_kind": None, "guided_decoding": None, "structured_outputs": None,
+    "allowed_token_ids": None, "output_kind": None, "guided_decoding": None,
     "extra_args": None,
 }
 """vLLM ``SamplingParams`` names that Trident's engines do not honour, with vLLM's defaults: a request may send one
@@ -63,6 +64,12 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     # top logprobs per generated token, besides the sampled token's (None: none, not even its own)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    structured_outputs: StructuredOutput | None = None  # (trident.structured)
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _nothing_asked(cls, v: Any) -> Any:
+        return None if v is None or v == {} or v == "" else v
 
     @model_validator(mode="before")
     @classmethod

@@ -127,6 +127,24 @@ def test_logprobs_equal_the_entry_model_s(server, client, image_png, stream):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+def test_response_format_and_guided_fields_constrain_the_answer(client, image_png):
+    """``response_format`` (``json_schema``, ``json_object``) and vLLM's ``guided_*`` fields are done, not dropped:
+    the answer keeps to them and ends when it is complete."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    kwargs = dict(model=f"{NAME}:e_p_d", messages=_messages(_data_url(image_png)), max_tokens=64, temperature=0)
+    r = client.chat.completions.create(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+                                       **kwargs)
+    assert r.choices[0].finish_reason == "stop" and json.loads(r.choices[0].message.content)["n"] in (1, 2, 3)
+    r = client.chat.completions.create(response_format={"type": "json_object"}, **kwargs)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.chat.completions.create(extra_body={"guided_choice": ["red", "green", "blue"]}, **kwargs)
+    assert (r.choices[0].finish_reason, r.choices[0].message.content in ("red", "green", "blue")) == ("stop", True)
+    r = client.completions.create(model=f"{NAME}:e_p_d", prompt="The code is", max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": "[A-Z]{4}"})
+    assert re.fullmatch("[A-Z]{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+
+
 def test_bare_model_id_is_the_default_mode_and_models_list(client, image_png):
     ids = {m.id for m in client.models.list().data}
     assert ids == {NAME, *(f"{NAME}:{m}" for m in MODES)}
@@ -154,7 +172,11 @@ BAD = {
     "top_logprobs alone": (_messages("data:,"), {"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
     "21 top_logprobs": (_messages("data:,"), {"logprobs": True, "top_logprobs": 21}, 400,
                         "top_logprobs: Input should be less than or equal to 20"),
-    "json output": (_messages("data:,"), {"response_format": {"type": "json_object"}}, 400, "yet: response_format"),
+    "a schema that does not compile": (_messages("data:,"), {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400, 'Unsupported type "objekt"'),
+    "two structures": (_messages("data:,"), {"response_format": {"type": "json_object"},
+                                             "extra_body": {"guided_regex": "[a-z]+"}}, 400, "give exactly one of"),
+    "tools": (_messages("data:,"), {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "yet: tools"),
     "a penalty": (_messages("data:,"), {"presence_penalty": 0.5}, 400, "presence_penalty (send 0.0 or leave it out)"),
     "a vLLM field": (_messages("data:,"), {"extra_body": {"repetition_penalty": 1.3}}, 400, "repetition_penalty"),
     "seed past 64 bits": (_messages("data:,"), {"seed": 1 << 64}, 400, "seed: Input should be less than or equal"),

@@ -359,3 +359,22 @@ def test_logprobs_are_vllm_s_own_in_every_mode(server, reference, one_engine_log
                 assert entry["decoded_token"] == want[token]["decoded_token"]
         assert {1, 2} <= {v["rank"] for v in got.values()}
     assert abs(r.outputs[-1]["cumulative_logprob"] - one_engine_logprobs.outputs[-1]["cumulative_logprob"]) < 1e-2
+
+
+def test_structured_output_in_every_served_mode(server, reference):
+    """vLLM's own structured outputs (``sampling_parameters.structured_outputs``, a JSON string as Triton's vLLM
+    backend takes it) in every mode the server runs: the same text as in one engine, keeping to the constraint and
+    ending when it is complete (in E/P/D and EP/D the decode samples the first token itself, under the grammar)."""
+    import re
+
+    c = reference["one-image"]
+    for spec, pattern in (({"choice": ["yes", "no", "maybe"]}, "yes|no|maybe"), ({"regex": "[0-9]{2}-[a-z]{3}"},
+                                                                                 "[0-9]{2}-[a-z]{3}")):
+        params = {"max_tokens": 32, "temperature": 0, "structured_outputs": json.dumps(spec)}
+        texts = {}
+        for mode in server.modes:
+            r = grpc_generate(server.grpc, mode, c["text"], c["images"], params, stream=True)
+            assert re.fullmatch(pattern, r.text) and r.finish_reason == "stop", (mode, r.text, r.finish_reason)
+            texts[mode] = r.text
+        assert len(set(texts.values())) == 1, texts
+    wait_drained(server, _kv_stages(server), timeout=30)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from support import chat_prompt, make_image
@@ -158,3 +161,37 @@ def test_kv_records_are_checked_against_the_model(engine):
     for name, (rec, match) in bad.items():
         with pytest.raises(MalformedRecord, match=match):
             model.check_kv(rec)
+
+
+def test_structured_output_is_kept_from_the_prefill_s_token_in_a_batch_of_free_ones(engine):
+    """A request with a regex keeps to it from the token its prefill sampled to the end (then EOS, "stop"), decoded
+    in a batch beside unconstrained requests, which give what they give alone."""
+    import re
+
+    model, encoder, prefiller, decoder = engine
+    free = _requests(model, encoder, prefiller)[:3]
+    alone = [_collect(decoder.submit(r)) for r in free]
+    prompt = chat_prompt(model.processor.tokenizer, 0, "Give a code.")
+    ids = model.processor.prompt_ids(prompt, [])
+    params = SamplingParams.from_json('{"max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}')
+    res = prefiller.prefill(ids, None, params, seed=1)
+    assert res.constraint is not None
+    held = DecodeRequest(kv=res.kv, first_token=res.first_token, prompt_len=res.prompt_len, params=params,
+                         rope_delta=res.rope_delta, seed=res.seed, constraint=res.constraint)
+    streams = [decoder.submit(held)] + [decoder.submit(r) for r in free]
+    tokens, reason = _collect(streams[0])
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", model.processor.decode(tokens)) and reason == "stop"
+    assert [_collect(s) for s in streams[1:]] == alone
+
+
+def test_a_structure_that_does_not_compile_is_refused_naming_the_problem():
+    for spec, message in (({"json": {"type": "objekt"}}, 'Unsupported type "objekt"'),
+                          ({"regex": "("}, "The parenthesis is not closed"),
+                          ({"grammar": "root ::= "}, "Expect element"),
+                          ({"regex": "a", "choice": ["b"]}, "give exactly one of"),
+                          ({"choice": []}, "choice needs at least one string")):
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            SamplingParams.from_json(json.dumps({"structured_outputs": spec}))
+    # Triton's vLLM backend takes it as a JSON string
+    got = SamplingParams.from_json(json.dumps({"structured_outputs": json.dumps({"json": {"type": "object"}})}))
+    assert got.structured_outputs.json_schema == '{"type": "object"}'

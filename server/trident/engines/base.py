@@ -17,6 +17,7 @@ from ..output import DecodeEvent, Generation, RequestOutput, TokenLogprob
 from ..processor import SamplingParams
 
 if TYPE_CHECKING:
+    from ..structured import Constraint
     from ..transfer import Region
 
 __all__ = [
@@ -75,6 +76,7 @@ class PrefillResult:
     seed: int = 0  # sampling seed the decode side continues with
     kv_region: Region | None = None  # the send-pool region ``kv`` was computed into, back to back (handed on as it is)
     first_logprobs: list[TokenLogprob] | None = None  # the first token's logprob entry (when the request asks)
+    constraint: Constraint | None = None  # the request's structured output, past the first token (when it asks)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class DecodeRequest:
     # read, so that it does not wait behind a READ and a decode step); None: the decoder emits it on admission
     output: RequestOutput | None = None
     first_logprobs: list[TokenLogprob] | None = None  # the first token's logprob entry, for the decoder to emit
+    constraint: Constraint | None = None  # its structured output, past the first token (trident.structured)
 
 
 class Encoder(Protocol):

@@ -125,7 +125,7 @@ def open_kv(
 
 def receive_kv(
     endpoint: TransferEndpoint, record: HFKVRecord, params: SamplingParams, request_id: str = "",
-    output: RequestOutput | None = None,
+    output: RequestOutput | None = None, constraint=None,
 ) -> DecodeRequest:
     """READ the KV cache of a record :func:`open_kv` claimed; the pool region is freed once the decoder has
     copied it. ``output``: the request's output with the first token already emitted (see
@@ -136,7 +136,7 @@ def receive_kv(
     return DecodeRequest(
         kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,
         params=params, rope_delta=record.rope_delta, seed=record.seed, request_id=request_id,
-        on_admit=received.release, output=output, first_logprobs=first_logprobs(record),
+        on_admit=received.release, output=output, first_logprobs=first_logprobs(record), constraint=constraint,
     )
 
 
@@ -156,7 +156,7 @@ def continue_locally(
     return DecodeRequest(
         kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
         rope_delta=result.rope_delta, seed=result.seed, request_id=request_id, output=output,
-        first_logprobs=result.first_logprobs,
+        first_logprobs=result.first_logprobs, constraint=result.constraint,
     )
 
 

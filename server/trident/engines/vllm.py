@@ -154,6 +154,7 @@ def _sampling(params: SamplingParams, **overrides):
         top_k=params.top_k if params.top_k > 0 else 0, seed=params.seed, stop=list(params.stop) or None,
         ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
         logprobs=params.logprobs,
+        structured_outputs=params.structured_outputs.to_vllm() if params.structured_outputs is not None else None,
     )
     args.update(overrides)
     return VSamplingParams(**args)
@@ -424,10 +425,12 @@ class VLLMStageEngine:
         - the token ends inside a character (its text depends on the next token, so vLLM's detokenizer,
           primed with the prompt and this token, would join them differently), or the tokenizer is not a fast
           one (vLLM's detokenizer then works otherwise);
-        - the request asks for logprobs and the prefill's are not given (``logprobs``: its record's).
+        - the request asks for logprobs and the prefill's are not given (``logprobs``: its record's);
+        - the request asks for structured output (vLLM's grammar starts with the first token it samples).
         """
         if (
             token is None or self._detokenizer is None or not params.greedy or params.stop or params.max_tokens < 2
+            or params.structured_outputs is not None
             or (params.logprobs is not None and not logprobs)
             or not 0 <= token < self.vocab_size or token in self._added_ids
             or (token in self.stop_ids and not params.ignore_eos)

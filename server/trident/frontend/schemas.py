@@ -6,17 +6,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..errors import InvalidRequest
 from ..processor import UNSUPPORTED_DEFAULTS
 from ..protocol import MAX_LOGPROBS
 
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "echo": (None, False), "suffix": (None, ""),
 }
 """OpenAI request fields Trident does not do yet, with the values that ask for nothing: any other value is refused
 (400, naming the field), never ignored."""
-FORWARDED = set(UNSUPPORTED_DEFAULTS) | {"top_k"}
+FORWARDED = set(UNSUPPORTED_DEFAULTS) | {"top_k"}  # (structured_outputs: see _Sampling.structured)
 """vLLM's sampling names a request may carry besides OpenAI's (vLLM's server takes them in the body): passed on in
 ``sampling_parameters``, where the entry models honour or refuse each one."""
 
@@ -66,6 +66,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchema(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's older structured-output fields and the ``structured_outputs`` key each stands for."""
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -79,6 +96,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension, sent by load generators
+    response_format: ResponseFormat | None = None
 
     def not_yet(self) -> list[str]:
         """The fields of :data:`NOT_YET` this request asks something of."""
@@ -96,6 +114,24 @@ class _Sampling(BaseModel):
                 out[name] = value
         if self.stop:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        structured = self.structured()
+        if structured:
+            out["structured_outputs"] = structured
+        return out
+
+    def structured(self) -> dict[str, Any]:
+        """What ``response_format``, vLLM's ``guided_*`` fields and its ``structured_outputs`` ask of the text, as
+        ``sampling_parameters.structured_outputs`` (trident.structured; more than one is refused there)."""
+        extra = self.model_extra or {}
+        out = dict(extra.get("structured_outputs") or {})
+        out.update({key: extra[name] for name, key in GUIDED.items() if extra.get(name) is not None})
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            out["json_object"] = True
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequest("response_format json_schema needs json_schema.schema")
+            out["json"] = rf.json_schema.schema_
         return out
 
 

@@ -272,9 +272,13 @@ class HFDecoder:
         finished = []
         for row, a in enumerate(self._active):
             try:
-                params = a.req.params
-                token = sample(logits[row], params, a.req.seed, step=a.generated)
-                logprobs = candidates(logits[row], token, params.logprobs) if params.logprobs is not None else None
+                params, constraint, row_logits = a.req.params, a.req.constraint, logits[row]
+                if constraint is not None:
+                    row_logits = constraint.mask(row_logits)
+                token = sample(row_logits, params, a.req.seed, step=a.generated)
+                if constraint is not None:
+                    constraint.accept(token)
+                logprobs = candidates(row_logits, token, params.logprobs) if params.logprobs is not None else None
                 done = self._emit(a, token, kv.lens[row], logprobs)
             except Exception as e:  # this request's sampling or output failed: it alone ends
                 log.exception("decode request %s failed", a.req.request_id)

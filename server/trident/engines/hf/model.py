@@ -18,6 +18,7 @@ from ...errors import InvalidRequest, MalformedRecord
 from ...heap import keep_freed_memory
 from ...processor import Processor, SamplingParams
 from ...protocol import HFKVRecord, TensorSpec
+from ...structured import Grammars
 from ...transfer.tensors import dtype_name
 from ..base import MediaEmbeddings, PrefillResult
 from .sampling import candidates, sample
@@ -48,6 +49,7 @@ class HFModel:
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.vocab_size: int = self.model.get_output_embeddings().out_features
         self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
+        self.grammars = Grammars(self.processor.tokenizer, self.vocab_size, sorted(self.processor.eos_token_ids))
 
     def kv_spec(self, prompt_len: int) -> TensorSpec:
         """A prompt's KV cache as it is handed on: ``2 * num_layers`` tensors (keys, values of each layer)."""
@@ -142,11 +144,16 @@ class HFPrefiller:
         rope_delta = family.rope_delta(out)
         cache = out.past_key_values
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        logits = out.logits[0, -1]
+        logits, constraint = out.logits[0, -1], None
+        if params.structured_outputs is not None:  # the first token keeps to the request's structure too
+            constraint = self.m.grammars.constraint(params.structured_outputs)
+            logits = constraint.mask(logits)
         first = sample(logits, params, seed, step=0)
+        if constraint is not None:
+            constraint.accept(first)
         logprobs = candidates(logits, first, params.logprobs) if params.logprobs is not None else None
         return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed,
-                             first_logprobs=logprobs)
+                             first_logprobs=logprobs, constraint=constraint)
 
 
 class _IntoLayer(DynamicLayer):

@@ -244,12 +244,21 @@ class HFStageEngine:
             record = handoff.open_kv(self.endpoint, kv_meta, self.model.check_kv)
             first_token, prompt_len = record.first_token, record.prompt_len
             logprobs = handoff.first_logprobs(record) if params.logprobs is not None else None
-            if params.logprobs is not None and logprobs is None:  # (a prefill that did not see the same parameters)
+            constraint = None
+            try:
+                if params.logprobs is not None and logprobs is None:  # (a prefill that saw other parameters)
+                    raise MalformedRecord("the kv record carries no first-token logprobs, and the request asks for "
+                                          "logprobs")
+                if params.structured_outputs is not None:  # the grammar, past the prefill's token
+                    constraint = await asyncio.get_running_loop().run_in_executor(
+                        None, self.model.grammars.constraint, params.structured_outputs)
+                    constraint.accept(first_token)
+            except BaseException:
                 handoff.release_kv(self.endpoint, record)
-                raise MalformedRecord("the kv record carries no first-token logprobs, and the request asks for logprobs")
+                raise
 
             def read() -> DecodeRequest:
-                return handoff.receive_kv(self.endpoint, record, params, output=output)
+                return handoff.receive_kv(self.endpoint, record, params, output=output, constraint=constraint)
 
             def unread() -> None:
                 handoff.release_kv(self.endpoint, record)
