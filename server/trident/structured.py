@@ -91,8 +91,8 @@ def _grammar(key: str):
     spec = json.loads(key)
     if "json_schema" in spec:
         return xgr.Grammar.from_json_schema(spec["json_schema"])
-    if "json_object" in spec:
-        return xgr.Grammar.builtin_json_grammar()
+    if "json_object" in spec:  # (an object, as vLLM reads it, not any JSON value)
+        return xgr.Grammar.from_json_schema('{"type": "object"}')
     if "regex" in spec:
         return xgr.Grammar.from_regex(spec["regex"])
     if "choice" in spec:
