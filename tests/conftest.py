@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(session, config, items):
     over from them: a shared server is never idle while other modules run their own.
 
     A module's ``SERVED_MODES`` (``{server param: its modes, None: all}``) deselects the tests of a ``mode`` its
-    ``server`` does not run."""
+    ``server`` does not run; a test marked ``servers(names)`` runs only with those ``server`` params."""
     unserved = [i for i in items if _unserved(i)]
     if unserved:
         config.hook.pytest_deselected(items=unserved)
@@ -82,6 +82,9 @@ def pytest_collection_modifyitems(session, config, items):
 def _unserved(item) -> bool:
     served = getattr(getattr(item, "module", None), "SERVED_MODES", None)
     params = getattr(getattr(item, "callspec", None), "params", {})
+    only = item.get_closest_marker("servers")
+    if only is not None and "server" in params and params["server"] not in only.args:
+        return True
     if not isinstance(served, dict) or "mode" not in params or "server" not in params:
         return False
     modes = served.get(params["server"])

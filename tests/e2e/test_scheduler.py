@@ -423,13 +423,13 @@ def test_least_loaded_spreads_concurrent_requests_over_both_instances(server, re
     try:
         before = _published(server)
         c = ref["one-image"]
-        with ThreadPoolExecutor(16) as pool:
-            texts = list(pool.map(lambda _: _generate(server, c), range(16)))
-        assert texts == [c["expected"]] * 16
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda _: _generate(server, c), range(8)))
+        assert texts == [c["expected"]] * 8
         time.sleep(0.5)
         after = _published(server)
         spread = {name: after[name] - before[name] for name in after}
-        assert sum(spread.values()) == 16 and min(spread.values()) >= 4, spread
+        assert sum(spread.values()) == 8 and min(spread.values()) >= 2, spread
         assert _metric(server, "trident_routed_total", instance="prefill-2", mode="e_p_d") > 0
     finally:
         _reload(server, routing="affinity")

@@ -86,6 +86,7 @@ def test_modes_equal_generate(server, reference, mode, case):
     assert body["finish_reason"] == "length" and body["num_output_tokens"] == NEW_TOKENS
 
 
+@pytest.mark.servers("llava")  # (Qwen2-VL's ensemble carries media in test_media_serving.py)
 @pytest.mark.parametrize("mode", MODES)
 def test_ensemble_equals_bls_scheduler(server, reference, mode):
     """The same entry model as Triton's ensemble (swapped in while serving) gives what the BLS scheduler (the

@@ -77,6 +77,7 @@ def test_modes_equal_generate(server, reference, mode, case):
         assert after.get(name, 0) - before[mode].get(name, 0) == count, name
 
 
+@pytest.mark.servers("llava")  # (the ensemble's wiring is the engine's and the family's: LLaVA's, every mode)
 @pytest.mark.parametrize("mode", MODES)
 def test_ensemble_equals_bls_scheduler(server, reference, mode):
     """Triton's ensemble (swapped in while serving) agrees with model.generate(), over gRPC streaming and HTTP
