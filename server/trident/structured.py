@@ -38,6 +38,7 @@ class StructuredOutput(BaseModel):
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool | None = None  # JSON without whitespace between its tokens (vLLM's)
 
     @model_validator(mode="before")
     @classmethod
@@ -80,7 +81,8 @@ class StructuredOutput(BaseModel):
         from vllm.sampling_params import StructuredOutputsParams
 
         return StructuredOutputsParams(json=self.json_schema, json_object=self.json_object, regex=self.regex,
-                                       choice=list(self.choice) if self.choice else None, grammar=self.grammar)
+                                       choice=list(self.choice) if self.choice else None, grammar=self.grammar,
+                                       disable_any_whitespace=bool(self.disable_any_whitespace))
 
 
 @lru_cache(maxsize=256)
@@ -89,10 +91,11 @@ def _grammar(key: str):
     import xgrammar as xgr
 
     spec = json.loads(key)
+    compact = {"any_whitespace": False, "separators": (",", ":")} if spec.get("disable_any_whitespace") else {}
     if "json_schema" in spec:
-        return xgr.Grammar.from_json_schema(spec["json_schema"])
+        return xgr.Grammar.from_json_schema(spec["json_schema"], **compact)
     if "json_object" in spec:  # (an object, as vLLM reads it, not any JSON value)
-        return xgr.Grammar.from_json_schema('{"type": "object"}')
+        return xgr.Grammar.from_json_schema('{"type": "object"}', **compact)
     if "regex" in spec:
         return xgr.Grammar.from_regex(spec["regex"])
     if "choice" in spec:

@@ -145,6 +145,52 @@ def test_response_format_and_guided_fields_constrain_the_answer(client, image_pn
     assert re.fullmatch("[A-Z]{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+
+
+def _answer(r, stream: bool) -> tuple[str | None, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason) of a chat answer, whole or streamed."""
+    if not stream:
+        m = r.choices[0].message
+        return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or ()], r.choices[0].finish_reason
+    content, calls, reason = "", {}, None
+    for chunk in r:
+        if not chunk.choices:
+            continue
+        delta, reason = chunk.choices[0].delta, chunk.choices[0].finish_reason or reason
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            name, args = calls.get(call.index, ("", ""))
+            calls[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+    return content or None, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_named_required_and_auto(client, image_png, stream):
+    """A named tool_choice answers that function's arguments, held to its schema (finish ``stop``); ``required`` one
+    call or more (``tool_calls``; the demo model lists calls until ``max_tokens``, so its answer is the list so far,
+    as text); ``auto`` text where the model writes no call (the demo's template has no tools), streamed or not."""
+    kwargs = dict(model=f"{NAME}:e_p_d", messages=_messages(_data_url(image_png)), max_tokens=48, temperature=0,
+                  tools=[WEATHER], stream=stream)
+    content, calls, reason = _answer(client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kwargs), stream)
+    assert (content, reason, len(calls)) == (None, "stop", 1)
+    assert calls[0][0] == "get_weather" and json.loads(calls[0][1])["unit"] in ("c", "f")
+    content, calls, reason = _answer(client.chat.completions.create(tool_choice="required", **kwargs), stream)
+    if reason == "tool_calls":
+        assert content is None and calls and all(name == "get_weather" and json.loads(args)["unit"] in ("c", "f")
+                                                 for name, args in calls), (content, calls)
+    else:  # the demo's random weights go on listing calls: cut off, the list so far is the text, each item whole
+        item = r'\{"name":"get_weather","parameters":\{"unit":"[cf]"\}\}'
+        assert reason == "length" and not calls and re.match(rf"\[{item}(,{item})*", content), (content, reason)
+    content, calls, reason = _answer(client.chat.completions.create(tool_choice="auto", **kwargs), stream)
+    plain = client.chat.completions.create(model=f"{NAME}:e_p_d", messages=_messages(_data_url(image_png)),
+                                           max_tokens=48, temperature=0)
+    assert (content, calls, reason) == (plain.choices[0].message.content, [], plain.choices[0].finish_reason)
+
+
 def test_bare_model_id_is_the_default_mode_and_models_list(client, image_png):
     ids = {m.id for m in client.models.list().data}
     assert ids == {NAME, *(f"{NAME}:{m}" for m in MODES)}
@@ -176,7 +222,10 @@ BAD = {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400, 'Unsupported type "objekt"'),
     "two structures": (_messages("data:,"), {"response_format": {"type": "json_object"},
                                              "extra_body": {"guided_regex": "[a-z]+"}}, 400, "give exactly one of"),
-    "tools": (_messages("data:,"), {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "yet: tools"),
+    "a tool_choice naming no tool": (_messages("data:,"), {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+                                    "'g', which is not one of the tools"),
+    "tool_choice without tools": (_messages("data:,"), {"tool_choice": "required"}, 400, "required needs tools"),
     "a penalty": (_messages("data:,"), {"presence_penalty": 0.5}, 400, "presence_penalty (send 0.0 or leave it out)"),
     "a vLLM field": (_messages("data:,"), {"extra_body": {"repetition_penalty": 1.3}}, 400, "repetition_penalty"),
     "seed past 64 bits": (_messages("data:,"), {"seed": 1 << 64}, 400, "seed: Input should be less than or equal"),

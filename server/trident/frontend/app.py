@@ -10,6 +10,7 @@ lease).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from .body_limit import BodyLimit
 from .engine import Chunk, Engine
 from .responses import DONE, Completion, error_body, error_headers
 from .schemas import ChatCompletionRequest, CompletionRequest, Message
+from .tools import ToolChoice, ToolStream
 
 log = logging.getLogger("trident.frontend")
 KEEP_ALIVE_S = 65
@@ -42,6 +44,7 @@ KEEP_ALIVE_S = 65
 
 _PART_KIND = {"image_url": "image", "video_url": "video", "input_audio": "audio", "audio_url": "audio"}
 """The media kind of each content-part type."""
+_MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")  # what a message may carry to the template besides content
 
 
 class Metrics:
@@ -87,8 +90,9 @@ class OpenAIServer:
             raise NotFound(f"model {model!r} does not exist; served: {self.name} (add :{'|:'.join(MODES)} to pick a mode)")
         return mode or self.settings.default_mode
 
-    async def chat_prompt(self, messages: list[Message]) -> tuple[str, dict[str, list[str]]]:
-        """The chat template's prompt (one placeholder per media item) and the media as base64, by kind."""
+    async def chat_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> tuple[str, dict[str, list[str]]]:
+        """The chat template's prompt (one placeholder per media item; the ``tools``, where the template takes them) and
+        the media as base64, by kind."""
         media: dict[str, list[str]] = {kind: [] for kind in MODALITIES}
         budget = FetchBudget(self.settings.media.max_bytes)  # what its URLs and files may bring, together
         converted = []
@@ -96,8 +100,9 @@ class OpenAIServer:
         for kind in MODALITIES:
             check_count(kind, sum(_PART_KIND.get(p.type) == kind for p in parts))
         for m in messages:
+            said = {k: v for k, v in (m.model_extra or {}).items() if k in _MESSAGE_EXTRAS}  # (a tool call, its answer)
             if not isinstance(m.content, list):
-                converted.append({"role": m.role, "content": m.content or ""})
+                converted.append({"role": m.role, "content": m.content or "", **said})
                 continue
             parts = []
             for part in m.content:
@@ -107,9 +112,9 @@ class OpenAIServer:
                 kind = _PART_KIND[part.type]
                 media[kind].append(await self._media_part(part, kind, len(media[kind]), budget))
                 parts.append({"type": kind})
-            converted.append({"role": m.role, "content": parts})
+            converted.append({"role": m.role, "content": parts, **said})
         # (off the event loop: a long conversation takes a while to render, and other requests go on meanwhile)
-        prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, converted, tokenize=False,
+        prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, converted, tools=tools, tokenize=False,
                                          add_generation_prompt=True)
         return prompt, {kind: items for kind, items in media.items() if items}
 
@@ -146,7 +151,7 @@ class OpenAIServer:
             raise
 
     async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str,
-                      http: Request | None = None):
+                      http: Request | None = None, tools: ToolChoice | None = None):
         _check_text(prompt)
         sampling = req.sampling(self.settings.default_max_tokens)
         chunks = self._chunks(mode, endpoint, prompt, media, sampling)
@@ -156,7 +161,10 @@ class OpenAIServer:
             whole = await _unless_gone(_collect(chunks), http)
             if whole is None:  # the client went away: its generation has been stopped
                 return Response(status_code=499)
-            return JSONResponse(shape.whole(*whole))
+            text, last, logprobs = whole
+            content, calls = tools.calls(text) if tools is not None else (text, [])
+            return JSONResponse(shape.whole(content, last, logprobs, calls,
+                                            tools.finish_reason(last.finish_reason if last else None, calls) if tools else None))
         # Streaming: an error before the first chunk is still a proper HTTP error.
         iterator = chunks.__aiter__()
         try:
@@ -164,14 +172,29 @@ class OpenAIServer:
         except StopAsyncIteration:
             first = None
 
+        async def every():
+            if first is not None:
+                yield first
+            async for c in iterator:
+                yield c
+
         async def events():
             last, is_first = first, True
+            held = ToolStream(tools) if tools is not None and tools.kind != "none" else None
             try:
-                if first is not None:
-                    yield shape.sse(first, is_first)
-                    is_first = False
-                async for c in iterator:
+                async for c in every():
                     last = c
+                    if held is not None:  # text out while no call can have begun; the calls whole at the end
+                        c = dataclasses.replace(c, text=held.feed(c.text))
+                        if c.finish_reason is not None:
+                            rest, calls = held.end()
+                            c = dataclasses.replace(c, text=c.text + rest,
+                                                    finish_reason=tools.finish_reason(c.finish_reason, calls))
+                            if calls:
+                                yield shape.sse_tool_calls(calls, is_first)
+                                is_first = False
+                        elif not c.text and not is_first and not c.logprobs:
+                            continue
                     yield shape.sse(c, is_first)
                     is_first = False
             except TridentError as e:
@@ -253,9 +276,10 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, http: Request):
         timings.mark("handler", time.monotonic_ns())
         mode = server.resolve(req)
+        tools = req.tool_choice_of()
         with timings.step("chat_prompt"):
-            prompt, media = await server.chat_prompt(req.messages)
-        return await server.respond(req, "chat", prompt, media, mode, http)
+            prompt, media = await server.chat_prompt(req.messages, tools.template_tools())
+        return await server.respond(req, "chat", prompt, media, mode, http, tools)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):

@@ -54,11 +54,15 @@ class Completion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def whole(self, text: str, last: Chunk | None, logprobs: list[dict] | None = None) -> dict:
-        """The non-streaming response (``logprobs``: every token's entry, when asked for)."""
-        choice: dict = {"index": 0, "finish_reason": last.finish_reason if last else None}
+    def whole(self, text: str | None, last: Chunk | None, logprobs: list[dict] | None = None,
+              tool_calls: list | None = None, finish_reason: str | None = None) -> dict:
+        """The non-streaming response (``logprobs``: every token's entry, when asked for; ``tool_calls``: the calls
+        found in it, :mod:`.tools`, and then its ``finish_reason``)."""
+        choice: dict = {"index": 0, "finish_reason": finish_reason or (last.finish_reason if last else None)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = [call.as_openai() for call in tool_calls]
         else:
             choice["text"] = text
         if self.top_logprobs is not None:
@@ -92,6 +96,13 @@ class Completion:
         return {"tokens": [s["decoded_token"] for s in sampled], "token_logprobs": [s["logprob"] for s in sampled],
                 "top_logprobs": [{c["decoded_token"]: c["logprob"] for c in [s, *t]} for s, t in zip(sampled, tops)],
                 "text_offset": offsets}
+
+    def sse_tool_calls(self, calls: list, first: bool) -> str:
+        """The calls of a streamed answer, whole, in one delta."""
+        delta = {"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)],
+                 **({"role": "assistant"} if first else {})}
+        extra = {"usage": None} if self.include_usage else {}
+        return _event(self._body("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}], **extra))
 
     def sse_usage(self, last: Chunk | None) -> str:
         return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(last)))

@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import InvalidRequest
 from ..processor import UNSUPPORTED_DEFAULTS
 from ..protocol import MAX_LOGPROBS
+from .tools import MAX_TOOLS, ToolChoice
 
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"), "echo": (None, False), "suffix": (None, ""),
 }
 """OpenAI request fields Trident does not do yet, with the values that ask for nothing: any other value is refused
@@ -58,7 +59,7 @@ MAX_PARTS = 4096  # content parts per message
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(None, max_length=MAX_PARTS)
 
 
@@ -140,6 +141,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: str | dict[str, Any] | None = None
+
+    def tool_choice_of(self) -> ToolChoice:
+        """What its ``tools`` and ``tool_choice`` ask (a 400 names what is wrong)."""
+        return ToolChoice(self.tools, self.tool_choice)
+
+    def structured(self) -> dict[str, Any]:
+        out = super().structured()
+        forced = self.tool_choice_of().structured()
+        if forced and out:
+            raise InvalidRequest(f"tool_choice {self.tool_choice!r} holds the answer to the tool's arguments: leave "
+                                 "out response_format and the guided fields")
+        return forced or out
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
