@@ -62,7 +62,9 @@ class Server:
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         if faults:  # its processes, the workers among them, load the fault wrapper at start-up (sitecustomize)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        # (a process group of its own, as a terminal's: interrupt() sends it Ctrl-C)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -155,6 +157,18 @@ class Server:
             if now == last:
                 break
         return now
+
+    def interrupt(self) -> int:
+        """Stop the server as Ctrl-C in its terminal does (SIGINT to its whole process group); its exit code."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(10)
+        return self.proc.returncode
 
     def stop(self) -> int:
         if self.proc.poll() is None:

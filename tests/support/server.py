@@ -223,7 +223,8 @@ def _ipc_sockets_in_tmp() -> set[str]:
 
 def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace, modes: list[str] | None = None) -> Server:
     """A ready `trident serve --backend vllm` of ``model`` in ``modes`` (default: all) from ``pool`` (shared with the
-    next module that asks for ``arch`` in the same modes). When it stops it must exit cleanly (0), leave no process
+    next module that asks for ``arch`` in the same modes). Stopped as Ctrl-C in a terminal stops it (SIGINT to its
+    process group), it must print no traceback, exit cleanly (0), leave no process
     behind, and leave none of vLLM's IPC socket files in the system's temporary folder (they go in each worker's
     own folder)."""
     from pathlib import Path
@@ -241,8 +242,11 @@ def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace, modes:
         return srv
 
     def check_stop(srv: Server) -> None:
-        code = srv.stop()
+        before = len(srv.log)
+        code = srv.interrupt()  # (as Ctrl-C in a terminal: every worker's vLLM engine is shut down by its worker)
         assert code == 0, "\n".join(srv.log[-30:])
+        stopping = srv.log[before:]
+        assert not [line for line in stopping if "Traceback" in line or "EngineDeadError" in line], "\n".join(stopping)
         # (a worker's own output may share the line: it writes to the same pipe)
         assert any(line.endswith("[trident] stopped") for line in srv.log), "\n".join(srv.log[-30:])
         deadline = time.monotonic() + 20  # vLLM's engine and resource-tracker processes exit just after

@@ -259,7 +259,9 @@ class Launcher:
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # and transformers draws a bar per checkpoint load
-        self.workers[name] = subprocess.Popen(cmd, env=env)
+        # (a session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops everything in order;
+        # vLLM's engine process, sent it too, died under its worker and each worker printed a traceback)
+        self.workers[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
         self._started_at[name] = time.monotonic()
         self.out(f"[trident] started worker {name} (pid {self.workers[name].pid})")
 
@@ -269,7 +271,8 @@ class Launcher:
                     "port": self.s.openai_port}
         )
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
-        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                                                            start_new_session=True)
         self._started_at["frontend"] = time.monotonic()
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
         return proc
