@@ -160,19 +160,16 @@ class Server:
 
     def interrupt(self) -> int:
         """Stop the server as Ctrl-C in its terminal does (SIGINT to its whole process group); its exit code."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(10)
-        return self.proc.returncode
+        return self._end(lambda: os.killpg(self.proc.pid, signal.SIGINT))
 
     def stop(self) -> int:
+        """Stop the server as a service manager does (SIGTERM to it); its exit code."""
+        return self._end(lambda: self.proc.send_signal(signal.SIGTERM))
+
+    def _end(self, signal_it) -> int:
+        """``signal_it()`` unless it has exited, wait up to 60 s (then kill it), read its last lines."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            signal_it()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
