@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Where one request's time goes: a per-hop breakdown of TTFT for E/P/D and EP/D at concurrency 1.
 
-Starts `trident serve` with `trace_dir` set on a demo model (hf engine), sends requests one at a time over gRPC
-streaming (tritonclient), each with a new image, and reads the step timings every process wrote
-(:mod:`trident.timings`: the BLS scheduler, each stage's python-backend stub and each stage worker, on one
-monotonic clock). A step belongs to the request whose send..done window holds it. The same requests also
-run through the ``generate`` stage's engine in this process (no Triton, no transfers), traced the same way.
+Starts `trident serve` tracing every request into files (:mod:`trident.tracing`, the file exporter) on a demo
+model (hf engine), sends requests one at a time over gRPC streaming (tritonclient), each with a new image, and
+reads the spans every process wrote (the BLS scheduler and each stage worker). A span belongs to the request
+whose send..done window holds it. The same requests also run through the ``generate`` stage's engine in this
+process (no Triton, no transfers), traced the same way.
 
 Prints, per mode, the median over the requests of each hop in ms, and TTFT against in-process.
 
@@ -28,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench_scheduler import PROMPT, Serve, Stream, image_b64
+import spans
 from report import DEMO_NAMES, write_section
 
 MODES = ("e_p_d", "ep_d")
@@ -152,14 +153,7 @@ def compute(steps: Steps) -> float:
 
 
 def read_steps(trace_dir: Path) -> list[tuple[str, int, int]]:
-    out = []
-    for path in trace_dir.glob("*.jsonl"):
-        process = path.stem
-        process = "bls" if process.startswith("bls-") else process
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            out.append((f"{process}/{rec['step']}", rec["t0"], rec["t1"]))
-    return out
+    return spans.read_steps(trace_dir, lambda stem: "bls" if stem.startswith("bls-") else stem)
 
 
 def window(all_steps, clock: dict) -> Steps:
@@ -172,10 +166,10 @@ def window(all_steps, clock: dict) -> Steps:
 
 def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_tokens: int) -> list[dict]:
     """The same requests through the ``generate`` stage engine here: TTFT, and this process's steps."""
-    os.environ["TRIDENT_TRACE_DIR"] = str(trace_dir)
+    os.environ.update({"OTEL_TRACES_EXPORTER": "file", "TRIDENT_TRACE_DIR": str(trace_dir)})
     import torch
 
-    from trident import timings
+    from trident import tracing
     from trident.engines.hf.stage import HFStageEngine
     from trident.media import MediaItem
     from trident.output import OutputOptions, entry_responses
@@ -183,11 +177,15 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
     from trident.protocol import STAGES
 
     torch.set_num_threads(1)  # as a worker runs
-    timings.start("in-process")
+    tracing.start("in-process")
     engine = HFStageEngine(STAGES["generate"], model)
     params = SamplingParams.from_json(json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
 
     async def one(b64: str) -> dict:
+        with tracing.request("request"):
+            return await traced(b64)
+
+    async def traced(b64: str) -> dict:
         clock = {"send": time.monotonic_ns()}
         generation = await engine.generate(text, params, media=[MediaItem.from_base64(b64.encode(), 0)])
         # the first streamed response, as the server sends it (a first token with no text yet sends none)
@@ -212,7 +210,7 @@ def serve_requests(model: str, text: str, args, trace_dir: Path, python: str | N
     print(f"[bench-hops] starting the server (steps in {trace_dir})", flush=True)
     # every request takes its mode's full path (no prefill on the decode side for short prompts)
     server = Serve(model, [], modes=(*MODES, "epd"), python=python, config={
-        "trace_dir": str(trace_dir), "scheduling": {"local_prefill_tokens": 0}})
+        **spans.tracing_config(trace_dir), "scheduling": {"local_prefill_tokens": 0}})
     clocks: dict[str, list[dict]] = {}
     try:
         stream = Stream(f"127.0.0.1:{server.grpc}")  # one client and stream, as a real client keeps them
@@ -272,11 +270,11 @@ def main() -> int:
     local_steps = read_steps(trace_dir / "local")
 
     lines = ["## Where TTFT goes (`make bench-hops`)", "",
-             "`clients/perf/bench_hops.py`: `trident serve` with step timings on (`trace_dir`), the "
+             "`clients/perf/bench_hops.py`: `trident serve` tracing every request (OpenTelemetry, the file exporter), the "
              f"{DEMO_NAMES.get(args.arch, args.arch)} demo and the hf engine, one gRPC stream (tritonclient) kept open "
              f"for {args.requests} requests per mode, each with a new 224 px image and {args.max_tokens} new tokens, "
              "one at a time. The table gives the median (p50) and 90th percentile (p90) of each hop in ms over the "
-             "requests, from the step timings that the BLS, the stage stubs and the workers write on one clock. The "
+             "requests, from the spans that the BLS and the workers write. The "
              "scheduler calls the stages straight at their workers, and in E/P/D the encode worker hands "
              "its record straight to the prefill worker, whose call the BLS posts beside the encode's: the prefill "
              "call's rows start when its record is in. In-process: the same requests through the `generate` stage "

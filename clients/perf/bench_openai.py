@@ -11,7 +11,7 @@ process drives both paths:
 
 Each request has an image of its own (no embedding-cache hits). At concurrency 1 the two paths alternate
 request by request; at concurrency 8 they alternate round by round. Prints TTFT and tokens/s of each path and
-their ratios. The server runs with ``trace_dir``: per request at concurrency 1, TTFT minus the time the entry
+their ratios. The server writes its spans (the file exporter): per request at concurrency 1, TTFT minus the time the entry
 model held the request before its first response left is the path's own cost, the compute behind it taken
 out (TTFT itself moves by tens of ms between requests, more than the frontend costs).
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from bench_scheduler import PROMPT, Serve, image_b64
 from report import DEMO_NAMES, write_section
+from spans import read_steps, tracing_config
 
 TEXT_ONLY = "Tell me a short story about a lighthouse."
 
@@ -174,12 +175,12 @@ async def run(server: Serve, args) -> dict[str, dict[str, list[float]]]:
 
 def outside_bls(trace: Path, mode: str, windows: list[tuple[int, float]]) -> list[float]:
     """Per request (sent at ``t0`` ns, first token ``ttft`` s later): TTFT minus the time the entry model held
-    it before its first response left (its ``execute`` .. ``first_send`` steps, from ``trace_dir``): the path
+    it before its first response left (its ``execute`` .. ``first_send`` spans, from the file exporter): the path
     to and from the entry model, without the work behind it, whose run-to-run spread (tens of ms) would hide a
     ms of difference between the paths."""
-    steps = [json.loads(line) for line in (trace / f"bls-{mode}.jsonl").read_text().splitlines()]
-    arrivals = sorted(s["t0"] for s in steps if s["step"] == "execute")
-    sent = sorted(s["t1"] for s in steps if s["step"] == "first_send")
+    steps = read_steps(trace)
+    arrivals = sorted(t0 for key, t0, _ in steps if key == f"bls-{mode}/execute")
+    sent = sorted(t1 for key, _, t1 in steps if key == f"bls-{mode}/first_send")
     out = []
     for t0, ttft in windows:
         t1 = t0 + int(ttft * 1e9)
@@ -238,7 +239,7 @@ def main() -> int:
     model = str(default_demo_model(args.arch, log=None))
     print(f"[bench] starting the server ({args.mode}, OpenAI frontend on)", flush=True)
     trace = Path(tempfile.mkdtemp(prefix="bench-openai-trace-"))
-    server = Serve(model, [], modes=(args.mode,), openai=True, config={"trace_dir": str(trace)})
+    server = Serve(model, [], modes=(args.mode,), openai=True, config=tracing_config(trace))
     try:
         out = asyncio.run(run(server, args))
         for path in out.values():

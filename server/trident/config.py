@@ -257,6 +257,21 @@ class FrontendSettings(_Settings):
         return self.model_name or Path(self.model_path).name
 
 
+class TracingConfig(_Settings):
+    exporter: Literal["otlp", "console", "file", "none"] | None = Field(
+        None, description="where each request's spans go: otlp (to where the OTEL_EXPORTER_OTLP_* variables say), "
+        "console (each process's output), file (a <process>.jsonl in `folder`: what `make bench-hops` reads) or none; "
+        "unset: the OTEL_TRACES_EXPORTER variable decides (none when it is unset)"
+    )
+    folder: str | None = Field(None, description="the file exporter's folder")
+
+    @model_validator(mode="after")
+    def _file_has_folder(self):
+        if self.exporter == "file" and not self.folder:
+            raise ValueError("the file exporter needs tracing.folder")
+        return self
+
+
 class ServeSettings(_Settings):
     """``trident serve``: the server, its stage workers and the frontend."""
 
@@ -322,10 +337,8 @@ class ServeSettings(_Settings):
         True, description="send one small request with an image through each loaded entry model before "
         "serving, so that the first client request pays no first-call costs (NIXL connections, lazy set-up)"
     )
-    trace_dir: str | None = Field(
-        None, description="write each request's step timings there: one <process>.jsonl per stage worker, "
-        "stage stub and scheduler (what `make bench-hops` reads; off by default)"
-    )
+    tracing: TracingConfig = Field(TracingConfig(), description="OpenTelemetry traces of every request")
+
     @field_validator("instances")
     @classmethod
     def _known_stages(cls, v: dict[str, int]) -> dict[str, int]:

@@ -103,7 +103,8 @@ class Call(msgspec.Struct, array_like=True, tag="call"):
     """A stage call: the stage model's ``inputs`` (name -> array), the ``outputs`` wanted, the request's
     ``parameters``; from the scheduler also where its record goes (``hand_to``, an encode call) or that it
     comes from the encode worker under a token (``await_record``, a prefill call posted beside the encode call).
-    Only the scheduler sets those two: the stage stubs, which carry calls from Triton's clients, never do."""
+    Only the scheduler sets those two: the stage stubs, which carry calls from Triton's clients, never do.
+    ``traceparent``: the caller's span, when the request is traced (:mod:`trident.tracing`)."""
 
     id: int
     inputs: dict[str, Any]
@@ -111,6 +112,7 @@ class Call(msgspec.Struct, array_like=True, tag="call"):
     parameters: dict[str, Any] = {}
     hand_to: HandTo | None = None
     await_record: str | None = None
+    traceparent: str | None = None
 
 
 class Reply(msgspec.Struct, array_like=True, frozen=True, tag="reply"):

@@ -44,7 +44,7 @@ def server(demo_models, tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp("trace")
     with serving(
         demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
-        extra=["--instances", "prefill=2"], config={"embedding_cache_mib": CACHE_MIB, "trace_dir": str(trace_dir)},
+        extra=["--instances", "prefill=2"], config={"embedding_cache_mib": CACHE_MIB, "tracing": {"exporter": "file", "folder": str(trace_dir)}},
     ) as srv:
         srv.trace_dir = trace_dir
         yield srv
@@ -109,35 +109,59 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
     assert _generate(server, c) == c["expected"]
 
 
-def test_trace_dir_times_every_hop_of_one_request(server, ref):
-    """``trace_dir``: the BLS, each stage's stub and each worker write the steps of a request, on one clock,
-    nested as the calls are (what ``make bench-hops`` reads). The stages are called straight at their workers:
-    their stubs see nothing of the request."""
+def _trace(folder, trace_id: str, *until: str, timeout: float = 5.0) -> dict[str, list[dict]]:
+    """The spans of one trace, by ``<process>/<name>`` (the second prefill instance's as ``prefill``'s), once the
+    spans ``until`` are written (a process writes each span as it ends, and the scheduler's ends after its last response)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans: dict[str, list[dict]] = {}
+        for path in folder.glob("*.jsonl"):
+            process = "prefill" if path.stem == "prefill-2" else path.stem
+            for line in path.read_text().splitlines():
+                span = json.loads(line)
+                if span["trace_id"] == trace_id:
+                    spans.setdefault(f"{process}/{span['name']}", []).append(span)
+        if all(k in spans for k in until) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.05)
+
+
+def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_worker(server, ref):
+    """OpenTelemetry tracing (the file exporter): a request that carries a ``traceparent`` gets one trace whose spans
+    come from the BLS and each stage worker, nested as the calls are, with the steps ``make bench-hops`` reads; the
+    stages are called straight at their workers (their stubs see nothing of it). Through the OpenAI API, the
+    client's ``traceparent`` header is the parent of the frontend's span, and the trace goes on to the stages."""
+    import requests
+
     c = ref["traced"]
     folder = server.trace_dir.resolve()
-    assert any(line.endswith(f"writing step timings of every request to {folder}") for line in server.log)
-    t_send = time.monotonic_ns()
-    assert _generate(server, c) == c["expected"]
-    t_done = time.monotonic_ns()
-    time.sleep(0.3)
-    steps: dict[str, list[tuple[int, int]]] = {}
-    for path in folder.glob("*.jsonl"):
-        process = "prefill" if path.stem == "prefill-2" else path.stem
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if t_send <= rec["t0"] <= rec["t1"] <= t_done:
-                steps.setdefault(f"{process}/{rec['step']}", []).append((rec["t0"], rec["t1"]))
+    assert any(line.endswith(f"tracing every request with OpenTelemetry: spans to {folder}") for line in server.log)
+    trace_id, caller = os.urandom(16).hex(), os.urandom(8).hex()
+    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True,
+                         parameters={"traceparent": f"00-{trace_id}-{caller}-01"}).text == c["expected"]
+    spans = _trace(folder, trace_id, "bls-e_p_d/request", "decode/infer")
     want = {
-        "bls-e_p_d": ["execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
-        "encode": ["inputs", "media_decode", "image_preprocess", "vision_tower", "publish", "record_encode", "hand_on",
+        "bls-e_p_d": ["request", "execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
+        "encode": ["stage_call", "inputs", "media_decode", "image_preprocess", "vision_tower", "publish",
+                   "record_encode", "hand_on", "infer"],
+        "prefill": ["stage_call", "await_record", "inputs", "record_decode", "nixl_read", "prefill", "publish",
+                    "record_encode", "infer"],
+        "decode": ["stage_call", "inputs", "record_decode", "nixl_read", "decode_admit", "decode", "infer_first",
                    "infer"],
-        "prefill": ["await_record", "inputs", "record_decode", "nixl_read", "prefill", "publish", "record_encode", "infer"],
-        "decode": ["inputs", "record_decode", "nixl_read", "decode_admit", "decode_step", "infer_first", "infer"],
     }
-    missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in steps]
-    assert not missing, f"steps not written: {missing}; written: {sorted(steps)}"
-    assert not [k for k in steps if k.startswith("proxy-")], sorted(steps)
-    one = {k: v[0] for k, v in steps.items()}
+    missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in spans]
+    assert not missing, f"spans not written: {missing}; written: {sorted(spans)}"
+    assert {k.split("/")[0] for k in spans} == set(want), sorted(spans)  # (no stage stub's)
+    # one tree: the scheduler's span continues the client's, each stage call continues the scheduler's call of it
+    request = spans["bls-e_p_d/request"][0]
+    assert request["parent_id"] == caller and request["attributes"] == {"mode": "e_p_d"}
+    for stage in ("encode", "prefill"):
+        assert spans[f"{stage}/stage_call"][0]["parent_id"] == spans[f"bls-e_p_d/call:{stage}"][0]["span_id"], stage
+    assert spans["decode/stage_call"][0]["parent_id"] == request["span_id"]
+    ids = {s["span_id"] for group in spans.values() for s in group}
+    assert all(s["parent_id"] in ids for k, group in spans.items() for s in group if k != "bls-e_p_d/request")
+    assert spans["decode/decode"][0]["attributes"] == {"tokens": len(c["ids"])}
+    one = {k: (v[0]["start"], v[0]["end"]) for k, v in spans.items()}
     # each stage's work lies inside the BLS's call of it, and the calls follow each other
     for stage in ("encode", "prefill"):
         call, work = one[f"bls-e_p_d/call:{stage}"], one[f"{stage}/infer"]
@@ -154,6 +178,18 @@ def test_trace_dir_times_every_hop_of_one_request(server, ref):
     else:
         assert one["decode/infer_first"][1] <= one["bls-e_p_d/first_send"][0]
     assert one["encode/vision_tower"][0] >= one["encode/infer"][0] and one["encode/vision_tower"][1] <= one["encode/infer"][1]
+
+    trace_id = os.urandom(16).hex()
+    r = requests.post(f"{server.openai_url}/chat/completions", timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{caller}-01"},
+                      json={"model": f"{os.path.basename(server.model_path)}:e_p_d", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200, r.text
+    spans = _trace(folder, trace_id, "bls-e_p_d/request", "frontend/openai")
+    frontend = spans["frontend/openai"][0]
+    assert frontend["parent_id"] == caller and frontend["attributes"] == {"endpoint": "chat", "mode": "e_p_d"}
+    assert spans["bls-e_p_d/request"][0]["parent_id"] == frontend["span_id"]
+    assert "decode/stage_call" in spans, sorted(spans)  # (a prompt this short is prefilled on the decode worker)
 
 
 def _first_text(server, c) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .. import timings
+from .. import tracing
 from ..errors import TridentError
 from ..output import RequestOutput, TokenLogprob
 from ..processor import Processor, SamplingParams
@@ -28,7 +28,7 @@ def prepare_prompt(
     processor: Processor, text: str, token_counts: list[int], kinds: list[str] | None = None
 ) -> list[int]:
     """Prompt ids with each media placeholder expanded; checks placeholders and the context window."""
-    with timings.step("tokenize"):
+    with tracing.step("tokenize"):
         prompt = processor.prompt_ids(text, token_counts, kinds)
     processor.check_length(len(prompt))
     return prompt
@@ -69,14 +69,14 @@ def receive_embeddings(
     frees the embeddings. A prompt that does not match is refused before the READ, and the producer is told
     to free its copy.
     """
-    with timings.step("record_decode"):
+    with tracing.step("record_decode"):
         record = data if isinstance(data, EmbeddingsRecord) else decode_record(data, EmbeddingsRecord)
     try:
         prompt = prepare_prompt(processor, text, record.token_counts, record.kinds)
     except Exception:
         endpoint.discard(record.transfer)
         raise
-    with timings.step("nixl_read"):
+    with tracing.step("nixl_read"):
         received = endpoint.fetch(record.transfer)
     emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds, record.seconds)
     return prompt, emb, record, received.release
@@ -111,7 +111,7 @@ def open_kv(
     """Decode and check a ``kv_meta``, and claim it for this consumer, before anything is read or sent on
     its account. ``check`` (the model's) refuses a record this decoder cannot continue; a refused record is
     discarded (its producer frees it now). Then :func:`receive_kv` READs it, or :func:`release_kv` lets it go."""
-    with timings.step("record_decode"):
+    with tracing.step("record_decode"):
         record = decode_record(data, HFKVRecord)
         try:
             if check is not None:
@@ -130,7 +130,7 @@ def receive_kv(
     """READ the KV cache of a record :func:`open_kv` claimed; the pool region is freed once the decoder has
     copied it. ``output``: the request's output with the first token already emitted (see
     :class:`~trident.engines.base.DecodeRequest`)."""
-    with timings.step("nixl_read"):
+    with tracing.step("nixl_read"):
         received = endpoint.fetch(record.transfer, claimed=True)  # decode_record checked the (k, v) pairs and sizes
     t = received.tensors
     return DecodeRequest(

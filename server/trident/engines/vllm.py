@@ -39,7 +39,7 @@ import msgspec
 import tokenizers
 import torch
 
-from .. import signing, timings
+from .. import signing, tracing
 from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
 from ..media import counts as media_counts
@@ -268,7 +268,7 @@ class VLLMStageEngine:
     def _decoded(self, media: list) -> tuple[dict, MediaEmbeddings, list[str]]:
         """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
         counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
-        with timings.step("media_decode"):
+        with tracing.step("media_decode"):
             decoded = [self.processor.open(item) for item in media]
         mm: dict = {}
         counts: list[int] = []
@@ -299,7 +299,7 @@ class VLLMStageEngine:
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
             loop = asyncio.get_running_loop()
-            emb = await loop.run_in_executor(self._io, self._read_embeddings, text, record)
+            emb = await loop.run_in_executor(self._io, tracing.carry(self._read_embeddings), text, record)
             ids = list(record.image_ids) or [uuid.uuid4().hex for _ in emb.token_counts]
             prompt, length = self._prompt(text, emb.token_counts, emb.item_kinds, self.family.vllm_embeddings(emb), ids)
             return prompt, length, emb, ids
@@ -371,7 +371,7 @@ class VLLMStageEngine:
             t0 = time.monotonic_ns()
             first = self._first_event(prompt, length, record.first_token, params, record.first_logprobs)
             if first is not None:
-                timings.mark("first_token", t0)
+                tracing.mark("first_token", t0)
                 self._first_tokens_sent += 1
                 prompt = dict(prompt, prompt_token_ids=[*prompt["prompt_token_ids"], first.token_ids[0]])
                 sampling = _sampling(params, max_tokens=params.max_tokens - 1, extra_args=extra)

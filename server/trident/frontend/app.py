@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from .. import timings
+from .. import tracing
 from ..config import FrontendSettings
 from ..errors import InvalidRequest, NotFound, TridentError
 from ..media import MODALITIES, check_count
@@ -129,17 +129,21 @@ class OpenAIServer:
             raise InvalidRequest(f"a {part.type} part needs {part.type}.url")
         return await media_url_to_base64(url.url, self.settings.media, index, kind, budget)
 
-    async def _chunks(self, mode: str, endpoint: str, prompt: str, media: dict[str, list[str]], sampling: dict) -> AsyncIterator[Chunk]:
-        """Generation chunks, timed and counted."""
+    async def _chunks(self, mode: str, endpoint: str, prompt: str, media: dict[str, list[str]], sampling: dict,
+                      traceparent: str | None = None) -> AsyncIterator[Chunk]:
+        """Generation chunks, timed and counted; traced as span ``openai`` (a child of the client's
+        ``traceparent`` header, when it sent one)."""
         m = self.metrics
         m.requests.labels(mode, endpoint).inc()
         start = last = time.perf_counter()
-        first, t0 = True, time.monotonic_ns()
+        first = True
+        span = tracing.open_span("openai", traceparent, endpoint=endpoint, mode=mode)
         try:
-            async for chunk in self.engine.generate(mode, prompt, media, sampling, uuid.uuid4().hex):
+            async for chunk in self.engine.generate(mode, prompt, media, sampling, uuid.uuid4().hex,
+                                                    tracing.traceparent(span) if span is not None else None):
                 now = time.perf_counter()
-                if first:
-                    timings.mark("engine_first_chunk", t0)
+                if first and span is not None:
+                    span.add_event("first_chunk")
                 (m.ttft if first else m.itl).labels(mode).observe(now - (start if first else last))
                 first, last = False, now
                 if chunk.finish_reason is not None:
@@ -148,13 +152,19 @@ class OpenAIServer:
                 yield chunk
         except TridentError as e:
             m.errors.labels(mode, endpoint, str(e.http_status)).inc()
+            if span is not None:
+                span.set_attribute("error", type(e).__name__)
             raise
+        finally:
+            if span is not None:
+                span.end()
 
     async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str,
                       http: Request | None = None, tools: ToolChoice | None = None):
         _check_text(prompt)
         sampling = req.sampling(self.settings.default_max_tokens)
-        chunks = self._chunks(mode, endpoint, prompt, media, sampling)
+        chunks = self._chunks(mode, endpoint, prompt, media, sampling,
+                              http.headers.get(tracing.PARAMETER) if http is not None else None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage, sampling.get("logprobs"))
         if not req.stream:
@@ -274,11 +284,9 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request):
-        timings.mark("handler", time.monotonic_ns())
         mode = server.resolve(req)
         tools = req.tool_choice_of()
-        with timings.step("chat_prompt"):
-            prompt, media = await server.chat_prompt(req.messages, tools.template_tools())
+        prompt, media = await server.chat_prompt(req.messages, tools.template_tools())
         return await server.respond(req, "chat", prompt, media, mode, http, tools)
 
     @app.post("/v1/completions")
@@ -310,7 +318,7 @@ def run_frontend(settings: FrontendSettings) -> int:
 
     from .engine import TritonEngine
 
-    timings.start("frontend")
+    tracing.start("frontend")
     app = create_app(settings, TritonEngine(settings.grpc_url))
     # an idle keep-alive connection stays open longer than clients keep theirs (aiohttp 15 s, load balancers
     # 60 s): with uvicorn's 5 s a client could send a request on a connection the server was just closing

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Protocol
 
 import numpy as np
 
+from .. import tracing
 from ..errors import TridentError, Unavailable, from_message
 
 
@@ -27,10 +28,11 @@ class Chunk:
 
 class Engine(Protocol):
     async def generate(
-        self, mode: str, prompt: str, media: dict[str, list[str]], sampling: dict, request_id: str
+        self, mode: str, prompt: str, media: dict[str, list[str]], sampling: dict, request_id: str,
+        traceparent: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream a generation from entry model ``mode``; ``media`` holds base64 strings by kind (``image``,
-        ``video``, ``audio``). Raises a
+        ``video``, ``audio``); ``traceparent``: the request's span, when it is traced. Raises a
         :class:`~trident.errors.TridentError` (its class says the status)."""
         ...
 
@@ -87,8 +89,10 @@ class TritonEngine:
             out.append(t)
         return out
 
-    async def generate(self, mode, prompt, media, sampling, request_id):
+    async def generate(self, mode, prompt, media, sampling, request_id, traceparent=None):
         request = {"model_name": mode, "inputs": self._inputs(prompt, media, sampling), "request_id": request_id}
+        if traceparent is not None:
+            request["parameters"] = {tracing.PARAMETER: traceparent}
 
         async def requests():
             yield request

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from .. import signing, timings
+from .. import signing, tracing
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
 from ..netutil import listen_ports
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
@@ -193,9 +193,15 @@ class Launcher:
         os.environ[MODEL_ENV] = str(self.model_path)  # the schedulers' tokenizer (not in a config a client can read)
         os.environ[signing.ENV] = self.transfer_secret
         os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
-        if self.s.trace_dir:  # Triton's stubs (the schedulers, the stage proxies) and the workers inherit it
-            os.environ[timings.ENV] = str(Path(self.s.trace_dir).resolve())
-            self.out(f"[trident] writing step timings of every request to {os.environ[timings.ENV]}")
+        tracing_settings = self.s.tracing
+        if tracing_settings.exporter is not None:  # Triton's stubs, the workers and the frontend inherit them
+            os.environ[tracing.EXPORTER_ENV] = tracing_settings.exporter
+        if tracing_settings.folder:
+            os.environ[tracing.DIR_ENV] = str(Path(tracing_settings.folder).resolve())
+        exporter = tracing.exporter_name()
+        if exporter != "none":
+            where = os.environ.get(tracing.DIR_ENV) if exporter == "file" else exporter
+            self.out(f"[trident] tracing every request with OpenTelemetry: spans to {where}")
 
     @property
     def model_store(self) -> Path:

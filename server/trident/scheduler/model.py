@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import timings
+from .. import tracing
 from ..config import MODEL_ENV, SchedulerConfig
 from ..errors import InvalidRequest, TridentError, Unavailable, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
@@ -84,6 +84,15 @@ class StageError(Exception):
         self.code = code
 
 
+def _traceparent(request) -> str | None:
+    """The request's ``traceparent`` parameter (a client's, or the OpenAI frontend's), if it has one."""
+    try:
+        value = json.loads(request.parameters() or "{}").get(tracing.PARAMETER)
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils  # provided by the python-backend stub
@@ -92,7 +101,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.mode: str = params["mode"]
-        timings.start(f"bls-{self.mode}")
+        tracing.start(f"bls-{self.mode}")
         self.cfg = SchedulerConfig.model_validate_json(params.get("scheduler") or "{}")
         self.model_path = os.environ.get(MODEL_ENV) or None
         self.store = Path(args["model_repository"]).parent  # the server's model store
@@ -149,9 +158,13 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request) -> None:
-        pb = self.pb
         arrived = time.monotonic_ns()
-        timings.mark("execute", arrived)
+        with tracing.request("request", _traceparent(request) if tracing.enabled() else None, mode=self.mode):
+            tracing.mark("execute", arrived)
+            await self._serve_traced(request, arrived)
+
+    async def _serve_traced(self, request, arrived: int) -> None:
+        pb = self.pb
         if self._open >= MAX_OPEN:  # each holds a relay thread for its stream: one more would wait for one, unseen
             error = Unavailable(f"the {self.mode} mode has {self._open} requests in flight, its limit; retry later")
             self.metrics.add("trident_scheduler_errors_total", code=str(pb.TritonError.UNAVAILABLE))
@@ -201,7 +214,7 @@ class TritonPythonModel:
         return inputs
 
     async def _run(self, req: EntryRequest) -> None:
-        with timings.step("inputs"):
+        with tracing.step("inputs"):
             req.inputs = self._inputs(req.triton)
             req.text = _text(req.inputs.get("text_input"), self._text_limit)
             req.image_ids, req.kinds = _media_ids(req.inputs)
@@ -285,7 +298,7 @@ class TritonPythonModel:
         out = RECORD_TENSOR["kv"]
         self.router.begin(instance)
         try:
-            with timings.step("call:prefill"):
+            with tracing.step("call:prefill"):
                 return await self._stages.call(instance, _arrays("prefill", inputs, None), [out], await_record=token)
         finally:
             self.router.end(instance)
@@ -331,7 +344,7 @@ class TritonPythonModel:
         record = self._record_for(stage, req.records)
         self.router.begin(instance)
         try:
-            with timings.step(f"call:{stage}"):
+            with tracing.step(f"call:{stage}"):
                 arrays = await self._stages.call(instance, _arrays(stage, inputs, record), outputs, hand_to=hand_to)
         finally:
             self.router.end(instance)
@@ -382,7 +395,7 @@ class TritonPythonModel:
             if stream is None:
                 raise StageGone(instance)
             outcome = await asyncio.get_running_loop().run_in_executor(
-                self._streams, self._relay, stream, instance, req, unasked, f"call:{stage}", t0)
+                self._streams, tracing.carry(self._relay), stream, instance, req, unasked, f"call:{stage}", t0)
             if outcome == "cancelled":
                 await self._cancel_stream(stage, instance, request_id)
                 self._cancelled(req.sender)
@@ -414,7 +427,7 @@ class TritonPythonModel:
         t1 = req.first_ns = time.monotonic_ns()
         req.sender.send(self.pb.InferenceResponse(
             output_tensors=[self.pb.Tensor(name, value) for name, value in outputs.items()]))
-        timings.mark("first_send", t1)
+        tracing.mark("first_send", t1)
         req.held.add("trident_decisions_total", decision="first_text_from_prefill")
         req.held.apply()
         return text
@@ -463,7 +476,7 @@ class TritonPythonModel:
             tensors = [t for t in tensors if t.name() not in unasked]
             if early is not None:  # the stage's first response: the one already sent
                 tensors, early = self._not_again(tensors, early, reason, instance), None
-                timings.mark(step, t0)
+                tracing.mark(step, t0)
                 if tensors is None:
                     error = Unavailable(f"the answer was cut off after its first text: a stage instance went away, and "
                                         f"the retry on {instance} began differently (it sampled again); retry the request")
@@ -480,8 +493,8 @@ class TritonPythonModel:
                 last_ns = time.monotonic_ns()
                 if not sent:
                     req.first_ns = t1
-                    timings.mark(step, t0, t1)
-                    timings.mark("first_send", t1)
+                    tracing.mark(step, t0, t1)
+                    tracing.mark("first_send", t1)
                     if held is not None:  # the first response is out: now the metric updates (an IPC each),
                         held.loop.call_soon_threadsafe(held.apply)  # from the model's event loop, as before
                 sent += 1

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import auth
+from .. import auth, tracing
 from ..errors import MalformedRecord, TridentError, Unavailable
 from ..protocol import (
     Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
@@ -203,7 +203,7 @@ class StageClient:
         connection = await self._connection(instance)
         if connection is None:
             return None
-        call = Call(connection.next_id(), inputs, outputs, parameters or {}, hand_to, await_record)
+        call = Call(connection.next_id(), inputs, outputs, parameters or {}, hand_to, await_record, tracing.traceparent())
         try:
             answer = await connection.ask(call)
         except NotSent:
@@ -225,7 +225,8 @@ class StageClient:
             return None
         stream = DirectStream(convert)
         try:
-            connection.send(Call(connection.next_id(), inputs, outputs, parameters), stream.put)
+            connection.send(Call(connection.next_id(), inputs, outputs, parameters, traceparent=tracing.traceparent()),
+                            stream.put)
         except NotSent:
             return None
         if isinstance(await stream.first, Gone):

@@ -31,7 +31,7 @@ import tempfile
 import threading
 from typing import Callable
 
-from .. import auth
+from .. import auth, tracing
 from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
 from ..protocol import Call, Cancel, Deliver, Gone, Reply, StageMessage, Withdraw, encode_message, failure
 from .frames import read_message
@@ -205,6 +205,10 @@ class StageServer:
             await self._write(writer, failure(message.id, e))
 
     async def _handle(self, writer: asyncio.StreamWriter, call: Call) -> None:
+        with tracing.request("stage_call", call.traceparent):  # (its own task: the span is current in it alone)
+            await self._answer(writer, call)
+
+    async def _answer(self, writer: asyncio.StreamWriter, call: Call) -> None:
         try:
             result = self._infer(call)
             if inspect.isasyncgen(result):

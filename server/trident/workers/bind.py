@@ -182,7 +182,7 @@ def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | Non
 def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     from pytriton.model_config import ModelConfig
 
-    from .. import timings
+    from .. import tracing
     from ..engines import build_engine
     from ..stagecall import StageServer
     from ..stagecall.server import at_most, unix_folder
@@ -202,7 +202,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
                   settings.model_name, settings.model_name)
         engine.close()
         return NAME_TAKEN_EXIT
-    timings.start(name)
+    tracing.start(name)
     handler = make_handler(spec, engine, settings.max_inflight)
     infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.entry)
     server = StageServer(infer, handler.control, settings.transfer.data_address)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import timings
+from .. import tracing
 from ..errors import InvalidRequest, Unavailable
 from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
@@ -162,7 +162,7 @@ async def _await_record(inbox: record_handoff.Inbox, call: Call) -> None:
         token = record_handoff.check_token(call.await_record)
         if record_input(call, embeddings) is not None:
             raise InvalidRequest(f"a prefill call waiting for its record (await_record) brings no {embeddings}")
-        with timings.step("await_record"):
+        with tracing.step("await_record"):
             record = await inbox.take(token)
         call.inputs[embeddings] = np.array([record], dtype=np.object_)
 
@@ -230,7 +230,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
     async def read(request) -> tuple[str | None, SamplingParams, dict]:
         """The request's text, sampling parameters and engine arguments; a record it brought is discarded
         when the request is refused here."""
-        with timings.step("inputs"):
+        with tracing.step("inputs"):
             return await _read(request)
 
     async def _read(request) -> tuple[str | None, SamplingParams, dict]:
@@ -273,12 +273,12 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
                     from ..stagecall import StageClient
 
                     calls = calls or StageClient()
-                    with timings.step("hand_on"):
+                    with tracing.step("hand_on"):
                         handed = await record_handoff.hand_on(calls, hand, encoded.record)
                 report["handed"] = handed
             outputs = record_output(spec, encoded.record if encoded else None)
             outputs[ENCODE_REPORT] = np.array([json.dumps(report).encode()], dtype=np.object_)
-            timings.mark("infer", t0)
+            tracing.mark("infer", t0)
             return outputs
 
         return StageHandler(spec, encode, admit, admission.leave)
@@ -288,7 +288,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             t0 = time.monotonic_ns()
             text, params, kwargs = await read(request)
             outputs = record_output(spec, await engine.prefill(text, params, **kwargs))
-            timings.mark("infer", t0)
+            tracing.mark("infer", t0)
             return outputs
 
         inbox = record_handoff.Inbox(engine.discard) if spec.takes == "embeddings" else None
@@ -306,11 +306,11 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
             async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
                 if first:
-                    timings.mark("infer_first", t0)
+                    tracing.mark("infer_first", t0)
                     first = False
                 yield item
         finally:
             admission.leave()
-        timings.mark("infer", t0)
+        tracing.mark("infer", t0)
 
     return StageHandler(spec, generate, streams=streams)

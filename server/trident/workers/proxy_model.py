@@ -20,13 +20,12 @@ A request without the stage credential (:mod:`trident.auth`) is refused here, be
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 
-from trident import auth, timings
+from trident import auth, tracing
 from trident.errors import TridentError, Unauthenticated, Unavailable, client_message
 from trident.protocol import WORKER_FILE, Call, Failure, Gone, error_of, failure
 from trident.stagecall import directory
@@ -79,7 +78,6 @@ class TritonPythonModel:
         from pytriton.proxy.model import TritonInferenceHandlerConfigGenerator
 
         name = args["model_name"]
-        timings.start(f"proxy-{name}")
         config = json.loads(args["model_config"])
         self._name = name
         self._inputs = [i["name"] for i in config["input"]]
@@ -98,21 +96,17 @@ class TritonPythonModel:
         self._link = StageLink(name, worker_file)
 
     def execute(self, requests):
-        t0 = time.monotonic_ns()
-        try:
-            calls = [self._call(r) for r in requests]
-            if self._decoupled:
-                for request, call in zip(requests, calls):
-                    self._stream(request, call)
-                return None
-            answers = []
-            for call in calls:
-                answer = _Answer()
-                self._send(call, answer)
-                answers.append(answer)
-            return [self._response(r, a.wait()) or pb_utils.InferenceResponse() for r, a in zip(requests, answers)]
-        finally:
-            timings.mark("execute", t0)
+        calls = [self._call(r) for r in requests]
+        if self._decoupled:
+            for request, call in zip(requests, calls):
+                self._stream(request, call)
+            return None
+        answers = []
+        for call in calls:
+            answer = _Answer()
+            self._send(call, answer)
+            answers.append(answer)
+        return [self._response(r, a.wait()) or pb_utils.InferenceResponse() for r, a in zip(requests, answers)]
 
     def finalize(self) -> None:
         if self._entry is not None:
@@ -133,7 +127,9 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(triton_request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        return Call(0, inputs, list(triton_request.requested_output_names()), parameters)
+        traceparent = parameters.get(tracing.PARAMETER)
+        return Call(0, inputs, list(triton_request.requested_output_names()), parameters,
+                    traceparent=traceparent if isinstance(traceparent, str) else None)
 
     def _send(self, call: Call | Failure, target) -> None:
         if isinstance(call, Failure):
@@ -158,10 +154,8 @@ class TritonPythonModel:
 
     def _stream(self, request, call: Call | Failure) -> None:
         sender = request.get_response_sender()
-        first = [True]
 
         def on_message(message) -> None:
-            t_in = time.monotonic_ns() if first[0] else 0
             last = ends(message)
             final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
             response = self._response(request, message)
@@ -170,8 +164,5 @@ class TritonPythonModel:
                 sender.send(None, final)
             else:
                 sender.send(response, final)  # the end may come without a response (then only the flag goes)
-            if first[0] and not last:
-                timings.mark("first_response", t_in)
-                first[0] = False
 
         self._send(call, on_message)

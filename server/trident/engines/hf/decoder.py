@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
-from ... import timings
+from ... import tracing
 from ...output import DecodeEvent, RequestOutput
 from ..base import DecodeRequest
 from .model import HFModel
@@ -157,9 +157,10 @@ class TokenStream:
 class _Active:
     """Decode state of one request in the batch."""
 
-    def __init__(self, req: DecodeRequest, stream: TokenStream, output: RequestOutput) -> None:
+    def __init__(self, req: DecodeRequest, stream: TokenStream, output: RequestOutput, trace=None) -> None:
         self.req, self.stream, self.output = req, stream, output
         self.last_token = req.first_token
+        self.trace, self.admitted = trace, time.monotonic_ns()  # its request's trace context; when it joined
 
     @property
     def generated(self) -> int:
@@ -172,7 +173,7 @@ class HFDecoder:
     def __init__(self, model: HFModel, max_batch: int = 64) -> None:
         self.m = model
         self.max_batch = max_batch
-        self._pending: queue.Queue[tuple[DecodeRequest, TokenStream]] = queue.Queue()
+        self._pending: queue.Queue[tuple[DecodeRequest, TokenStream, object]] = queue.Queue()
         self._active: list[_Active] = []  # index == row in the BatchKV
         self._kv = BatchKV(model.num_layers, model.kv_heads, model.head_dim)
         self._stop = threading.Event()
@@ -184,7 +185,7 @@ class HFDecoder:
     def submit(self, request: DecodeRequest, loop: asyncio.AbstractEventLoop | None = None) -> TokenStream:
         """Queue a request; it joins the batch before the next step."""
         stream = TokenStream(request.request_id, loop)
-        self._pending.put((request, stream))
+        self._pending.put((request, stream, tracing.context()))  # (the request's spans go on in the decode thread)
         return stream
 
     @property
@@ -219,16 +220,16 @@ class HFDecoder:
                 return
             if item is None:
                 return
-            req, stream = item
+            req, stream, trace = item
             block = False
             t0 = time.monotonic_ns()
             try:
                 if req.output is not None:  # the engine has sent the first token already
-                    active, finished = _Active(req, stream, req.output), False
+                    active, finished = _Active(req, stream, req.output, trace), False
                 else:  # the first token was sampled by prefill: emit it before the request enters the batch
-                    active = _Active(req, stream, RequestOutput(self.m.processor, req.params))
+                    active = _Active(req, stream, RequestOutput(self.m.processor, req.params), trace)
                     finished = self._emit(active, req.first_token, req.prompt_len, req.first_logprobs)
-                    timings.mark("first_token", t0)
+                    tracing.mark("first_token", t0, context=trace)
                 if not finished:
                     self._kv.add(req.kv)
                     self._active.append(active)
@@ -238,7 +239,7 @@ class HFDecoder:
             finally:
                 if req.on_admit is not None:
                     req.on_admit()
-                timings.mark("decode_admit", t0)
+                tracing.mark("decode_admit", t0, context=trace)
 
     def _emit(self, a: _Active, token: int, cache_len: int, logprobs: list | None = None) -> bool:
         """Send one generated token (with its logprob entry, when asked for); True when the request is finished."""
@@ -249,10 +250,6 @@ class HFDecoder:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        with timings.step("decode_step"):
-            self._step_batch()
-
-    def _step_batch(self) -> None:
         model, kv = self.m.model, self._kv
         tokens = torch.tensor([[a.last_token] for a in self._active], dtype=torch.long)
         mask = kv.begin_step()
@@ -286,6 +283,7 @@ class HFDecoder:
                 done = True
             if done:
                 finished.append(row)
+                tracing.mark("decode", a.admitted, context=a.trace, tokens=a.generated)  # in the batch to its end
         for row in reversed(finished):  # highest first, so moved rows stay valid
             kv.remove(row)
             last = self._active.pop()

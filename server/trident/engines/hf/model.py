@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ... import timings
+from ... import tracing
 from ...errors import InvalidRequest, MalformedRecord
 from ...heap import keep_freed_memory
 from ...processor import Processor, SamplingParams
@@ -91,9 +91,9 @@ class HFEncoder:
         seconds: list[float] = [0.0] * len(items)
         for kind in dict.fromkeys(kind for kind, _ in items):
             where = [i for i, (k, _) in enumerate(items) if k == kind]
-            with timings.step(f"{kind}_preprocess"):
+            with tracing.step(f"{kind}_preprocess"):
                 inputs = self.m.processor.media_inputs(kind, [items[i][1] for i in where])
-            with timings.step("vision_tower" if kind == "image" else f"{kind}_encoder"):
+            with tracing.step("vision_tower" if kind == "image" else f"{kind}_encoder"):
                 features, grid = self.m.family.encode(self.m.model, kind, inputs)
             for j, i in enumerate(where):
                 rows[i], grids[i] = features[j], (grid[j] if grid is not None else None)
@@ -136,7 +136,7 @@ class HFPrefiller:
                     )
         if kv_into is not None and self._full_attention and len(kv_into) == self.m.num_layers:
             kwargs["past_key_values"] = _cache_into(kv_into)
-        with self.m.lock, timings.step("prefill"):
+        with self.m.lock, tracing.step("prefill"):
             family.reset(self.m.model)
             if media is not None and media.token_counts:
                 kwargs.update(family.prefill_inputs(self.m.model, ids, media, token_ids))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from ... import timings
+from ... import tracing
 from ...config import TransferConfig
 from ...errors import MalformedRecord
 from ...media import MediaItem, counts
@@ -73,7 +73,7 @@ class HFStageEngine:
         stage (see ``_inline``)."""
         loop = asyncio.get_running_loop()
         if not self._inline:
-            return loop.run_in_executor(self._compute, fn, *args)
+            return loop.run_in_executor(self._compute, tracing.carry(fn), *args)
         done = loop.create_future()
         try:
             done.set_result(fn(*args))
@@ -132,7 +132,7 @@ class HFStageEngine:
             self.endpoint.sender, cache, entries, [i.content_id for i in media], [i.kind for i in media]
         )
         report.update(vision_runs=int(bool(mine)), cache_bytes=cache.bytes, evictions=cache.counters.evictions)
-        with timings.step("record_encode"):
+        with tracing.step("record_encode"):
             return Encoded(record.encode(), report)
 
     async def _encode_claimed(self, claimed: dict[str, MediaItem]) -> dict[str, CachedEmbedding]:
@@ -162,7 +162,7 @@ class HFStageEngine:
         return dict(zip(keys, entries))
 
     def _encode_into_cache(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
-        with timings.step("media_decode"):
+        with tracing.step("media_decode"):
             decoded = [(item.kind, self.processor.open(item)) for _, item in claimed]
         emb = self.encoder.encode(decoded)
         self.cache.counters.vision_runs += 1
@@ -170,7 +170,7 @@ class HFStageEngine:
         rows = emb.embeddings.split(emb.token_counts)
         grids = emb.grid_thw or [None] * len(rows)
         seconds = emb.seconds or [0.0] * len(rows)
-        with timings.step("publish"):  # the copy into the send pool
+        with tracing.step("publish"):  # the copy into the send pool
             return [self.cache.store(key, r, g, t) for (key, _), r, g, t in zip(claimed, rows, grids, seconds)]
 
     async def prefill(
@@ -180,14 +180,14 @@ class HFStageEngine:
         try:
             first = RequestOutput(self.processor, params).push(  # as the decode's
                 result.first_token, result.prompt_len, result.first_logprobs)
-            with timings.step("publish"):
+            with tracing.step("publish"):
                 record = handoff.publish_kv(self.endpoint, result, early_text(first))
         except BaseException:
             if result.kv_region is not None:
                 self.endpoint.sender.pool.free(result.kv_region)
             raise
         try:
-            with timings.step("record_encode"):
+            with tracing.step("record_encode"):
                 return record.encode()
         except BaseException:  # nobody will read it: its lease ends now, not at its expiry
             self.endpoint.sender.release(record.transfer.lease_id, record.transfer.release_key)
@@ -198,7 +198,7 @@ class HFStageEngine:
         seed = new_seed(params)
         if media:
             self.processor.check_placeholders(text, counts(media))  # before spending time on the encoders
-            with timings.step("media_decode"):
+            with tracing.step("media_decode"):
                 decoded = [(item.kind, self.processor.open(item)) for item in media]
             emb = self.encoder.encode(decoded)
             prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds)
@@ -269,7 +269,7 @@ class HFStageEngine:
             read, unread = None, None
         t0 = time.monotonic_ns()
         first = output.push(first_token, prompt_len, logprobs)
-        timings.mark("first_token", t0)
+        tracing.mark("first_token", t0)
         return Generation(prompt_len, self._events(first, read or (lambda: local), unread))
 
     async def _events(self, first: DecodeEvent, read: Callable[[], DecodeRequest], unread: Callable | None):
@@ -285,7 +285,7 @@ class HFStageEngine:
             if unread is None:  # prefilled here: nothing to read
                 request = read()
             else:
-                fetch = loop.run_in_executor(self._compute, read)
+                fetch = loop.run_in_executor(self._compute, tracing.carry(read))
                 try:
                     request = await asyncio.shield(fetch)
                 except asyncio.CancelledError:
