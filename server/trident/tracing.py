@@ -31,9 +31,9 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
 DIR_ENV = "TRIDENT_TRACE_DIR"  # the file exporter's folder
@@ -45,6 +45,7 @@ log = logging.getLogger("trident.tracing")
 _tracer = None  # an OpenTelemetry tracer while tracing is on in this process
 _offset_ns = 0  # time.time_ns() - time.monotonic_ns(): a step timed on the monotonic clock, as a span's time
 _propagator = None
+_NOTHING = nullcontext()  # what a step is while tracing is off
 
 
 def exporter_name() -> str:
@@ -170,15 +171,12 @@ def _parent(traceparent: str | None):
     return _propagator.extract({PARAMETER: traceparent})
 
 
-@contextmanager
-def request(name: str, traceparent: str | None = None, **attributes) -> Iterator[None]:
+def request(name: str, traceparent: str | None = None, **attributes):
     """The span of one request's part in this process, current for the ``with`` body (in this task or thread):
     a child of ``traceparent``'s span, or the root of a new trace."""
     if _tracer is None:
-        yield
-        return
-    with _tracer.start_as_current_span(name, context=_parent(traceparent), attributes=attributes or None):
-        yield
+        return _NOTHING
+    return _tracer.start_as_current_span(name, context=_parent(traceparent), attributes=attributes or None)
 
 
 def open_span(name: str, traceparent: str | None = None, **attributes):
@@ -236,14 +234,11 @@ def _span(step: str, t0: int, t1: int, attributes: dict) -> None:
     _tracer.start_span(step, start_time=t0 + _offset_ns, attributes=attributes or None).end(end_time=t1 + _offset_ns)
 
 
-@contextmanager
-def step(name: str) -> Iterator[None]:
+def step(name: str):
     """Time the ``with`` body as step ``name`` of the current request."""
     if _tracer is None or not _recording():
-        yield
-        return
-    with _tracer.start_as_current_span(name):
-        yield
+        return _NOTHING
+    return _tracer.start_as_current_span(name)
 
 
 _gc_t0 = 0

@@ -412,7 +412,8 @@ CORPUS = [
     Bad("openai: NaN temperature", lambda s, r: openai(s, raw=b'{"model": "demo", "temperature": NaN, "messages": '
                                                               b'[{"role": "user", "content": "hi"}]}'), 400, "temperature"),
     Bad("openai: negative max_tokens", lambda s, r: openai(s, chat("hi", max_tokens=-1)), 400, "max_tokens"),
-    Bad("openai: n=2", lambda s, r: openai(s, chat("hi", n=2)), 400, "only n=1"),
+    Bad("openai: n=17", lambda s, r: openai(s, chat("hi", n=17)), 400, "n: Input should be less than or equal to 16"),
+    Bad("openai: best_of=2", lambda s, r: openai(s, chat("hi", best_of=2)), 400, "best_of"),
     Bad("openai: invalid base64 data URL", lambda s, r: openai(s, chat(image_part("data:image/png;base64,@@@"))), 400,
         "not valid base64"),
     Bad("openai: data URL of no image", lambda s, r: openai(s, chat(image_part("data:image/png;base64," + b64(b"text")))),

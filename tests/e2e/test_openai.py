@@ -127,6 +127,34 @@ def test_logprobs_equal_the_entry_model_s(server, client, image_png, stream):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_n_choices_are_reproducible_with_a_seed_and_each_is_its_seed_s_answer(client, endpoint):
+    """``n=3``: three choices; with a seed, choice i is the answer to the same request with n=1 and seed + i (vLLM's
+    rule), the same again on a second request, streamed or not; usage counts the prompt once and every choice's
+    tokens."""
+    kwargs = dict(model=f"{NAME}:e_p_d", max_tokens=6, temperature=1.0, seed=1234)
+    if endpoint == "chat":
+        create, body = client.chat.completions.create, {"messages": [{"role": "user", "content": "Tell me a story."}]}
+        text_of, delta_of = (lambda c: c.message.content), (lambda c: c.delta.content or "")
+    else:
+        create, body = client.completions.create, {"prompt": "Once upon a time"}
+        text_of = delta_of = lambda c: c.text
+    r = create(n=3, **body, **kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [text_of(c) for c in r.choices]
+    assert len(set(texts)) > 1, texts  # three samples, not one answer three times
+    singles = [create(**body, **{**kwargs, "seed": 1234 + i}) for i in range(3)]
+    assert texts == [text_of(s.choices[0]) for s in singles]
+    assert [text_of(c) for c in create(n=3, **body, **kwargs).choices] == texts
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens and r.usage.completion_tokens == 3 * 6
+    streamed, usage = ["", "", ""], None
+    for chunk in create(n=3, stream=True, stream_options={"include_usage": True}, **body, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += delta_of(c)
+        usage = chunk.usage or usage
+    assert streamed == texts and usage.completion_tokens == 3 * 6
+
+
 def test_response_format_and_guided_fields_constrain_the_answer(client, image_png):
     """``response_format`` (``json_schema``, ``json_object``) and vLLM's ``guided_*`` fields are done, not dropped:
     the answer keeps to them and ends when it is complete."""

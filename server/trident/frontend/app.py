@@ -75,8 +75,6 @@ class OpenAIServer:
     def resolve(self, req) -> str:
         """The mode a request's model id names; refuses what cannot be served before any other work."""
         mode = self.resolve_mode(req.model)
-        if req.n != 1:
-            raise InvalidRequest(f"n={req.n} is not supported; only n=1")
         asked = req.not_yet()
         if asked:
             raise InvalidRequest(f"not supported by Trident yet: {', '.join(asked)} (leave it out, or send its "
@@ -161,59 +159,119 @@ class OpenAIServer:
 
     async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str,
                       http: Request | None = None, tools: ToolChoice | None = None):
+        """The response to a request: ``req.n`` choices, each its own generation (with a seed, choice i samples
+        with seed + i, as vLLM's children do), whole or streamed."""
         _check_text(prompt)
         sampling = req.sampling(self.settings.default_max_tokens)
-        chunks = self._chunks(mode, endpoint, prompt, media, sampling,
-                              http.headers.get(tracing.PARAMETER) if http is not None else None)
+        traceparent = http.headers.get(tracing.PARAMETER) if http is not None else None
+        choices = [self._chunks(mode, endpoint, prompt, media, _nth(sampling, i), traceparent) for i in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage, sampling.get("logprobs"))
         if not req.stream:
-            whole = await _unless_gone(_collect(chunks), http)
-            if whole is None:  # the client went away: its generation has been stopped
+            wholes = await _unless_gone(asyncio.gather(*(_collect(c) for c in choices)), http)
+            if wholes is None:  # the client went away: its generations have been stopped
                 return Response(status_code=499)
-            text, last, logprobs = whole
-            content, calls = tools.calls(text) if tools is not None else (text, [])
-            return JSONResponse(shape.whole(content, last, logprobs, calls,
-                                            tools.finish_reason(last.finish_reason if last else None, calls) if tools else None))
+            out = []
+            for index, (text, last, logprobs) in enumerate(wholes):
+                content, calls = tools.calls(text) if tools is not None else (text, [])
+                reason = tools.finish_reason(last.finish_reason if last else None, calls) if tools else None
+                out.append(shape.choice(index, content, last, logprobs, calls, reason))
+            return JSONResponse(shape.whole(out, [last for _, last, _ in wholes]))
         # Streaming: an error before the first chunk is still a proper HTTP error.
-        iterator = chunks.__aiter__()
-        try:
-            first = await iterator.__anext__()
-        except StopAsyncIteration:
-            first = None
+        iterators = [c.__aiter__() for c in choices]
+        firsts = await asyncio.gather(*(_first_chunk(it) for it in iterators), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(it.aclose() for it in iterators), return_exceptions=True)
+            raise failed
+        lasts: list[Chunk | None] = list(firsts)
 
-        async def every():
-            if first is not None:
-                yield first
-            async for c in iterator:
+        async def every(index: int):
+            if firsts[index] is not None:
+                yield firsts[index]
+            async for c in iterators[index]:
                 yield c
 
-        async def events():
-            last, is_first = first, True
+        async def events(index: int):
+            """One choice's events; its last chunk in ``lasts``."""
+            is_first = True
             held = ToolStream(tools) if tools is not None and tools.kind != "none" else None
+            async for c in every(index):
+                lasts[index] = c
+                if held is not None:  # text out while no call can have begun; the calls whole at the end
+                    c = dataclasses.replace(c, text=held.feed(c.text))
+                    if c.finish_reason is not None:
+                        rest, calls = held.end()
+                        c = dataclasses.replace(c, text=c.text + rest,
+                                                finish_reason=tools.finish_reason(c.finish_reason, calls))
+                        if calls:
+                            yield shape.sse_tool_calls(calls, is_first, index)
+                            is_first = False
+                    elif not c.text and not is_first and not c.logprobs:
+                        continue
+                yield shape.sse(c, is_first, index)
+                is_first = False
+
+        async def stream():
             try:
-                async for c in every():
-                    last = c
-                    if held is not None:  # text out while no call can have begun; the calls whole at the end
-                        c = dataclasses.replace(c, text=held.feed(c.text))
-                        if c.finish_reason is not None:
-                            rest, calls = held.end()
-                            c = dataclasses.replace(c, text=c.text + rest,
-                                                    finish_reason=tools.finish_reason(c.finish_reason, calls))
-                            if calls:
-                                yield shape.sse_tool_calls(calls, is_first)
-                                is_first = False
-                        elif not c.text and not is_first and not c.logprobs:
-                            continue
-                    yield shape.sse(c, is_first)
-                    is_first = False
+                async for event in _interleave([events(i) for i in range(len(iterators))]):
+                    yield event
             except TridentError as e:
                 yield shape.sse_error(e)
             if include_usage:
-                yield shape.sse_usage(last)
+                yield shape.sse_usage(lasts)
             yield DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _nth(sampling: dict, index: int) -> dict:
+    """Choice ``index``'s sampling parameters: its seed is the request's plus ``index`` (vLLM's rule for n > 1)."""
+    if index == 0 or sampling.get("seed") is None:
+        return sampling
+    return {**sampling, "seed": sampling["seed"] + index}
+
+
+async def _first_chunk(iterator) -> Chunk | None:
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _interleave(sources: list) -> AsyncIterator:
+    """The items of several async iterators as each comes; the first error ends it all (the others are stopped)."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(source) -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            await queue.put(e)
+            return
+        await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _collect(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk | None, list[dict]]:

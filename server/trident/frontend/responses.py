@@ -23,10 +23,13 @@ def error_headers(error: TridentError) -> dict[str, str]:
     return {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else {}
 
 
-def usage(chunk: Chunk | None) -> dict | None:
-    if chunk is None:
+def usage(lasts: list[Chunk | None]) -> dict | None:
+    """The usage of the generations (a request's choices) whose last chunks are ``lasts``: the prompt once, the
+    completions' tokens together."""
+    ended = [c for c in lasts if c is not None]
+    if not ended:
         return None
-    p, g = chunk.num_input_tokens or 0, chunk.num_output_tokens or 0
+    p, g = ended[0].num_input_tokens or 0, sum(c.num_output_tokens or 0 for c in ended)
     return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
@@ -41,7 +44,8 @@ class Completion:
     top_logprobs: int | None = None
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
-    _offset: int = 0  # characters of the completion text before the next token (the legacy API's text_offset)
+    # per choice, the characters of its text before its next token (the legacy API's text_offset)
+    _offsets: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -54,11 +58,11 @@ class Completion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def whole(self, text: str | None, last: Chunk | None, logprobs: list[dict] | None = None,
-              tool_calls: list | None = None, finish_reason: str | None = None) -> dict:
-        """The non-streaming response (``logprobs``: every token's entry, when asked for; ``tool_calls``: the calls
-        found in it, :mod:`.tools`, and then its ``finish_reason``)."""
-        choice: dict = {"index": 0, "finish_reason": finish_reason or (last.finish_reason if last else None)}
+    def choice(self, index: int, text: str | None, last: Chunk | None, logprobs: list[dict] | None = None,
+               tool_calls: list | None = None, finish_reason: str | None = None) -> dict:
+        """One choice of the non-streaming response (``logprobs``: every token's entry, when asked for;
+        ``tool_calls``: the calls found in it, :mod:`.tools`, and then its ``finish_reason``)."""
+        choice: dict = {"index": index, "finish_reason": finish_reason or (last.finish_reason if last else None)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
             if tool_calls:
@@ -66,22 +70,26 @@ class Completion:
         else:
             choice["text"] = text
         if self.top_logprobs is not None:
-            choice["logprobs"] = self._logprobs(logprobs or [])
-        return self._body("chat.completion" if self.chat else "text_completion", [choice], usage=usage(last))
+            choice["logprobs"] = self._logprobs(logprobs or [], index)
+        return choice
 
-    def sse(self, chunk: Chunk, first: bool) -> str:
-        """One streamed chunk as a server-sent event."""
+    def whole(self, choices: list[dict], lasts: list[Chunk | None]) -> dict:
+        """The non-streaming response: its ``choices``, and the usage of the generations that ended in ``lasts``."""
+        return self._body("chat.completion" if self.chat else "text_completion", choices, usage=usage(lasts))
+
+    def sse(self, chunk: Chunk, first: bool, index: int = 0) -> str:
+        """One streamed chunk of choice ``index`` as a server-sent event."""
         if self.chat:
             delta = {"content": chunk.text, **({"role": "assistant"} if first else {})}
-            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
+            choice = {"index": index, "delta": delta, "finish_reason": chunk.finish_reason}
         else:
-            choice = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason}
+            choice = {"index": index, "text": chunk.text, "finish_reason": chunk.finish_reason}
         if self.top_logprobs is not None:
-            choice["logprobs"] = self._logprobs(chunk.logprobs or [])
+            choice["logprobs"] = self._logprobs(chunk.logprobs or [], index)
         extra = {"usage": None} if self.include_usage else {}
         return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra))
 
-    def _logprobs(self, entries: list[dict]) -> dict:
+    def _logprobs(self, entries: list[dict], index: int = 0) -> dict:
         """OpenAI's ``logprobs`` of a choice from the entry models' entries (``{token id: {"logprob", "rank",
         "decoded_token"}}``, the sampled token's first): chat's ``content`` list, or the legacy API's four lists."""
         top = self.top_logprobs or 0
@@ -89,23 +97,25 @@ class Completion:
         tops = [sorted((c for c in e.values() if c["rank"] <= top), key=lambda c: c["rank"]) for e in entries]
         if self.chat:
             return {"content": [{**_token(s), "top_logprobs": [_token(c) for c in t]} for s, t in zip(sampled, tops)]}
-        offsets = []
+        offsets, offset = [], self._offsets.get(index, 0)
         for s in sampled:
-            offsets.append(self._offset)
-            self._offset += len(s["decoded_token"])
+            offsets.append(offset)
+            offset += len(s["decoded_token"])
+        self._offsets[index] = offset
         return {"tokens": [s["decoded_token"] for s in sampled], "token_logprobs": [s["logprob"] for s in sampled],
                 "top_logprobs": [{c["decoded_token"]: c["logprob"] for c in [s, *t]} for s, t in zip(sampled, tops)],
                 "text_offset": offsets}
 
-    def sse_tool_calls(self, calls: list, first: bool) -> str:
-        """The calls of a streamed answer, whole, in one delta."""
+    def sse_tool_calls(self, calls: list, first: bool, index: int = 0) -> str:
+        """The calls of a streamed choice, whole, in one delta."""
         delta = {"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)],
                  **({"role": "assistant"} if first else {})}
         extra = {"usage": None} if self.include_usage else {}
-        return _event(self._body("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}], **extra))
+        return _event(self._body("chat.completion.chunk", [{"index": index, "delta": delta, "finish_reason": None}],
+                                **extra))
 
-    def sse_usage(self, last: Chunk | None) -> str:
-        return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(last)))
+    def sse_usage(self, lasts: list[Chunk | None]) -> str:
+        return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(lasts)))
 
     @staticmethod
     def sse_error(error: TridentError) -> str:

@@ -11,6 +11,9 @@ from ..processor import UNSUPPORTED_DEFAULTS
 from ..protocol import MAX_LOGPROBS
 from .tools import MAX_TOOLS, ToolChoice
 
+MAX_CHOICES = 16
+"""The most choices (``n``) one request may ask for."""
+
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"), "echo": (None, False), "suffix": (None, ""),
@@ -93,7 +96,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice its own generation (frontend/app.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension, sent by load generators
