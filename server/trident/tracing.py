@@ -83,6 +83,29 @@ def start(process: str) -> None:
     _offset_ns = time.time_ns() - time.monotonic_ns()
     _tracer = provider.get_tracer("trident")
     gc.callbacks.append(_gc_step)
+    quiet = _OnceAMinute()
+    for name in ("opentelemetry.sdk.trace.export", "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                 "opentelemetry.exporter.otlp.proto.grpc.exporter"):
+        logging.getLogger(name).addFilter(quiet)
+
+
+class _OnceAMinute(logging.Filter):
+    """An exporter that cannot reach its collector says so in one line a minute, without a traceback, not in a
+    traceback per batch and retry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -60.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self._last < 60:
+            return False
+        self._last = now
+        cause = f" ({type(record.exc_info[1]).__name__})" if record.exc_info and record.exc_info[1] else ""
+        record.msg, record.args = f"spans not exported: {record.getMessage()}{cause}", None
+        record.exc_info = record.exc_text = None
+        return True
 
 
 def _exporter(name: str, process: str):
