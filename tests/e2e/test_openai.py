@@ -299,6 +299,28 @@ def test_metrics_count_requests(server, client, image_png):
     assert "trident_time_to_first_token_seconds_bucket" in after
 
 
+def test_every_query_of_the_grafana_dashboard_names_a_metric_the_live_server_exports(server, client, image_png):
+    """``deploy/grafana/trident.json``: each metric its queries name is exported by this server, on Triton's metrics
+    port (the schedulers' ``trident_*`` and ``vllm:*`` families, Triton's ``nv_*``) or the frontend's ``/metrics``."""
+    from pathlib import Path
+
+    import openai
+
+    client.chat.completions.create(model=f"{NAME}:e_p_d", messages=_messages(_data_url(image_png)), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context window"):  # (the error counters get a series)
+        client.chat.completions.create(model=f"{NAME}:e_p_d", messages=[{"role": "user", "content": "hi " * 20_000}],
+                                       max_tokens=2)
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "trident.json").read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    named = {n for q in queries for n in re.findall(r"\b((?:vllm:|trident_|nv_)[A-Za-z0-9_:]*)", q)}
+    exported: set[str] = set()
+    for url in (f"http://127.0.0.1:{server.metrics_port}/metrics", f"http://{server.openai_host}:{server.openai_port}/metrics"):
+        text = requests.get(url, timeout=10).text
+        exported |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert len(named) >= 15, sorted(named)
+    assert not sorted(named - exported), f"not exported: {sorted(named - exported)}"
+
+
 def test_triton_down_is_503(demo_models):
     from fastapi.testclient import TestClient
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,7 +63,8 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = Field(None, max_length=MAX_PARTS)
+    # (the bound is on the parts: a text's length is the context window's to bound, at the scheduler)
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
 
 
 class StreamOptions(BaseModel):

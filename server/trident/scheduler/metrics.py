@@ -16,6 +16,7 @@ _FAMILIES = {
     "trident_decisions_total": ("COUNTER", "scheduling decisions: skip_encode, local_prefill, local_encode, fallback:<mode>, first_text_from_prefill"),
     "trident_fallbacks_total": ("COUNTER", "requests served by another mode because a stage had no live instance"),
     "trident_routed_total": ("COUNTER", "stage calls per stage instance"),
+    "trident_stage_inflight": ("GAUGE", "stage calls in flight per stage instance"),
     "trident_embedding_cache_hits_total": ("COUNTER", "images whose embeddings came from an encode worker's cache"),
     "trident_embedding_cache_misses_total": ("COUNTER", "images an encode worker had to encode"),
     "trident_embedding_cache_evictions_total": ("COUNTER", "embedding cache entries evicted, per encode instance"),

@@ -296,12 +296,12 @@ class TritonPythonModel:
 
     async def _posted_call(self, instance: str, inputs: dict, token: str, held) -> dict | None:
         out = RECORD_TENSOR["kv"]
-        self.router.begin(instance)
+        self._begin("prefill", instance, held)
         try:
             with tracing.step("call:prefill"):
                 return await self._stages.call(instance, _arrays("prefill", inputs, None), [out], await_record=token)
         finally:
-            self.router.end(instance)
+            self._end("prefill", instance, held)
 
     async def _withdraw(self, posted: _Posted) -> None:
         """The posted prefill call gets no record: its worker ends it (its error is nobody's)."""
@@ -335,6 +335,19 @@ class TritonPythonModel:
         held.add("trident_routed_total", stage=stage, instance=instance)
         return instance
 
+    def _begin(self, stage: str, instance: str, held) -> None:
+        """A call of ``instance`` begins: counted in flight (the gauge is set with ``held``'s updates)."""
+        self.router.begin(instance)
+        held.later(self._inflight_gauge, stage, instance)
+
+    def _end(self, stage: str, instance: str, held) -> None:
+        self.router.end(instance)
+        held.later(self._inflight_gauge, stage, instance)
+
+    def _inflight_gauge(self, stage: str, instance: str) -> None:
+        """``trident_stage_inflight`` of ``instance``: its calls in flight from this entry model when it is set."""
+        self.metrics.set("trident_stage_inflight", self.router.inflight.get(instance, 0), stage=stage, instance=instance)
+
     async def _call(self, stage: str, req: EntryRequest, outputs: list[str], hand_to: HandTo | None = None,
                     keys: list[str] | None = None) -> dict:
         """One non-streaming stage call for ``req`` (routed by ``keys``, default its prefix keys); its outputs as
@@ -342,12 +355,12 @@ class TritonPythonModel:
         inputs, held = req.inputs, req.held
         instance = self._route(stage, req.keys if keys is None else keys, held)
         record = self._record_for(stage, req.records)
-        self.router.begin(instance)
+        self._begin(stage, instance, held)
         try:
             with tracing.step(f"call:{stage}"):
                 arrays = await self._stages.call(instance, _arrays(stage, inputs, record), outputs, hand_to=hand_to)
         finally:
-            self.router.end(instance)
+            self._end(stage, instance, held)
         if arrays is None:
             raise StageGone(instance)
         result = _bytes_of(arrays, outputs)
@@ -376,7 +389,7 @@ class TritonPythonModel:
             req.early = self._send_early(record, req)
         instance = self._route(stage, req.keys, req.held)
         request_id = uuid.uuid4().hex
-        self.router.begin(instance)
+        self._begin(stage, instance, req.held)
         # the stage always says why it stopped (a stream that ends without a finish_reason was cut off) and how many
         # tokens the answer took (the vllm:* metrics count them)
         unasked = {out for flag, out in _ALWAYS_ASKED.items() if not _flag(req.inputs.get(flag))}
@@ -400,7 +413,7 @@ class TritonPythonModel:
                 await self._cancel_stream(stage, instance, request_id)
                 self._cancelled(req.sender)
         finally:
-            self.router.end(instance)
+            self._end(stage, instance, req.held)
 
     def _send_early(self, record: tuple[str, bytes] | None, req: EntryRequest) -> bytes | None:
         """Send a streaming client the first response now when the prefill told its text (the ``first_text``
