@@ -27,7 +27,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench_scheduler import PROMPT, Serve, Stream, image_b64
+from bench_scheduler import Serve, Stream, demo_with_image_prompt, image_b64
 import spans
 from report import DEMO_NAMES, write_section
 
@@ -251,14 +251,7 @@ def main() -> int:
                     ".venv whose trident is an older commit's checkout) and add its rows")
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from trident.dev.demo import default_demo_model
-
-    model = str(default_demo_model(args.arch, log=None))
-    tok = AutoTokenizer.from_pretrained(model)
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
-                                   tokenize=False, add_generation_prompt=True)
+    model, text = demo_with_image_prompt(args.arch)
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
     atexit.register(shutil.rmtree, trace_dir, ignore_errors=True)  # the step timings, read before the end
     runs = {"server": serve_requests(model, text, args, trace_dir / "server")}

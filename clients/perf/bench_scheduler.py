@@ -46,6 +46,18 @@ PROMPT = "Describe the picture in detail, please."
 BLS_ROUNDS = 3  # BLS / ensemble: how many times each kind runs, alternating
 
 
+def demo_with_image_prompt(arch: str) -> tuple[str, str]:
+    """The demo model of ``arch`` (its folder) and its chat template's prompt of one image and :data:`PROMPT`."""
+    from transformers import AutoTokenizer
+
+    from trident.dev.demo import default_demo_model
+
+    model = str(default_demo_model(arch, log=None))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    return model, AutoTokenizer.from_pretrained(model).apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
+
+
 def image_b64(seed: int, size: int = 224) -> str:
     import base64
     import io

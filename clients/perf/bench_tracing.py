@@ -17,10 +17,9 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench_scheduler import PROMPT, Serve, Stream, image_b64
+from bench_scheduler import Serve, Stream, demo_with_image_prompt, image_b64
 from report import DEMO_NAMES, write_section
 from spans import tracing_config
 
@@ -61,14 +60,7 @@ def main() -> int:
     ap.add_argument("--report", type=Path, help="markdown file to put the table into (its bench-tracing section)")
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from trident.dev.demo import default_demo_model
-
-    model = str(default_demo_model(args.arch, log=None))
-    tok = AutoTokenizer.from_pretrained(model)
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
-                                   tokenize=False, add_generation_prompt=True)
+    model, text = demo_with_image_prompt(args.arch)
     folder = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     settings = {"off": {"tracing": {"exporter": "none"}}, "on": tracing_config(folder)}
     servers, streams = {}, {}

@@ -198,16 +198,18 @@ class OpenAIServer:
             held = ToolStream(tools) if tools is not None and tools.kind != "none" else None
             async for c in every(index):
                 lasts[index] = c
-                if held is not None:  # text out while no call can have begun; the calls whole at the end
-                    c = dataclasses.replace(c, text=held.feed(c.text))
+                if held is not None:  # text out while no call can have begun; the calls as each can go
+                    text, deltas = held.feed(c.text)
+                    c = dataclasses.replace(c, text=text)
                     if c.finish_reason is not None:
-                        rest, calls = held.end()
+                        rest, calls, more = held.end()
                         c = dataclasses.replace(c, text=c.text + rest,
                                                 finish_reason=tools.finish_reason(c.finish_reason, calls))
-                        if calls:
-                            yield shape.sse_tool_calls(calls, is_first, index)
-                            is_first = False
-                    elif not c.text and not is_first and not c.logprobs:
+                        deltas += more
+                    if deltas:
+                        yield shape.sse_tool_calls(deltas, is_first, index)
+                        is_first = False
+                    if c.finish_reason is None and not c.text and not c.logprobs:
                         continue
                 yield shape.sse(c, is_first, index)
                 is_first = False

@@ -106,13 +106,12 @@ class Completion:
                 "top_logprobs": [{c["decoded_token"]: c["logprob"] for c in [s, *t]} for s, t in zip(sampled, tops)],
                 "text_offset": offsets}
 
-    def sse_tool_calls(self, calls: list, first: bool, index: int = 0) -> str:
-        """The calls of a streamed choice, whole, in one delta."""
-        delta = {"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)],
-                 **({"role": "assistant"} if first else {})}
+    def sse_tool_calls(self, deltas: list[dict], first: bool, index: int = 0) -> str:
+        """Tool-call deltas (:class:`~trident.frontend.tools.ToolStream`) of streamed choice ``index``."""
+        delta = {"tool_calls": deltas, **({"role": "assistant"} if first else {})}
         extra = {"usage": None} if self.include_usage else {}
         return _event(self._body("chat.completion.chunk", [{"index": index, "delta": delta, "finish_reason": None}],
-                                **extra))
+                                 **extra))
 
     def sse_usage(self, lasts: list[Chunk | None]) -> str:
         return _event(self._body("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(lasts)))

@@ -8,7 +8,10 @@
   output (:mod:`trident.structured`); finish reason ``stop``, as OpenAI's.
 - ``required``: a JSON list of one or more ``{"name", "parameters"}``, each held to its function's schema.
 
-Streamed, text goes out as it comes until a call may begin; the calls go out whole in one delta at the end.
+Streamed (:class:`ToolStream`), as vLLM's server streams them: text goes out as it comes until a call may begin;
+a named function's arguments go out token by token (the first delta carries the call's id and name); each ``auto``
+call goes out whole as soon as its ``</tool_call>`` closes it; ``required``'s list goes out at the end, once it is
+whole.
 """
 
 from __future__ import annotations
@@ -121,38 +124,68 @@ class ToolChoice:
 
 
 class ToolStream:
-    """Streams an answer's text while no call can have begun; what may be a call is held for :meth:`end`."""
+    """Streams an answer: its text while no call can have begun, and its calls as tool-call deltas (OpenAI's
+    ``delta.tool_calls`` entries, each with its call's ``index``) as soon as each can go out."""
 
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
         self._text: list[str] = []
         self._held = ""  # text not sent yet
         self._in_call = False  # a call has begun: the rest is held
+        self._calls: list[ToolCall] = []  # the calls sent
+        self._named = _call(choice.named, "") if choice.kind == "named" else None
 
-    def feed(self, text: str) -> str:
-        """The part of the text so far that can go out now."""
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """The text that can go out now, and the tool-call deltas."""
         self._text.append(text)
-        if self.choice.forced:
-            return ""
+        if self._named is not None:
+            if not text:
+                return "", []
+            if not self._calls:
+                self._calls.append(self._named)
+                return "", [{"index": 0, "id": self._named.id, "type": "function",
+                             "function": {"name": self._named.name, "arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        if self.choice.kind == "required":
+            return "", []
         if self.choice.kind == "none":
-            return text
+            return text, []
         if self._in_call:
             self._held += text
-            return ""
+            return "", self._closed()
         held = self._held + text
         at = held.find(OPEN)
         if at != -1:
             self._in_call, self._held = True, held[at:]
-            return held[:at]
+            return held[:at], self._closed()
         keep = next((k for k in range(min(len(OPEN) - 1, len(held)), 0, -1) if OPEN.startswith(held[-k:])), 0)
         self._held = held[len(held) - keep:]
-        return held[:len(held) - keep]
+        return held[:len(held) - keep], []
 
-    def end(self) -> tuple[str, list[ToolCall]]:
-        """The text still to send and the calls, once the answer is whole."""
-        content, calls = self.choice.calls("".join(self._text))
-        if self.choice.forced:
-            return ("" if calls else content or ""), calls
-        if calls:
-            return _CALL.sub("", self._held).strip(), calls
-        return self._held, []
+    def _closed(self) -> list[dict]:
+        """The ``auto`` calls whose blocks have closed since the last ones sent (a block that is no call stays text)."""
+        deltas = []
+        while (match := _CALL.search(self._held)) is not None:
+            try:
+                found = json.loads(match.group(1))
+                call = _call(found["name"], found.get("arguments", {}))
+            except (ValueError, TypeError, KeyError):
+                break
+            self._held = self._held[:match.start()] + self._held[match.end():]
+            deltas.append(call.as_openai(len(self._calls)))
+            self._calls.append(call)
+        return deltas
+
+    def end(self) -> tuple[str, list[ToolCall], list[dict]]:
+        """Once the answer is whole: the text still to send, every call (sent or not), and the deltas still to send."""
+        if self.choice.kind == "required":
+            content, calls = self.choice.calls("".join(self._text))
+            return ("" if calls else content or ""), calls, [c.as_openai(i) for i, c in enumerate(calls)]
+        if self._named is not None:
+            if not self._calls:  # (an empty answer: cut off at once)
+                self._calls.append(self._named)
+                return "", self._calls, [self._named.as_openai(0)]
+            return "", self._calls, []
+        if self._calls:
+            return self._held.strip(), self._calls, []
+        return self._held, [], []
