@@ -241,7 +241,7 @@ BAD = {
     "private url": (_messages("http://127.0.0.1/cat.png"), {}, 400, "non-public address"),
     "a port not allowed": (_messages("http://images.example:9/cat.png"), {}, 400, "names port 9; media URLs may"),
     "outside media dir": (_messages("/etc/hostname"), {}, 400, "outside the allowed media folder"),
-    "n=2": (_messages("data:,"), {"n": 2}, 400, "n=2 is not supported"),
+    "n=17": (_messages("data:,"), {"n": 17}, 400, "n: Input should be less than or equal to 16"),
     "unknown model": (_messages("data:,"), {"model": "gpt-17"}, 404, "does not exist"),
     "top_logprobs alone": (_messages("data:,"), {"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
     "21 top_logprobs": (_messages("data:,"), {"logprobs": True, "top_logprobs": 21}, 400,
