@@ -83,6 +83,17 @@ def test_round_robin_alternates():
     assert [r.choose("encode", ["encode", "encode-2"])[0] for _ in range(4)] == ["encode", "encode-2"] * 2
 
 
+def test_each_stage_takes_its_own_turns():
+    """Requests that call two stages of two instances each: each stage alternates on its own (one shared turn
+    sent every prefill to one instance and every decode to the other). The same for least-loaded's ties."""
+    for policy in ("round_robin", "least_loaded"):
+        r = Router(policy)
+        calls = [(r.choose("prefill", ["prefill", "prefill-2"])[0], r.choose("decode", ["decode", "decode-2"])[0])
+                 for _ in range(4)]
+        assert sorted({p for p, _ in calls}) == ["prefill", "prefill-2"], (policy, calls)
+        assert sorted({d for _, d in calls}) == ["decode", "decode-2"], (policy, calls)
+
+
 def test_affinity_returns_to_where_a_key_went_unless_overloaded():
     r = Router("affinity", slack=2)
     live = ["prefill", "prefill-2"]

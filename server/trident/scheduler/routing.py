@@ -74,7 +74,7 @@ class Router:
         self.slack = slack
         self.inflight: Counter[str] = Counter()
         self.routed: Counter[str] = Counter()
-        self._turn = itertools.count()
+        self._turns: dict[str, itertools.count] = {}  # per stage: a stage's turns do not depend on another's
         self._affinity: dict[str, AffinityIndex] = {}  # per stage
 
     def choose(self, stage: str, instances: list[str], keys: list[str] = ()) -> tuple[str, str]:
@@ -84,9 +84,9 @@ class Router:
         if len(instances) == 1:
             chosen, why = instances[0], "only"
         elif self.policy == "round_robin":
-            chosen, why = instances[next(self._turn) % len(instances)], "round_robin"
+            chosen, why = instances[self._next_turn(stage) % len(instances)], "round_robin"
         else:
-            chosen, why = self._least_loaded(instances), "least_loaded"
+            chosen, why = self._least_loaded(stage, instances), "least_loaded"
             if self.policy == "affinity" and keys:
                 index = self._affinity.setdefault(stage, AffinityIndex())
                 where = index.lookup(keys, set(instances))
@@ -98,11 +98,14 @@ class Router:
             self._affinity.setdefault(stage, AffinityIndex()).remember(keys, chosen)
         return chosen, why
 
-    def _least_loaded(self, instances: list[str]) -> str:
+    def _next_turn(self, stage: str) -> int:
+        return next(self._turns.setdefault(stage, itertools.count()))
+
+    def _least_loaded(self, stage: str, instances: list[str]) -> str:
         """Fewest in flight; ties go round-robin so that an idle pool still spreads its requests."""
         low = min(self.inflight[i] for i in instances)
         tied = [i for i in instances if self.inflight[i] == low]
-        return tied[next(self._turn) % len(tied)]
+        return tied[self._next_turn(stage) % len(tied)]
 
     def begin(self, instance: str) -> None:
         self.inflight[instance] += 1
