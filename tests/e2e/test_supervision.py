@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from support import MODES, Server, grpc_generate
+from support import MODES, Server, bridged_llava_server, grpc_generate
 from support.soak import soak, table
 
 pytestmark = pytest.mark.slow
@@ -22,16 +22,9 @@ GREEDY = {"max_tokens": 12, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(demo_models, tmp_path_factory):
-    # every mode for the soak; short leases and reads, so that what a killed worker held is freed within the soak
-    srv = Server(demo_models["llava"], tmp_path_factory.mktemp("supervision") / "ws", modes=MODES, faults=True,
-                 config={"scheduling": {"local_prefill_tokens": 0}, "transfer": {"lease_s": 10, "read_timeout_s": 5}})
-    srv.exit_code = 0  # what its stop must give (a test that kills Triton changes it)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        assert srv.stop() == srv.exit_code, "\n".join(srv.log[-20:])
+def server(demo_models, tmp_path_factory, shared_servers):
+    # every mode for the soak; its workers load the fault wrapper (shared with tests/multihost: support.server)
+    return bridged_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
 
 
 def _wait_back(server, name: str, pid: int, timeout: float = 180) -> float:

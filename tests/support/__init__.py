@@ -16,11 +16,11 @@ from .reference import build_media_reference, build_reference
 
 MEDIA_CASES = media_cases()
 from .server import (
-    OneServerAtATime, Server, descendants, serving, settled_vllm_metrics, shared_llava_server, shared_media_server,
+    OneServerAtATime, Server, bridged_llava_server, descendants, serving, settled_vllm_metrics, shared_llava_server, shared_media_server,
     vllm_metrics, vllm_python, vllm_server, wait_drained,
 )
 
-MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
+from .server import MODES
 
 BAD_REQUESTS = {  # problem -> (what changes in a good one-image request, what the 400 must say)
     "undecodable image": ({"images": [b64(b"this is not an image at all")]}, "could not be decoded as an image"),

@@ -49,11 +49,19 @@ class Host:
     address: str
     procs: list[subprocess.Popen] = field(default_factory=list)
 
-    def popen(self, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
+    def popen(self, argv: list[str], env: dict | None = None, copies: tuple[str, ...] = (), **kwargs) -> subprocess.Popen:
         """Run ``argv`` on this host: in its network namespace, in new PID and mount namespaces (``/proc`` of its
-        own, a private ``/tmp`` and ``/dev/shm``). The process is this test's to stop (:meth:`Hosts.close`)."""
-        inner = ("mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "
-                 + shlex.join(argv))
+        own, a private ``/tmp`` and ``/dev/shm``). ``copies``: folders the host has at the same path, read-only, as
+        a host has its own copy of a checkpoint (bound in before ``/tmp`` is covered). The process is this test's to
+        stop (:meth:`Hosts.close`)."""
+        steps = ["mount -t tmpfs tmpfs /mnt"]
+        for i, path in enumerate(copies):
+            steps += [f"mkdir /mnt/{i}", f"mount --bind {shlex.quote(path)} /mnt/{i}"]
+        steps += ["mount -t tmpfs -o mode=1777 tmpfs /tmp", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm"]
+        for i, path in enumerate(copies):
+            steps += [f"mkdir -p {shlex.quote(path)}", f"mount --bind /mnt/{i} {shlex.quote(path)}",
+                      f"mount -o remount,bind,ro {shlex.quote(path)}"]
+        inner = " && ".join(steps) + " && exec " + shlex.join(argv)
         cmd = ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--kill-child", "--mount",
                "--mount-proc", "--propagation", "private", "sh", "-c", inner]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, **kwargs)

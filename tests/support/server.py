@@ -8,6 +8,8 @@ import time
 
 from .served import Server, descendants, held
 
+MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
+
 __all__ = ["OneServerAtATime", "Server", "descendants", "serving", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics",
            "vllm_server", "wait_drained"]
 
@@ -170,6 +172,52 @@ def shared_media_server(pool: OneServerAtATime, model: str, arch: str, tmp_path_
         return srv
 
     return pool.get((arch, "media"), start, check_stopped)
+
+
+HOSTS = ("prefill", "decode")  # the hosts the bridged server's bridge has, each for a worker of that stage
+
+
+def bridged_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -> Server:
+    """The hf LLaVA server in every mode, its workers loading the fault wrapper, that tests/multihost's
+    test_stage_hosts.py and test_supervision.py share (from ``pool``; conftest runs them one after the other).
+    Where hosts can be made (:mod:`support.hosts`) it listens, and moves data, on the bridge of ``srv.hosts``
+    (one host per stage of :data:`HOSTS`, for workers that join it from there); elsewhere ``srv.hosts`` is None
+    and it is on loopback. Short leases and reads (a killed worker's are freed within the soak); every prompt is
+    prefilled by a prefill stage, whose instances, as the decode stage's, take turns. ``srv.exit_code``: what its
+    stop must give (a test that kills Triton changes it)."""
+    import os
+
+    from .hosts import Hosts, unavailable
+
+    def start() -> Server:
+        hosts = Hosts(list(HOSTS)) if unavailable() is None else None
+        config = {"scheduling": {"local_prefill_tokens": 0, "routing": "round_robin"},
+                  "transfer": {"lease_s": 10, "read_timeout_s": 5}}
+        if hosts is not None:
+            config["host"] = "0.0.0.0"
+            config["transfer"]["data_address"] = hosts.head_address
+            # the head's end of the hosts' links is the bridge, which UCX leaves out of its TCP devices unless told
+            os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
+        try:
+            srv = Server(model, tmp_path_factory.mktemp("bridged") / "ws", modes=MODES, faults=True, config=config)
+            srv.hosts, srv.exit_code = hosts, 0
+            srv.wait_ready()
+        except BaseException:
+            if hosts is not None:
+                hosts.close()
+            raise
+        finally:
+            os.environ.pop("UCX_TCP_BRIDGE_ENABLE", None)
+        return srv
+
+    def stop(srv: Server) -> None:
+        try:
+            assert srv.stop() == srv.exit_code, "\n".join(srv.log[-20:])
+        finally:
+            if srv.hosts is not None:
+                srv.hosts.close()
+
+    return pool.get(("llava", "bridged"), start, stop)
 
 
 def check_stopped(srv: Server) -> None:

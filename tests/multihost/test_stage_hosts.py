@@ -1,0 +1,84 @@
+"""Stage workers on hosts of their own: each "host" is a network namespace on the test's bridge, each of its
+processes in PID and mount namespaces of its own with a private /tmp and /dev/shm (:mod:`support.hosts`), so
+nothing reaches it but TCP. The head is the LLaVA server test_supervision.py goes on with
+(:func:`support.bridged_llava_server`: Triton, the BLS and a worker of each stage of its own, its ports and data
+plane on the bridge); a prefill worker and a decode worker join it from their own hosts by URL
+(``trident worker --join``), the checkpoint a copy of their own, the secrets from the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from support import bridged_llava_server, build_reference, grpc_generate
+from support.hosts import unavailable
+
+WHY = unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
+
+GREEDY = {"max_tokens": 6, "temperature": 0}
+CASES = {f"image-{i}": [(224, 224, 700 + i)] for i in range(4)}
+JOINED = {"prefill": "prefill-2", "decode": "decode-2"}  # the stage model each host's worker binds as
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_models, tmp_path_factory, shared_servers):
+    import tritonclient.http as httpclient
+
+    server = bridged_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
+    head = server.hosts.head_address
+    # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told;
+    # UCX_TCP_BRIDGE_ENABLE: the head's end of the links is the test's bridge, which UCX leaves out unless told
+    env = dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp",
+               UCX_TCP_BRIDGE_ENABLE="y")
+    workers = {}
+    try:
+        for stage in JOINED:
+            host = server.hosts[stage]
+            settings = {"stage": stage, "free_name": True, "model": server.model_path,
+                        "url": f"http://{head}:{server.http_port}", "transfer": {"data_address": host.address}}
+            workers[stage] = host.popen([sys.executable, "-m", "trident.cli", "worker", "--settings",
+                                         json.dumps(settings)], env=env, copies=(server.model_path,))
+        admin = httpclient.InferenceServerClient(server.http)
+        deadline = time.monotonic() + 180
+        while not all(admin.is_model_ready(name) for name in JOINED.values()):
+            for stage, proc in workers.items():
+                assert proc.poll() is None, f"the {stage} worker on its host exited ({proc.returncode})"
+            assert time.monotonic() < deadline, "the workers on other hosts did not bind"
+            time.sleep(0.5)
+        admin.close()
+        time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
+        yield server
+    finally:  # the joined workers leave: each unbinds itself and exits 0; the head serves on (test_supervision.py)
+        for proc in workers.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+        assert [proc.wait(60) for proc in workers.values()] == [0] * len(workers)
+
+
+@pytest.fixture(scope="module")
+def ref(cluster):
+    return build_reference(cluster.model_path, CASES, GREEDY["max_tokens"])
+
+
+def _routed(server, instance: str) -> float:
+    return sum(v for (n, labels), v in server.metrics().items()
+               if n == "trident_routed_total" and ("instance", instance) in labels)
+
+
+def test_stages_on_other_hosts_give_the_reference_tokens(cluster, ref):
+    """E/P/D with a prefill and a decode instance on hosts of their own beside the head's: turn by turn each request
+    goes to the head's or the other host's instance of each stage (embeddings from the head to the prefill host, KV
+    from a prefill to the other host's decode, over UCX's TCP: the hosts share no memory), and every answer is
+    model.generate()'s."""
+    before = {name: _routed(cluster, name) for name in ("prefill", "decode", *JOINED.values())}
+    for case in ref.values():
+        assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
+            == case["expected"]
+    time.sleep(0.5)  # (the scheduler's metric updates)
+    served = {name: _routed(cluster, name) - before[name] for name in before}
+    assert served == {name: 2 for name in before}, served
