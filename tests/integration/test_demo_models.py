@@ -123,25 +123,32 @@ def test_different_seed_changes_weights_only(built, tmp_path):
     assert {k for k in a if a[k] != c[k]} == {"model.safetensors"}
 
 
-def test_offline_load_in_fresh_process(built):
-    """Tokenizer, processor and model load with HF_HUB_OFFLINE=1 and without torchvision."""
+@pytest.fixture(scope="module")
+def fresh_loads(demo_models) -> dict[str, list]:
+    """What one fresh process, offline, loads from each vision demo's folder (one process for all: each costs the
+    imports of torch and transformers)."""
     code = (
         "import json, sys, importlib.util\n"
         "from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer\n"
-        "d = sys.argv[1]\n"
-        "p = AutoProcessor.from_pretrained(d)\n"
-        "t = AutoTokenizer.from_pretrained(d)\n"
-        "m = AutoModelForImageTextToText.from_pretrained(d)\n"
-        "print(json.dumps([type(m).__name__, type(p).__name__, type(p.image_processor).__name__,"
+        "for d in sys.argv[1:]:\n"
+        "    p = AutoProcessor.from_pretrained(d)\n"
+        "    t = AutoTokenizer.from_pretrained(d)\n"
+        "    m = AutoModelForImageTextToText.from_pretrained(d)\n"
+        "    print(json.dumps([type(m).__name__, type(p).__name__, type(p.image_processor).__name__,"
         " importlib.util.find_spec('torchvision') is not None, len(t)]))\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(SERVER_DIR), env.get("PYTHONPATH", "")])
-    res = subprocess.run(
-        [sys.executable, "-c", code, str(built.dir_a)], env=env, capture_output=True, text=True, timeout=300
-    )
+    res = subprocess.run([sys.executable, "-c", code, *(demo_models[a] for a in VISION_ARCHS)], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    model_cls, proc_cls, improc_cls, has_tv, vocab = json.loads(res.stdout.strip().splitlines()[-1])
+    return dict(zip(VISION_ARCHS, (json.loads(line) for line in res.stdout.strip().splitlines()[-len(VISION_ARCHS):])))
+
+
+def test_offline_load_in_fresh_process(built, fresh_loads):
+    """Tokenizer, processor and model load with HF_HUB_OFFLINE=1 and without torchvision (the demo models the
+    suite serves: built as this module builds them)."""
+    model_cls, proc_cls, improc_cls, has_tv, vocab = fresh_loads[built.arch]
     exp_model, exp_proc, exp_improc = EXPECTED_CLASSES[built.arch]
     assert (model_cls, proc_cls) == (exp_model, exp_proc)
     if not has_tv:
