@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no 
 GREEDY = {"max_tokens": 6, "temperature": 0}
 CASES = {f"image-{i}": [(224, 224, 700 + i)] for i in range(4)}
 JOINED = {"prefill": "prefill-2", "decode": "decode-2"}  # the stage model each host's worker binds as
+CHECKOUT = str(Path(__file__).resolve().parents[2])  # Trident and its environments, a host's own copy (a clone in
+# /tmp would be hidden by the host's private /tmp)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
             settings = {"stage": stage, "free_name": True, "model": server.model_path,
                         "url": f"http://{head}:{server.http_port}", "transfer": {"data_address": host.address}}
             workers[stage] = host.popen([sys.executable, "-m", "trident.cli", "worker", "--settings",
-                                         json.dumps(settings)], env=env, copies=(server.model_path,))
+                                         json.dumps(settings)], env=env, copies=(server.model_path, CHECKOUT))
         admin = httpclient.InferenceServerClient(server.http)
         deadline = time.monotonic() + 180
         while not all(admin.is_model_ready(name) for name in JOINED.values()):
