@@ -59,7 +59,8 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
         yield server
     finally:  # the joined workers leave: each unbinds itself and exits 0; the head serves on (test_supervision.py)
         for proc in workers.values():
-            os.killpg(proc.pid, signal.SIGTERM)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
         assert [proc.wait(60) for proc in workers.values()] == [0] * len(workers)
 
 
