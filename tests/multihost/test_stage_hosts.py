@@ -56,12 +56,14 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
             time.sleep(0.5)
         admin.close()
         time.sleep(1.0)  # the scheduler looks for instances every 0.5 s
+        server.joined_workers = workers
         yield server
     finally:  # the joined workers leave: each unbinds itself and exits 0; the head serves on (test_supervision.py)
-        for proc in workers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        assert [proc.wait(60) for proc in workers.values()] == [0] * len(workers)
+        server.__dict__.pop("joined_workers", None)
+        running = [proc for proc in workers.values() if proc.poll() is None]
+        for proc in running:
+            os.killpg(proc.pid, signal.SIGTERM)
+        assert [proc.wait(60) for proc in running] == [0] * len(running)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +118,32 @@ def test_a_host_cut_off_fails_its_calls_within_seconds_and_serves_again_when_its
             assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True,
                                  timeout=30).text == case["expected"]
         time.sleep(0.3)
+
+
+def test_a_joined_worker_killed_has_its_stage_model_unloaded_and_its_stage_is_served_on(cluster, ref):
+    """The decode host's worker is killed (SIGKILL: it unbinds nothing). Its host refuses connections from then on,
+    and within 5 s the server has unloaded its stage model: Triton no longer shows decode-2 READY (a request to it
+    would fail), the server is READY again once the unload is over (not during it: Triton's strict readiness), and
+    every request is served right by the head's decode."""
+    import tritonclient.http as httpclient
+
+    proc = cluster.joined_workers["decode"]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    admin = httpclient.InferenceServerClient(cluster.http)
+    try:
+        t0 = time.monotonic()
+        while admin.is_model_ready("decode-2"):
+            assert time.monotonic() - t0 < 5, "decode-2 is still READY 5 s after its worker was killed"
+            time.sleep(0.2)
+        while not admin.is_server_ready():
+            assert time.monotonic() - t0 < 5, "the server is not READY 5 s after the worker was killed"
+            time.sleep(0.2)
+        before = _routed(cluster, "decode")
+        for case in ref.values():
+            assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True,
+                                 timeout=30).text == case["expected"]
+        time.sleep(0.5)  # (the scheduler's metric updates)
+        assert _routed(cluster, "decode") - before == len(ref)
+    finally:
+        admin.close()

@@ -207,9 +207,8 @@ def _label(pid: int) -> str | None:
         return None
     args = [a.decode(errors="replace") for a in argv if a]
     joined = " ".join(args)
-    if "worker" in args and "--settings" in args:  # a stage worker trident serve started
-        settings = json.loads(args[args.index("--settings") + 1])
-        return f"worker {settings.get('name') or settings['stage']}"
+    if joined.startswith("trident worker "):  # a stage worker trident serve forked (its process title)
+        return f"worker {joined.split()[2]}"
     if "frontend" in args:
         return "frontend"
     if "triton_python_backend_stub" in joined:

