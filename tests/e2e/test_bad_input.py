@@ -212,6 +212,18 @@ def openai_slow_body(server) -> Got:
     return got
 
 
+def openai_slow_headers(server) -> Got:
+    """Headers that trickle in, a byte every half second: answered 408 at the deadline (2 s here), not held open."""
+    s = socket.create_connection((server.openai_host, server.openai_port), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8 and not select.select([s], [], [], 0.5)[0]:
+        s.sendall(b"a")
+    got = _answer(s)
+    assert 1.5 < time.monotonic() - t0 < 5, "the slow headers were not held to their deadline"
+    return got
+
+
 def openai_chunked_too_big(server) -> Got:
     """A chunked body with no declared size that goes on past the limit."""
     s = socket.create_connection((server.openai_host, server.openai_port), timeout=10)
@@ -445,6 +457,8 @@ CORPUS = [
         "larger than 8388608 bytes"),
     Bad("openai: body slower than frontend.body_timeout_s", lambda s, r: openai_slow_body(s), 408,
         "did not arrive within 2 s"),
+    Bad("openai: headers slower than frontend.header_timeout_s", lambda s, r: openai_slow_headers(s), 408,
+        "request headers did not arrive within 2 s"),
 ]
 
 

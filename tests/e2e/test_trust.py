@@ -212,6 +212,31 @@ def test_the_server_s_files_are_its_user_s_alone(server):
     assert not open_to_others, open_to_others[:10]
 
 
+def test_no_secret_in_an_argv_and_none_in_the_frontend(server):
+    """Neither the deployment secret nor the repository-API token is in the command line of any process the server
+    started (readable by every local user from /proc), Triton's aside (Triton 2.51 takes its token only there:
+    docs/security.md); the OpenAI frontend, which needs neither, is not given them."""
+    import os
+
+    from support import descendants
+
+    secrets = {os.environ["TRIDENT_TRANSFER_SECRET"].encode(), server.token.encode()}
+    argvs = {}
+    for pid in {server.proc.pid, *descendants(server.proc.pid)}:
+        try:
+            argvs[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+    shown = [argv[:60] for argv in argvs.values() if b"tritonserver" not in argv.split(b"\0")[0]
+             and any(secret in argv for secret in secrets)]
+    assert len(argvs) >= 10 and not shown, shown
+    started = [line for line in server.log if line.startswith("[trident] started the OpenAI frontend (pid ")]
+    frontend = int(started[-1].split("(pid ")[1].split(")")[0])
+    environ = Path(f"/proc/{frontend}/environ").read_bytes()
+    assert b"HF_HUB_OFFLINE=1" in environ  # (what it is given)
+    assert not [secret for secret in secrets if secret in environ]
+
+
 class _Gdb:
     """gdb attached to a process in batch mode (``script``); its output is collected by a thread."""
 

@@ -124,7 +124,7 @@ def shared_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) ->
                      extra=["--served-model-name", SHARED_LLAVA_NAME, "--host", "127.0.0.1"],
                      config={"openai_host": "127.0.0.2", "drain_s": 20,  # (test_trust.py drains a stream)
                              "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB"},
-                             "frontend": {"max_body_bytes": "8 MiB", "body_timeout_s": 2,
+                             "frontend": {"max_body_bytes": "8 MiB", "body_timeout_s": 2, "header_timeout_s": 2,
                                           "media": {"allowed_media_dir": str(media_dir)}},
                              "scheduling": {"local_prefill_tokens": 0}})
         image = b64(png_bytes(make_image(64, 48, 7)))

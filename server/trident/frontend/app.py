@@ -377,11 +377,12 @@ def run_frontend(settings: FrontendSettings) -> int:
     import uvicorn
 
     from .engine import TritonEngine
+    from .header_deadline import header_deadline_protocol
 
     tracing.start("frontend")
     app = create_app(settings, TritonEngine(settings.grpc_url))
     # an idle keep-alive connection stays open longer than clients keep theirs (aiohttp 15 s, load balancers
     # 60 s): with uvicorn's 5 s a client could send a request on a connection the server was just closing
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
-                limit_concurrency=settings.max_connections)
+                limit_concurrency=settings.max_connections, http=header_deadline_protocol(settings.header_timeout_s))
     return 0

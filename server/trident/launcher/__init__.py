@@ -288,7 +288,9 @@ class Launcher:
                     "port": self.s.openai_port}
         )
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
-        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        # it calls the entry models, as any client: no secret of the deployment's
+        env = {k: v for k, v in os.environ.items() if k not in (signing.ENV, "TRIDENT_ACCESS_TOKEN")}
+        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"),
                                                             start_new_session=True)
         self._started_at["frontend"] = time.monotonic()
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
