@@ -102,6 +102,10 @@ class MediaLimits(_Settings):
         "decompression bomb is refused before it is decoded)"
     )
     max_bytes: ByteSize = Field(32 * MiB, gt=0, description="encoded bytes per image")
+    max_request_pixels: int = Field(
+        160_000_000, ge=1, description="pixels one request's media decode to, images and sampled video frames together "
+        "(each item's counted from its header before it is decoded; 3 bytes each as RGB)"
+    )
     max_videos: int = Field(4, ge=1, description="video clips per request")
     video_max_bytes: ByteSize = Field(64 * MiB, gt=0, description="encoded bytes per video clip")
     video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of video")

@@ -171,10 +171,14 @@ class Processor:
         return LIMITS.audio_sample_rate or getattr(self.feature_extractor, "sampling_rate", None) or 16000
 
     # -- media (encode stage) ---------------------------------------------------------------------
-    def open(self, item):
-        """A :class:`~trident.media.MediaItem` decoded (the family must take its kind)."""
-        self.check_kinds({item.kind: 1})
-        return item.open(self.audio_rate)
+    def open(self, items: list) -> list:
+        """A request's :class:`~trident.media.MediaItem` s decoded, in order (the family must take their kinds),
+        within the request's pixel budget (``media_limits.max_request_pixels``)."""
+        from .media import PixelBudget, counts
+
+        self.check_kinds(counts(items))
+        budget = PixelBudget()
+        return [item.open(self.audio_rate, budget) for item in items]
 
     def media_inputs(self, kind: str, items: list) -> dict:
         """Model inputs of decoded items of one kind (``pixel_values``, ``pixel_values_videos``,

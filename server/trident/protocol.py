@@ -117,7 +117,8 @@ class Call(msgspec.Struct, array_like=True, tag="call"):
 
 class Reply(msgspec.Struct, array_like=True, frozen=True, tag="reply"):
     """A call's answer (one-answer stages: its outputs, ``end``), or one event of a stream; a stream's last
-    message has ``end`` (and may carry no outputs). A control message's answer is an empty one."""
+    message has ``end`` (and may carry no outputs). A control message's answer is an empty one (:class:`Stats`'s
+    carries the counters)."""
 
     id: int
     outputs: dict[str, Any] = {}
@@ -161,9 +162,16 @@ class Withdraw(msgspec.Struct, array_like=True, frozen=True, tag="withdraw"):
     token: str
 
 
-Control = Union[Cancel, Deliver, Withdraw]
+class Stats(msgspec.Struct, array_like=True, tag="stats"):
+    """Ask the worker for its counters (the stage model's stub, for its metrics): answered with a :class:`Reply`
+    whose ``outputs`` are ``{"stats": {name: number}}``."""
+
+    id: int = 0
+
+
+Control = Union[Cancel, Deliver, Withdraw, Stats]
 """What a caller tells a stage worker besides calls: each a message of its own, never a parameter of a call."""
-StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw]
+StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw, Stats]
 """Everything that crosses a stage socket, either way. Arrays travel as msgpack extensions (:func:`encode_message`)."""
 
 FRAME = struct.Struct("!I")

@@ -253,6 +253,16 @@ def _bomb() -> str:
 
 
 @functools.cache
+def _flat(w: int, h: int, grey: int = 0) -> str:
+    """A PNG of one colour: small on the wire, ``w * h`` pixels once decoded."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (grey,) * 3).save(buf, format="PNG", optimize=True)
+    return b64(buf.getvalue())
+
+
+@functools.cache
 def _big_png() -> str:
     """More than media_limits.max_bytes (2 MiB) once base64-decoded (noise does not compress)."""
     from PIL import Image
@@ -355,6 +365,11 @@ CORPUS = [
     Bad("grpc: empty image", lambda s, r: entry_grpc(s, r, images=[""]), 400, "image 0 is empty"),
     Bad("grpc: 20000x20000 bomb", lambda s, r: entry_grpc(s, r, images=[_bomb()]), 400,
         "20000x20000 pixels, more than 4000000 (media_limits.max_pixels)"),
+    Bad("grpc: images over media_limits.max_request_pixels",  # (6,000,000 here: the second 2000x2000 goes past it)
+        lambda s, r: entry_grpc(s, r, text=IMAGE_PROMPT.replace("<image>", "<image>" * 2),
+                                images=[_flat(2000, 2000, 0), _flat(2000, 2000, 1)]), 400,
+        "image 1 (2000x2000) would bring the request's decoded media to 8000000 pixels, more than 6000000 "
+        "(media_limits.max_request_pixels)"),
     Bad("grpc: image over media_limits.max_bytes", lambda s, r: entry_grpc(s, r, images=[_big_png()]), 400,
         "larger than 2097152 bytes (media_limits.max_bytes)"),
     Bad("grpc: too many images", lambda s, r: entry_grpc(s, r, text=IMAGE_PROMPT.replace("<image>", "<image>" * 5),

@@ -299,6 +299,9 @@ def test_metrics_count_requests(server, client, image_png):
     assert "trident_time_to_first_token_seconds_bucket" in after
 
 
+VLLM_ONLY = {"vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"}
+
+
 def test_every_query_of_the_grafana_dashboard_names_a_metric_the_live_server_exports(server, client, image_png):
     """``deploy/grafana/trident.json``: each metric its queries name is exported by this server, on Triton's metrics
     port (the schedulers' ``trident_*`` and ``vllm:*`` families, Triton's ``nv_*``) or the frontend's ``/metrics``."""
@@ -318,7 +321,9 @@ def test_every_query_of_the_grafana_dashboard_names_a_metric_the_live_server_exp
         text = requests.get(url, timeout=10).text
         exported |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     assert len(named) >= 15, sorted(named)
-    assert not sorted(named - exported), f"not exported: {sorted(named - exported)}"
+    # (what an hf engine does not count, checked on a vLLM server: tests/e2e/test_vllm_serving.py)
+    assert not sorted(named - exported - VLLM_ONLY), f"not exported: {sorted(named - exported - VLLM_ONLY)}"
+    assert VLLM_ONLY <= named
 
 
 def test_triton_down_is_503(demo_models):

@@ -220,6 +220,36 @@ def test_sixteen_concurrent_streams_and_kv_drains(server, reference):
     wait_drained(server, _kv_stages(server), timeout=30)
 
 
+def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
+    """Each stage instance's engine on Triton's metrics port, in vLLM's names and labelled with its stage model, asked
+    of its worker over the stage link: the prefill's and decode's schedulers (running, waiting, KV-cache usage) and
+    prefix caches (the prompts above were looked up), the encode worker's embedding cache as vLLM's multimodal
+    cache, and the records' NIXL READs (the embeddings the prefill read)."""
+    import time
+
+    c = reference["one-image"]  # through each stage: encode, prefill (it READs the embeddings), decode
+    emb = stage_output(server.grpc, "encode", {"image": strings(c["images"][0])})
+    kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"]), "embedding_meta": strings(emb)})
+    drain_kv(server.grpc, kv, c["text"])
+    wait_drained(server, _kv_stages(server), timeout=30)
+
+    def value(name: str, model: str):
+        return server.metrics("vllm:" if name.startswith("vllm:") else "trident").get(
+            (name, (("model", model), ("version", "1"))))
+
+    want = {("vllm:prefix_cache_queries_total", "prefill"), ("vllm:prefix_cache_queries_total", "decode"),
+            ("vllm:mm_cache_queries_total", "encode"), ("trident_transfer_read_bytes_total", "prefill")}
+    deadline = time.monotonic() + 5  # (each stub asks its worker every second)
+    while not all(value(name, model) for name, model in want):
+        assert time.monotonic() < deadline, {(name, model): value(name, model) for name, model in want}
+        time.sleep(0.5)
+    for model in ("prefill", "decode"):
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:prefix_cache_hits_total"):
+            assert value(name, model) is not None, (name, model)
+    assert value("trident_transfer_read_seconds_total", "prefill") > 0
+
+
 def test_an_idle_server_leaves_the_cores_free(server, reference):
     """With nothing to serve, the workers and their vLLM processes use almost no CPU. (NIXL's progress thread,
     which vLLM's NixlConnector starts by default, polls without pausing: a whole core in each KV worker.)"""

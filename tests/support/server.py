@@ -123,7 +123,8 @@ def shared_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) ->
         srv = Server(model, tmp_path_factory.mktemp("llava") / "ws",
                      extra=["--served-model-name", SHARED_LLAVA_NAME, "--host", "127.0.0.1"],
                      config={"openai_host": "127.0.0.2", "drain_s": 20,  # (test_trust.py drains a stream)
-                             "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB"},
+                             "media_limits": {"max_images": 4, "max_pixels": 4000000, "max_bytes": "2 MiB",
+                                              "max_request_pixels": 6000000},
                              "frontend": {"max_body_bytes": "8 MiB", "body_timeout_s": 2, "header_timeout_s": 2,
                                           "media": {"allowed_media_dir": str(media_dir)}},
                              "scheduling": {"local_prefill_tokens": 0}})

@@ -6,6 +6,7 @@ calls at once that keeps the engine's ``calls_at_once``."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -371,3 +372,71 @@ def test_control_messages_reach_the_stage_hooks(worker):
     sock.close()
     assert isinstance(answer, Failure) and answer.id == 7 and answer.error == "InvalidRequest", answer
     assert "does not send Reply" in answer.message
+
+
+def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_the_stage_s_metrics(worker, tmp_path):
+    """The stage model's stub asks its worker for its counters over the stage link (a Stats message, as it would over
+    TCP from another host) and sets vLLM's stage gauges and counters from them: a counter follows the worker's total,
+    and a worker that restarts from 0 adds its new count."""
+    import json
+
+    from trident.protocol import STAGES, Reply, Stats
+    from trident.stagecall import StageLink
+    from trident.workers.infer import StageHandler
+    from trident.workers.stage_metrics import StageMetrics
+
+    counters = {"vllm_running": 3, "vllm_waiting": 1, "kv_cache_usage": 0.25, "prefix_cache_queries": 40,
+                "prefix_cache_hits": 16, "fetched_bytes": 4096, "fetch_seconds": 0.5}
+    handler = StageHandler(STAGES["decode"], infer=None, counters=lambda: dict(counters))
+    worker["hooks"]["control"] = handler.control
+    worker_file = tmp_path / "worker.json"
+    worker_file.write_text(json.dumps(directory.lookup("prefill")))
+    link = StageLink("prefill", worker_file)
+    try:
+        got, answered = [], threading.Event()
+        link.send(Stats(), lambda m: (got.append(m), answered.set()))
+        assert answered.wait(5)
+        message = got[0]
+    finally:
+        link.close()
+    assert isinstance(message, Reply) and message.outputs["stats"] == {**counters, "pid": os.getpid()}
+
+    class Metric:
+        def __init__(self) -> None:
+            self.value, self.incremented = None, []
+
+        def set(self, v):
+            self.value = v
+
+        def increment(self, v):
+            self.incremented.append(v)
+
+    class Family:
+        GAUGE, COUNTER = "gauge", "counter"
+        made: dict = {}
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels):
+            assert labels == {"model": "decode-2", "version": "1"}
+            return Family.made.setdefault(self.name, Metric())
+
+    class PbUtils:
+        MetricFamily = Family
+
+    metrics = StageMetrics("decode-2", lambda: None, PbUtils)
+    metrics.stop()
+    metrics.update(message.outputs["stats"])
+    made = Family.made
+    assert made["vllm:num_requests_running"].value == 3 and made["vllm:num_requests_waiting"].value == 1
+    assert made["vllm:kv_cache_usage_perc"].value == 0.25
+    assert made["vllm:prefix_cache_queries_total"].incremented == [40]
+    assert made["trident_transfer_read_bytes_total"].incremented == [4096]
+    assert "vllm:mm_cache_queries_total" not in made  # (no series for what this engine does not count)
+    metrics.update({**counters, "prefix_cache_queries": 50})
+    metrics.update({**counters, "prefix_cache_queries": 7})  # restarted
+    assert made["vllm:prefix_cache_queries_total"].incremented == [40, 10, 7]
+    assert made["vllm:prefix_cache_hits_total"].incremented == [16]
+    metrics.update({"cache_hits": 2, "cache_misses": 3})  # an hf encode worker's embedding cache
+    assert made["vllm:mm_cache_queries_total"].incremented == [5] and made["vllm:mm_cache_hits_total"].incremented == [2]

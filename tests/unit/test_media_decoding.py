@@ -50,6 +50,28 @@ def test_bad_video_is_refused_with_its_problem(raw, message):
         MediaItem(raw(), 0, "video").open()
 
 
+def test_a_request_s_media_decode_within_its_pixel_budget(monkeypatch):
+    """Images and sampled video frames together spend the request's budget (media_limits.max_request_pixels), each
+    item's share read from its header: the item that would go past it is refused before it is decoded."""
+    import trident.media
+
+    from support import png_bytes
+
+    monkeypatch.setattr(trident.media, "LIMITS", trident.media.LIMITS.model_copy(update={"max_request_pixels": 10_000}))
+    budget = trident.media.PixelBudget()
+    for i, (w, h) in enumerate([(64, 48), (80, 80)]):  # 3072 + 6400 pixels
+        assert MediaItem(png_bytes(make_image(w, h, 1)), i, "image").open(budget=budget).size == (w, h)
+    with pytest.raises(InvalidRequest, match=r"image 2 \(32x32\) would bring the request's decoded media to 10496 "
+                       r"pixels, more than 10000 \(media_limits.max_request_pixels\)"):
+        MediaItem(png_bytes(make_image(32, 32, 1)), 2, "image").open(budget=budget)
+    clip = video_bytes(make_frames(12, 64, 48, 1), fps=4)  # 6 frames sampled at 2 fps: 18432 pixels
+    with pytest.raises(InvalidRequest, match=r"video 0 \(6 frames of 64x48\) would bring the request's decoded media "
+                       r"to 18432 pixels"):
+        MediaItem(clip, 0, "video").open(budget=trident.media.PixelBudget())
+    monkeypatch.undo()
+    assert len(MediaItem(clip, 0, "video").open().frames) == 6  # (within the default budget)
+
+
 @pytest.mark.parametrize("fmt", ["wav", "flac", "ogg", "mp3"])
 def test_audio_decodes_to_mono_at_the_rate(fmt):
     wave = make_wave(2.0, seed=1)
@@ -171,7 +193,7 @@ def test_qwen2_5vl_positions_follow_the_clip_s_time(demo_models):
     m = HFModel(demo_models["qwen2_5vl"])
     p = m.processor
     item = MediaItem(video_bytes(make_frames(40, 64, 64, 4), fps=1), 0, "video")
-    video = p.open(item)
+    video, = p.open([item])
     assert len(video.frames) == 32
     emb = HFEncoder(m).encode([("video", video)])
     assert emb.seconds == [pytest.approx(2 / video.fps)] and emb.seconds[0] > 2

@@ -343,7 +343,7 @@ def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
 
     folder = tmp_path / "stats"  # not there yet: every write fails
     stop = threading.Event()
-    thread = threading.Thread(target=_write_stats, args=(Engine(), folder / "w.json", stop), daemon=True)
+    thread = threading.Thread(target=_write_stats, args=(Engine().stats, folder / "w.json", stop), daemon=True)
     with caplog.at_level("WARNING", logger="trident.worker"):
         thread.start()
         time.sleep(0.5)

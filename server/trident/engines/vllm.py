@@ -109,6 +109,8 @@ class _EngineStats:
         self.kv_cache_usage = 0.0
         self.running = 0
         self.waiting = 0
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens, since the engine started
+        self.mm_queries = self.mm_hits = 0  # media items
 
     def factory(self, vllm_config, engine_index: int = 0):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -119,11 +121,18 @@ class _EngineStats:
             def __init__(self, vllm_config, engine_index: int = 0) -> None:
                 pass
 
-            def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, *args, **kwargs) -> None:
                 if scheduler_stats is not None:
                     sink.kv_cache_usage = scheduler_stats.kv_cache_usage
                     sink.running = scheduler_stats.num_running_reqs
                     sink.waiting = scheduler_stats.num_waiting_reqs
+                    prefix = scheduler_stats.prefix_cache_stats  # (each step's, as vLLM's Prometheus logger adds them)
+                    if prefix is not None:
+                        sink.prefix_queries += prefix.queries
+                        sink.prefix_hits += prefix.hits
+                if mm_cache_stats is not None:
+                    sink.mm_queries += mm_cache_stats.queries
+                    sink.mm_hits += mm_cache_stats.hits
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -269,7 +278,7 @@ class VLLMStageEngine:
         """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
         counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
         with tracing.step("media_decode"):
-            decoded = [self.processor.open(item) for item in media]
+            decoded = self.processor.open(media)
         mm: dict = {}
         counts: list[int] = []
         grids: list = []
@@ -478,9 +487,11 @@ class VLLMStageEngine:
 
     def stats(self) -> dict:
         out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
+        st = self._stats
         out.update(
-            kv_cache_usage=self._stats.kv_cache_usage, vllm_running=self._stats.running,
-            vllm_waiting=self._stats.waiting,
+            kv_cache_usage=st.kv_cache_usage, vllm_running=st.running, vllm_waiting=st.waiting,
+            prefix_cache_queries=st.prefix_queries, prefix_cache_hits=st.prefix_hits,
+            mm_cache_queries=st.mm_queries, mm_cache_hits=st.mm_hits,
         )
         if self.kv_role == "kv_consumer":
             out["first_tokens_from_prefill"] = self._first_tokens_sent

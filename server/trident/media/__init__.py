@@ -108,6 +108,23 @@ def content_id(raw: bytes, kind: str = "image") -> str:
     return h.hexdigest()[:32]
 
 
+class PixelBudget:
+    """The pixels one request's media may decode to, images and sampled video frames together
+    (``media_limits.max_request_pixels``): each item spends its share, read from its header, before it is decoded."""
+
+    def __init__(self) -> None:
+        self.left = LIMITS.max_request_pixels
+
+    def spend(self, pixels: int, what: str) -> None:
+        if pixels > self.left:
+            spent = LIMITS.max_request_pixels - self.left
+            raise InvalidRequest(
+                f"{what} would bring the request's decoded media to {spent + pixels} pixels, more than "
+                f"{LIMITS.max_request_pixels} (media_limits.max_request_pixels)"
+            )
+        self.left -= pixels
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One item of a request as it arrived: its kind, bytes and content id, decoded only when it is encoded."""
@@ -120,17 +137,18 @@ class MediaItem:
     def content_id(self) -> str:
         return content_id(self.raw, self.kind)
 
-    def open(self, sample_rate: int = 16000):
+    def open(self, sample_rate: int = 16000, budget: PixelBudget | None = None):
         """The decoded item: an RGB PIL image, a :class:`~.video.Video` (sampled frames) or a mono float32
-        waveform at ``sample_rate``."""
+        waveform at ``sample_rate``; an image's or a clip's pixels are spent from ``budget`` (the request's)."""
+        budget = budget if budget is not None else PixelBudget()
         if self.kind == "image":
             from .image import open_image
 
-            return open_image(self.raw, self.index)
+            return open_image(self.raw, self.index, budget)
         if self.kind == "video":
             from .video import open_video
 
-            return open_video(self.raw, self.index)
+            return open_video(self.raw, self.index, budget)
         from .audio import open_audio
 
         return open_audio(self.raw, self.index, sample_rate)

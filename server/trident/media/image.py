@@ -15,8 +15,9 @@ from . import LIMITS
 Image.MAX_IMAGE_PIXELS = None
 
 
-def open_image(raw: bytes, index: int = 0) -> Image.Image:
-    """Decode image bytes (PNG, JPEG, ...) into an RGB PIL image."""
+def open_image(raw: bytes, index: int = 0, budget=None) -> Image.Image:
+    """Decode image bytes (PNG, JPEG, ...) into an RGB PIL image; its pixels are spent from ``budget`` (a
+    :class:`~trident.media.PixelBudget`, the request's) first."""
     if not raw:
         raise InvalidRequest(f"image {index} is empty")
     try:
@@ -25,6 +26,8 @@ def open_image(raw: bytes, index: int = 0) -> Image.Image:
                 raise InvalidRequest(
                     f"image {index} has {img.width}x{img.height} pixels, more than {LIMITS.max_pixels} (media_limits.max_pixels)"
                 )
+            if budget is not None:
+                budget.spend(img.width * img.height, f"image {index} ({img.width}x{img.height})")
             return img.convert("RGB")
     except InvalidRequest:
         raise

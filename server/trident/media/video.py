@@ -45,9 +45,10 @@ def sample_times(duration: float, fps: float, max_frames: int) -> list[float]:
     return [i * duration / max_frames for i in range(max_frames)]
 
 
-def open_video(raw: bytes, index: int = 0) -> Video:
+def open_video(raw: bytes, index: int = 0, budget=None) -> Video:
     """Decode a clip's bytes (mp4, webm, mkv, ...) into its sampled frames; a clip that cannot be decoded,
-    has no frames or is over a limit is an :class:`InvalidRequest` naming it."""
+    has no frames or is over a limit is an :class:`InvalidRequest` naming it. The pixels of the frames it will
+    sample are spent from ``budget`` (a :class:`~trident.media.PixelBudget`, the request's) first."""
     import av
 
     name = f"video {index}"
@@ -73,16 +74,18 @@ def open_video(raw: bytes, index: int = 0) -> Video:
             raise InvalidRequest(
                 f"{name} is {duration:.1f} s long, more than {LIMITS.video_max_seconds:g} s (media_limits.video_max_seconds)"
             )
-        return _sample(container, stream, duration, name)
+        if duration is None or duration <= 0:  # unknown length: sample at the fps up to the frame limit
+            duration = LIMITS.video_max_frames / LIMITS.video_fps
+        targets = sample_times(duration, LIMITS.video_fps, LIMITS.video_max_frames)
+        if budget is not None:
+            budget.spend(len(targets) * width * height, f"{name} ({len(targets)} frames of {width}x{height})")
+        return _sample(container, stream, duration, targets, (width, height), name)
 
 
-def _sample(container, stream, duration: float | None, name: str) -> Video:
+def _sample(container, stream, duration: float, targets: list[float], size: tuple[int, int], name: str) -> Video:
     import av
 
     rate = min(float(stream.average_rate or stream.guessed_rate or 25), MAX_FPS)
-    if duration is None or duration <= 0:  # unknown length: sample at the fps up to the frame limit
-        duration = LIMITS.video_max_frames / LIMITS.video_fps
-    targets = sample_times(duration, LIMITS.video_fps, LIMITS.video_max_frames)
     most = int(min(duration, LIMITS.video_max_seconds) * MAX_FPS) + LIMITS.video_max_frames  # frames decoded
     frames: list[np.ndarray] = []
     times: list[float] = []
@@ -103,9 +106,9 @@ def _sample(container, stream, duration: float | None, name: str) -> Video:
                     f"{name} runs past {LIMITS.video_max_seconds:g} s (media_limits.video_max_seconds) although its header "
                     "says otherwise"
                 )
-            if frame.width * frame.height > LIMITS.max_pixels:
-                raise InvalidRequest(f"{name} has a frame of {frame.width}x{frame.height} pixels, more than "
-                                     f"{LIMITS.max_pixels} (media_limits.max_pixels)")
+            if (frame.width, frame.height) != size:  # (what the limits and the request's budget were checked on)
+                raise InvalidRequest(f"{name} has a frame of {frame.width}x{frame.height} pixels where its header "
+                                     f"says {size[0]}x{size[1]}")
             last = max(last, t)
             taken = None
             while len(times) < len(targets) and t + half >= targets[len(times)]:
@@ -124,8 +127,6 @@ def _sample(container, stream, duration: float | None, name: str) -> Video:
         # a clip cut short: the frames before the damage are kept (as ffmpeg and vLLM do)
     if not frames:
         raise InvalidRequest(f"{name} has no frames")
-    if len({f.shape for f in frames}) > 1:
-        raise InvalidRequest(f"{name} changes its frame size midway, which is not supported")
     return Video(frames, times, max(duration, last))
 
 

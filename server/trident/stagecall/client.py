@@ -35,7 +35,7 @@ import numpy as np
 from .. import auth, tracing
 from ..errors import MalformedRecord, TridentError, Unavailable
 from ..protocol import (
-    Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Withdraw, encode_message, error_of,
+    Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Stats, Withdraw, encode_message, error_of,
     failure,
 )
 from . import directory
@@ -339,7 +339,7 @@ class StageLink:
             self._conn._reader.join()  # until the worker's end closes
             self._connected.clear()
 
-    def send(self, call: Call, target: Callable[[StageMessage], None]) -> None:
+    def send(self, call: Call | Stats, target: Callable[[StageMessage], None]) -> None:
         """Write ``call``; ``target(message)`` gets each answer on the reader thread, up to the last one (:func:`ends`).
         Raises :class:`NoWorker` when no worker is there to take it."""
         if not self._connected.wait(self.SEND_TIMEOUT_S) or self._conn is None:

@@ -33,7 +33,7 @@ from typing import Callable
 
 from .. import auth, tracing
 from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
-from ..protocol import Call, Cancel, Deliver, Gone, Reply, StageMessage, Withdraw, encode_message, failure
+from ..protocol import Call, Cancel, Deliver, Gone, Reply, StageMessage, Stats, Withdraw, encode_message, failure
 from .frames import read_message
 
 SOCKET_NAME = "calls.sock"
@@ -192,14 +192,14 @@ class StageServer:
     async def _control_message(self, writer: asyncio.StreamWriter, message: StageMessage) -> None:
         """A control message: handed to the stage's hook (:meth:`StageHandler.control
         <trident.workers.infer.StageHandler.control>`), answered with an empty :class:`Reply` (or its
-        :class:`Failure`)."""
+        :class:`Failure`); :class:`Stats` is answered with the hook's counters."""
         try:
-            if not isinstance(message, (Cancel, Deliver, Withdraw)):
+            if not isinstance(message, (Cancel, Deliver, Withdraw, Stats)):
                 raise InvalidRequest(f"a caller does not send {type(message).__name__} messages")
             done = self._control(message)
             if inspect.isawaitable(done):
-                await done
-            await self._write(writer, Reply(message.id))
+                done = await done
+            await self._write(writer, Reply(message.id, {"stats": done} if isinstance(message, Stats) else {}))
         except Exception as e:  # noqa: BLE001 - the caller gets the error, the connection serves on
             log.info("stage control message refused: %s", e)
             await self._write(writer, failure(message.id, e))

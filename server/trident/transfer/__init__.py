@@ -54,7 +54,7 @@ class TransferEndpoint:
     def discard(self, transfer: Transfer, *, claimed: bool = False) -> None:
         self.receiver.discard(transfer, claimed=claimed)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters for tests and metrics: regions in use per pool and lease outcomes."""
         s = self.sender
         return {
@@ -66,6 +66,8 @@ class TransferEndpoint:
             "released": s.released,
             "expired": s.expired,
             "fetched": self.receiver.fetched,
+            "fetched_bytes": self.receiver.fetched_bytes,
+            "fetch_seconds": self.receiver.fetch_seconds,
             "recv_quarantined": self.receiver.quarantined,
         }
 

@@ -52,6 +52,8 @@ class TransferReceiver:
         self.config = config
         self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register)
         self.fetched = 0
+        self.fetched_bytes = 0  # of the records read (their regions: the stamp aside)
+        self.fetch_seconds = 0.0  # spent in their READs
         self.quarantined = 0  # regions a timed-out READ that NIXL could not stop may still write into
         self._used = SingleUse()  # (agent, lease id) of each record read or discarded
 
@@ -85,7 +87,8 @@ class TransferReceiver:
         local = self.pool.address_of(region)
         lease = record.lease_id.encode()
         release = lease + record.release_key  # the producer ends the lease on this alone
-        deadline = time.monotonic() + self.config.read_timeout_s  # both READs together
+        started = time.monotonic()
+        deadline = started + self.config.read_timeout_s  # both READs together
         try:
             self.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"", self.config.read_timeout_s)
             self.agent.read(record.agent, record.agent_meta, [(record.stamp, STAMP_BYTES)], local + record.nbytes,
@@ -109,6 +112,8 @@ class TransferReceiver:
             self.pool.free(region)
             raise
         self.fetched += 1
+        self.fetched_bytes += record.nbytes
+        self.fetch_seconds += time.monotonic() - started
         return received
 
     def discard(self, record: Transfer, *, claimed: bool = False) -> None:

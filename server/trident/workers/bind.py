@@ -23,27 +23,24 @@ log = logging.getLogger("trident.worker")
 _PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
 
 
-def _write_stats(engine, path: Path, stop: threading.Event, inbox=None) -> None:
-    """Keep ``path`` holding this worker's transfer, decode and KV-cache counters, and those of its record inbox
-    (``handoff_*``, :mod:`.record_handoff`), read by tests and operators. A write that fails (a full disk) is
+def _write_stats(stats, path: Path, stop: threading.Event) -> None:
+    """Keep ``path`` holding this worker's counters (``stats()``: :meth:`StageHandler.stats
+    <trident.workers.infer.StageHandler.stats>`), read by tests and operators. A write that fails (a full disk) is
     tried again at the next change or tick, with one warning until one succeeds: serving goes on."""
     last, failing = None, False
     while True:
-        stats = dict(engine.stats())
-        if inbox is not None:
-            stats.update({f"handoff_{k}": v for k, v in inbox.stats().items()})
-        stats["pid"] = os.getpid()
-        if stats != last:
+        now = stats()
+        if now != last:
             tmp = path.with_suffix(".tmp")
             try:
-                tmp.write_text(json.dumps(stats, sort_keys=True))
+                tmp.write_text(json.dumps(now, sort_keys=True))
                 tmp.replace(path)
             except OSError as e:
                 if not failing:
                     log.warning("worker stats: cannot write %s (%s); trying again", path, e)
                 failing = True
             else:
-                last, failing = stats, False
+                last, failing = now, False
         if stop.wait(0.2):
             return
 
@@ -212,7 +209,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     if settings.stats_dir:
         Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
         threading.Thread(
-            target=_write_stats, args=(engine, Path(settings.stats_dir) / f"{name}.json", stop, handler.inbox),
+            target=_write_stats, args=(handler.stats, Path(settings.stats_dir) / f"{name}.json", stop),
             daemon=True
         ).start()
 

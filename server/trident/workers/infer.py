@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +25,7 @@ from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import (
-    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Control, Deliver, StageSpec, Withdraw,
+    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Control, Deliver, StageSpec, Stats, Withdraw,
 )
 from . import record_handoff
 
@@ -179,6 +180,7 @@ class StageHandler:
     leave: Callable[[], None] | None = None  # ... and out
     inbox: record_handoff.Inbox | None = None  # a prefill stage's records delivered by the encode worker
     streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
+    counters: Callable[[], dict] | None = None  # the engine's (``StageEngine.stats``)
 
     @contextlib.asynccontextmanager
     async def entry(self, call: Call):
@@ -198,8 +200,20 @@ class StageHandler:
         finally:
             self.leave()
 
-    def control(self, message: Control) -> None:
-        """A control message from a caller on the stage socket (:data:`trident.protocol.Control`)."""
+    def stats(self) -> dict:
+        """The worker's counters: its engine's (transfers, decode, caches), its record inbox's (``handoff_*``)
+        and its pid; what the stage model's metrics and the worker's stats file show."""
+        out = dict(self.counters()) if self.counters is not None else {}
+        if self.inbox is not None:
+            out.update({f"handoff_{k}": v for k, v in self.inbox.stats().items()})
+        out["pid"] = os.getpid()
+        return out
+
+    def control(self, message: Control) -> dict | None:
+        """A control message from a caller on the stage socket (:data:`trident.protocol.Control`); a
+        :class:`~trident.protocol.Stats` is answered with :meth:`stats`."""
+        if isinstance(message, Stats):
+            return self.stats()
         if isinstance(message, Cancel) and self.streams is not None:
             self.streams.cancel(message.request_id)
         elif isinstance(message, Deliver) and self.inbox is not None:
@@ -281,7 +295,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             tracing.mark("infer", t0)
             return outputs
 
-        return StageHandler(spec, encode, admit, admission.leave)
+        return StageHandler(spec, encode, admit, admission.leave, counters=engine.stats)
 
     if spec.hands_on == "kv":
         async def prefill(request):
@@ -292,7 +306,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             return outputs
 
         inbox = record_handoff.Inbox(engine.discard) if spec.takes == "embeddings" else None
-        return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox)
+        return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox, counters=engine.stats)
 
     streams = Streams()
 
@@ -313,4 +327,4 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             admission.leave()
         tracing.mark("infer", t0)
 
-    return StageHandler(spec, generate, streams=streams)
+    return StageHandler(spec, generate, streams=streams, counters=engine.stats)

@@ -27,10 +27,11 @@ import triton_python_backend_utils as pb_utils  # type: ignore  # provided by th
 
 from trident import auth, tracing
 from trident.errors import TridentError, Unauthenticated, Unavailable, client_message
-from trident.protocol import WORKER_FILE, Call, Failure, Gone, error_of, failure
+from trident.protocol import WORKER_FILE, Call, Failure, Gone, Reply, Stats, error_of, failure
 from trident.stagecall import directory
 from trident.stagecall.client import NoWorker, StageLink
 from trident.stagecall.frames import ends
+from trident.workers.stage_metrics import StageMetrics
 
 
 def triton_error(error: TridentError):
@@ -63,8 +64,8 @@ class _Answer:
             self.message = message
             self._done.set()
 
-    def wait(self):
-        self._done.wait()
+    def wait(self, timeout: float | None = None):
+        self._done.wait(timeout)
         return self.message
 
 
@@ -83,7 +84,7 @@ class TritonPythonModel:
         self._inputs = [i["name"] for i in config["input"]]
         self._outputs = {o["name"]: pb_utils.triton_string_to_numpy(o["data_type"]) for o in config["output"]}
         self._decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
-        self._handshake = self._entry = None
+        self._handshake = self._entry = self._metrics = None
         worker_file = Path(args["model_repository"]) / args["model_version"] / WORKER_FILE
         if args["model_instance_name"].rsplit("_", 1)[-1] == "0":  # once per model
             workspace = Path(config["parameters"]["workspace-path"]["string_value"])  # PyTriton's worker side
@@ -94,6 +95,18 @@ class TritonPythonModel:
             self._entry = json.loads(worker_file.read_text())
             directory.enter(name, self._entry)
         self._link = StageLink(name, worker_file)
+        if self._entry is not None:  # (once per model) its worker's counters as the stage's metrics
+            self._metrics = StageMetrics(name, self._worker_stats, pb_utils)
+
+    def _worker_stats(self) -> dict | None:
+        """The worker's counters (a :class:`Stats` message on the link), or None when it does not answer."""
+        answer = _Answer()
+        try:
+            self._link.send(Stats(), answer)
+        except NoWorker:
+            return None
+        message = answer.wait(timeout=5)
+        return message.outputs.get("stats") if isinstance(message, Reply) else None
 
     def execute(self, requests):
         calls = [self._call(r) for r in requests]
@@ -109,6 +122,8 @@ class TritonPythonModel:
         return [self._response(r, a.wait()) or pb_utils.InferenceResponse() for r, a in zip(requests, answers)]
 
     def finalize(self) -> None:
+        if self._metrics is not None:
+            self._metrics.stop()
         if self._entry is not None:
             directory.remove(self._name, self._entry)
         self._link.close()

@@ -192,6 +192,11 @@ class HFDecoder:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def waiting(self) -> int:
+        """Requests admitted that join the batch at its next step."""
+        return self._pending.qsize()
+
     def close(self) -> None:
         self._stop.set()
         self._pending.put(None)  # type: ignore[arg-type]  # wake the loop

@@ -163,7 +163,8 @@ class HFStageEngine:
 
     def _encode_into_cache(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
         with tracing.step("media_decode"):
-            decoded = [(item.kind, self.processor.open(item)) for _, item in claimed]
+            items = [item for _, item in claimed]
+            decoded = list(zip([item.kind for item in items], self.processor.open(items)))
         emb = self.encoder.encode(decoded)
         self.cache.counters.vision_runs += 1
         self.cache.counters.images_encoded += len(decoded)
@@ -199,7 +200,7 @@ class HFStageEngine:
         if media:
             self.processor.check_placeholders(text, counts(media))  # before spending time on the encoders
             with tracing.step("media_decode"):
-                decoded = [(item.kind, self.processor.open(item)) for item in media]
+                decoded = list(zip([item.kind for item in media], self.processor.open(media)))
             emb = self.encoder.encode(decoded)
             prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds)
             return self._prefill_prompt(prompt, emb, params, seed)
@@ -311,6 +312,7 @@ class HFStageEngine:
             out.update(self.cache.stats())
         if self.decoder is not None:
             out["decode_active"] = self.decoder.active
+            out["decode_waiting"] = self.decoder.waiting
         return out
 
     def close(self) -> None:
