@@ -292,29 +292,33 @@ quit
 
 
 def _refused_at_once(server) -> None:
-    """Once the stopping server's HTTP endpoint is closed (readiness: refused), a new request over gRPC and over
-    the OpenAI API is refused with an error naming the model."""
+    """A draining server (SIGTERM, a stream still in flight): within a second it is not READY (Triton's readiness
+    and the OpenAI frontend's /health answer 503), and a new request on every way in is refused at once with
+    ``Unavailable`` naming the shutdown (the OpenAI API: 503 with Retry-After; Triton's generate endpoint answers
+    400 for every error of a decoupled model)."""
     import tritonclient.grpc as grpcclient
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            requests.get(f"http://{server.http}/v2/health/ready", timeout=2)
-        except requests.ConnectionError:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("Triton's HTTP endpoint still answers 10 s after SIGTERM")
-    with pytest.raises(grpcclient.InferenceServerException, match="e_p_d"):
+    t0 = time.monotonic()
+    while requests.get(f"http://{server.http}/v2/health/ready", timeout=2).status_code == 200:
+        assert time.monotonic() - t0 < 1, "Triton still READY 1 s after SIGTERM"
+        time.sleep(0.02)
+    assert requests.get(f"{server.openai_url.removesuffix('/v1')}/health", timeout=2).status_code == 503
+    says = "the server is shutting down"
+    t0 = time.monotonic()
+    with pytest.raises(grpcclient.InferenceServerException, match=f"Unavailable: {says}"):  # (a stream's error: no code)
         grpc_generate(server.grpc, "e_p_d", "Hi.", [], {"max_tokens": 2}, stream=True, timeout=10)
+    r = requests.post(f"http://{server.http}/v2/models/e_p_d/generate",
+                      json={"text_input": "Hi.", "sampling_parameters": json.dumps({"max_tokens": 2})}, timeout=10)
+    assert r.status_code == 400 and says in r.json()["error"], r.text  # (Triton's generate: 400 for every error)
     r = requests.post(f"{server.openai_url}/completions",
                       json={"model": f"{SHARED_LLAVA_NAME}:e_p_d", "prompt": "Hi.", "max_tokens": 2}, timeout=10)
-    assert r.status_code == 503 and "e_p_d" in r.json()["error"]["message"], r.text
+    assert r.status_code == 503 and says in r.json()["error"]["message"] and r.headers["Retry-After"], r.text
+    assert time.monotonic() - t0 < 2, "the refusals were not at once"
 
 
 def test_a_stopping_server_finishes_its_streams_refuses_new_requests_and_exits_cleanly(server, tmp_path):
-    """The module's last test: it stops the server (SIGTERM, as Kubernetes does). A stream in flight runs to its
-    end, whole; new requests are refused at once; the server exits 0.
+    """The module's last test: it stops the server (SIGTERM, as Kubernetes does). It drains: not READY at once, new
+    requests answered 503 at once on every way in, a stream in flight runs to its end, whole; the server exits 0.
 
     And the BLS entry model's stub exits cleanly, as gdb attached to it sees: the BLS's Prometheus metric families
     are never deleted (``scheduler.metrics.keep_past_exit``); left to the interpreter's exit, their destructors

@@ -385,9 +385,12 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
     from trident.workers.infer import StageHandler
     from trident.workers.stage_metrics import StageMetrics
 
+    from pydantic import ByteSize
+
     counters = {"vllm_running": 3, "vllm_waiting": 1, "kv_cache_usage": 0.25, "prefix_cache_queries": 40,
                 "prefix_cache_hits": 16, "fetched_bytes": 4096, "fetch_seconds": 0.5}
-    handler = StageHandler(STAGES["decode"], infer=None, counters=lambda: dict(counters))
+    capacity = ByteSize(1 << 20)  # (an embedding cache's capacity is one: msgpack takes plain numbers only)
+    handler = StageHandler(STAGES["decode"], infer=None, counters=lambda: {**counters, "cache_capacity": capacity})
     worker["hooks"]["control"] = handler.control
     worker_file = tmp_path / "worker.json"
     worker_file.write_text(json.dumps(directory.lookup("prefill")))
@@ -399,7 +402,8 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
         message = got[0]
     finally:
         link.close()
-    assert isinstance(message, Reply) and message.outputs["stats"] == {**counters, "pid": os.getpid()}
+    assert isinstance(message, Reply)
+    assert message.outputs["stats"] == {**counters, "cache_capacity": int(capacity), "pid": os.getpid()}
 
     class Metric:
         def __init__(self) -> None:

@@ -361,8 +361,8 @@ def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ready = await engine.ready_modes(list(MODES))
-        if not ready:
+        ready = await engine.ready_modes(list(MODES)) if await engine.server_ready() else []
+        if not ready:  # (none while the server starts, or drains as it stops)
             return JSONResponse({"status": "unavailable", "modes": []}, status_code=503)
         return {"status": "ok", "modes": ready}
 

@@ -40,6 +40,10 @@ class Engine(Protocol):
         """The entry models among ``modes`` that are loaded and ready."""
         ...
 
+    async def server_ready(self) -> bool:
+        """Whether the server is READY (not while it starts, nor while it drains as it stops)."""
+        ...
+
 
 def _scalar(result, name):
     value = result.as_numpy(name)
@@ -129,6 +133,12 @@ class TritonEngine:
         if mode not in await self.ready_modes([mode]):
             return Unavailable(f"mode {mode} is not loaded: {message}")
         return TridentError(message)
+
+    async def server_ready(self):
+        try:
+            return bool(await self.client.is_server_ready())
+        except Exception:
+            return False
 
     async def ready_modes(self, modes):
         ready = []

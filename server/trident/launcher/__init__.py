@@ -27,13 +27,13 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from .. import signing, tracing
+from .. import drain, signing, tracing
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
 from ..netutil import listen_ports
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_entry_model
 from ..stagecall import directory
-from .gate import close_gate, open_gate
+from .gate import GATE, close_gate, open_gate
 from .processes import descendants, is_stub, kill_left, remove_direct_socket
 from .joined import JoinedWatch
 from .warmup import warm_up
@@ -73,6 +73,7 @@ class Launcher:
         self.workers: dict[str, subprocess.Popen | Forked] = {}  # by Triton model name (and "frontend")
         self._zygote: Zygote | None = None
         self._joined: JoinedWatch | None = None
+        self._serving = False  # start-up is over
         self.triton = None
         self._tmp: str | None = None
         self.workspace = Path(settings.workspace or self._make_tmp())
@@ -160,6 +161,7 @@ class Launcher:
         if self.s.openai_port:
             self._wait_frontend(frontend)
             openai = f"  OpenAI http://{self.openai_host}:{self.s.openai_port}/v1"
+        self._serving = True
         self.out(
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
@@ -466,6 +468,8 @@ class Launcher:
         self._stopping = True
         if self._joined is not None:
             self._joined.stop()
+        if self._serving and self.triton is not None and self.triton.is_alive():
+            self._drain()
         # Triton first: it takes no new request and lets those in flight finish on the workers, which are still up
         # (then the workers have no model to unbind)
         if self.triton is not None:
@@ -495,6 +499,32 @@ class Launcher:
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.out("[trident] stopped")
 
+
+    def _drain(self) -> None:
+        """A stop's first part, while everything still runs: readiness withdrawn (the start-up gate, failed again),
+        every entry model refusing new requests at once with 503 (:mod:`trident.drain`) and serving those in flight
+        to their end, waited for at most ``drain_s``."""
+        t0 = time.monotonic()
+        drain.start()
+        modes: list[str] = []
+        try:
+            with self._client(network_timeout=5) as client:
+                modes = [m["name"] for m in client.get_model_repository_index(headers=self.headers)
+                         if m["name"] in MODES and m.get("state") == "READY"]
+                close_gate(self.model_store)
+                with contextlib.suppress(Exception):  # (it fails, by design: Triton is not READY from now on)
+                    client.load_model(GATE, headers=self.headers)
+        except Exception as e:  # noqa: BLE001 - Triton going away: its own drain still runs
+            self.out(f"[trident] could not withdraw readiness: {e}")
+        self.out(f"[trident] draining: not READY, new requests answered 503; waiting for the requests in flight "
+                 f"(at most {self.s.drain_s:g} s)")
+        if self.s.scheduler != "bls":  # (an ensemble's requests are Triton's own to drain)
+            return
+        while not all(drain.drained(m) for m in modes) and time.monotonic() - t0 < self.s.drain_s:
+            time.sleep(0.05)
+        left = [m for m in modes if not drain.drained(m)]
+        self.out(f"[trident] drained in {time.monotonic() - t0:.1f} s" if not left else
+                 f"[trident] {', '.join(left)} still serving after {self.s.drain_s:g} s; stopping anyway")
 
     def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
         """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed

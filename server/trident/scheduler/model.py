@@ -25,6 +25,7 @@ import asyncio
 import gc
 import json
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import tracing
+from .. import drain, tracing
 from ..config import MODEL_ENV, SchedulerConfig
 from ..errors import InvalidRequest, TridentError, Unavailable, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
@@ -54,6 +55,7 @@ _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
 _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
 _KV_RECORDS = (HFKVRecord, VLLMKVRecord)
 MAX_OPEN = 256  # requests an entry model serves at once (each stream has a relay thread); one more gets a 503
+DRAIN_POLL_S = 0.1  # how often an entry model looks whether the server drains, and then whether it has drained
 _CANCEL_CHECK_S = 0.05  # how often a stream looks for a cancelled client (an IPC call to Triton each time)
 # outputs the last stage always sends on its last response (the scheduler needs them), passed on only where the
 # client asked for them: {flag: output}
@@ -121,6 +123,7 @@ class TritonPythonModel:
         if self.cfg.local_prefill_tokens and self.model_path and any("decode" in MODES[m] for m in FALLBACK[self.mode]):
             self._measure = PromptLength(self.model_path)
         self._wait_for_a_route()
+        threading.Thread(target=self._watch_drain, name="trident-bls-drain", daemon=True).start()
 
     def _wait_for_a_route(self) -> None:
         """Load only when a request with media would be served: Triton reports this entry model READY only if its
@@ -163,15 +166,31 @@ class TritonPythonModel:
             tracing.mark("execute", arrived)
             await self._serve_traced(request, arrived)
 
+    def _refuse(self, request, error: Unavailable) -> None:
+        """Answer ``request`` with ``error`` at once, before anything of it is read."""
+        pb = self.pb
+        self.metrics.add("trident_scheduler_errors_total", code=str(pb.TritonError.UNAVAILABLE))
+        request.get_response_sender().send(
+            pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)),
+            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _watch_drain(self) -> None:
+        """Once the server drains (:mod:`trident.drain`): say when this entry model has no request left in flight."""
+        while not drain.draining():
+            time.sleep(DRAIN_POLL_S)
+        while self._open:
+            time.sleep(DRAIN_POLL_S)
+        drain.mark_drained(self.mode)
+
     async def _serve_traced(self, request, arrived: int) -> None:
         pb = self.pb
+        if drain.draining():
+            return self._refuse(request, Unavailable(
+                "the server is shutting down: it serves the requests it has and takes no new ones; retry on another "
+                "replica"))
         if self._open >= MAX_OPEN:  # each holds a relay thread for its stream: one more would wait for one, unseen
-            error = Unavailable(f"the {self.mode} mode has {self._open} requests in flight, its limit; retry later")
-            self.metrics.add("trident_scheduler_errors_total", code=str(pb.TritonError.UNAVAILABLE))
-            request.get_response_sender().send(
-                pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)),
-                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return
+            return self._refuse(request, Unavailable(
+                f"the {self.mode} mode has {self._open} requests in flight, its limit; retry later"))
         # its metric updates are held until its first response is out
         req = EntryRequest(request, request.get_response_sender(), self.metrics.held(asyncio.get_running_loop()),
                            arrived_ns=arrived)

@@ -207,7 +207,9 @@ class StageHandler:
         if self.inbox is not None:
             out.update({f"handoff_{k}": v for k, v in self.inbox.stats().items()})
         out["pid"] = os.getpid()
-        return out
+        # plain numbers, as a stage message carries them (a setting's ``ByteSize`` is an int of its own class)
+        return {k: float(v) if isinstance(v, float) else int(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                for k, v in out.items()}
 
     def control(self, message: Control) -> dict | None:
         """A control message from a caller on the stage socket (:data:`trident.protocol.Control`); a
