@@ -238,6 +238,9 @@ def test_a_one_answer_stage_refuses_past_max_inflight_at_once_instead_of_queuein
         def discard(self, record: bytes) -> None:
             self.discarded.append(record)
 
+        def stats(self) -> dict:
+            return {}
+
     engine = Engine()
     handler = make_handler(STAGES["prefill"], engine, max_inflight=2)
     infer = at_most(handler.infer, 1, handler.entry)  # one slot: the engine's calls_at_once
