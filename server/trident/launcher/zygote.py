@@ -204,12 +204,9 @@ def _become_worker(sock: socket.socket, argv: list[str]) -> None:
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        from ..cli import _end_process
+
+        _end_process(code)  # (its exit handlers run, its output is flushed; never the zygote's teardown)
 
 
 def _worker_name(argv: list[str]) -> list[str]:
