@@ -175,6 +175,11 @@ class SchedulerConfig(_Settings):
         "encode (encode_prefill, generate) when one runs (0: never)"
     )
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
+    stage_timeout_s: float = Field(
+        120.0, gt=0, description="longest a one-answer stage call (encode, prefill, encode_prefill) may take; past it "
+        "the request ends with 504 (gRPC/Triton: UNAVAILABLE) naming the instance and its host, and its worker is "
+        "told to stop the call"
+    )
 
 
 class WorkerSettings(_Settings):

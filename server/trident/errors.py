@@ -54,6 +54,17 @@ class Unavailable(TridentError):
     retry_after_s = 1
 
 
+class StageTimeout(TridentError):
+    """A stage instance did not answer a call within the scheduler's deadline (``scheduling.stage_timeout_s``): its
+    worker is alive but stuck, or its host stalls. The message names the instance and its host.
+
+    Triton has no timeout code: its endpoints answer 503 (UNAVAILABLE); the OpenAI frontend answers 504."""
+
+    http_status = 504
+    triton_code = "UNAVAILABLE"
+    retryable = True
+
+
 class Unauthenticated(TridentError):
     """A stage call that does not prove the deployment secret (no stage credential): refused before any work.
 
@@ -121,7 +132,7 @@ ERRORS: dict[str, type[TridentError]] = {
     for cls in (
         TridentError, InvalidRequest, NotFound, Unavailable, Unauthenticated, TransferError, MalformedRecord, ForgedRecord,
         ReplayedRecord, PeerUnavailable,
-        PoolExhausted, TransferTimeout, LeaseExpired,
+        PoolExhausted, TransferTimeout, LeaseExpired, StageTimeout,
     )
 }
 """Every error class by name: the one table the wire format and the frontend read."""

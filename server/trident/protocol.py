@@ -162,6 +162,13 @@ class Withdraw(msgspec.Struct, array_like=True, frozen=True, tag="withdraw"):
     token: str
 
 
+class Abandon(msgspec.Struct, array_like=True, frozen=True, tag="abandon"):
+    """The caller has given up on its call ``call`` on this connection (past its deadline): the worker stops it."""
+
+    id: int
+    call: int
+
+
 class Stats(msgspec.Struct, array_like=True, tag="stats"):
     """Ask the worker for its counters (the stage model's stub, for its metrics): answered with a :class:`Reply`
     whose ``outputs`` are ``{"stats": {name: number}}``."""
@@ -169,9 +176,9 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
     id: int = 0
 
 
-Control = Union[Cancel, Deliver, Withdraw, Stats]
+Control = Union[Cancel, Deliver, Withdraw, Abandon, Stats]
 """What a caller tells a stage worker besides calls: each a message of its own, never a parameter of a call."""
-StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw, Stats]
+StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw, Abandon, Stats]
 """Everything that crosses a stage socket, either way. Arrays travel as msgpack extensions (:func:`encode_message`)."""
 
 FRAME = struct.Struct("!I")

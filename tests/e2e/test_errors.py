@@ -30,6 +30,7 @@ TRITON_HTTP = {400: 400, 503: 503, 504: 503, 500: 500}  # Triton has no timeout 
 SEND_POOL_MIB = 2  # small enough for a long text prompt's KV cache to exhaust it (~24 KiB per token)
 NAME = "demo"
 MAX_INFLIGHT = 2  # requests per stage worker
+STAGE_TIMEOUT_S = 5  # scheduling.stage_timeout_s
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def server(demo_models, tmp_path_factory):
                  # every stage in its own worker, also for short prompts: faults are injected per stage
                  extra=["--served-model-name", NAME],
                  faults=True, config={"transfer": {"send_pool_bytes": SEND_POOL_MIB << 20},
-                                      "scheduling": {"local_prefill_tokens": 0}, "max_inflight": MAX_INFLIGHT})
+                                      "scheduling": {"local_prefill_tokens": 0, "stage_timeout_s": STAGE_TIMEOUT_S},
+                                      "max_inflight": MAX_INFLIGHT})
     try:
         srv.wait_ready()
         yield srv
@@ -390,6 +392,25 @@ def test_a_full_stage_refuses_at_once_with_503_and_retry_after(server, client):
 
     wait_drained(server, {"prefill", "decode"})  # the refused requests' KV caches were freed, not left to expire
     _still_serving(server, client)
+
+
+def test_a_stage_that_does_not_answer_in_time_is_a_504_naming_it_and_is_told_to_stop(server, client):
+    """scheduling.stage_timeout_s (5 s here): a prefill held in its worker (``[[trident-stall@prefill]]``: a minute)
+    ends its request at the deadline with StageTimeout naming the instance (over gRPC its message, over the OpenAI
+    API 504); the worker is told to stop the call (an Abandon), so its one slot is free at once and the next
+    request is served right away."""
+    import time
+
+    stalled = _prompt("[[trident-stall@prefill]] hi")
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=f"StageTimeout: stage instance prefill did not answer within {STAGE_TIMEOUT_S} s"):
+        grpc_generate(server.grpc, "e_p_d", stalled, [], {"max_tokens": 2}, stream=True, timeout=60)
+    assert STAGE_TIMEOUT_S - 0.5 < time.monotonic() - t0 < STAGE_TIMEOUT_S + 4
+    error = _openai_status(client, f"{NAME}:e_p_d", "[[trident-stall@prefill]] hi", stream=False)
+    assert error.status_code == 504 and "(scheduling.stage_timeout_s)" in error.body["message"], error.body
+    t0 = time.monotonic()
+    _still_serving(server, client)
+    assert time.monotonic() - t0 < STAGE_TIMEOUT_S  # (a stall still holding the prefill's slot would time it out)
 
 
 def test_a_stage_failing_mid_stream_ends_the_stream_with_its_error(server, client):

@@ -447,3 +447,27 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
     assert made["vllm:prefix_cache_hits_total"].incremented == [16]
     metrics.update({"cache_hits": 2, "cache_misses": 3})  # an hf encode worker's embedding cache
     assert made["vllm:mm_cache_queries_total"].incremented == [5] and made["vllm:mm_cache_hits_total"].incremented == [2]
+
+
+def test_a_call_past_its_deadline_is_a_stage_timeout_and_the_worker_stops_it(worker):
+    """A call not answered within ``timeout_s`` raises StageTimeout naming the instance (and scheduling.stage_timeout_s);
+    the worker is told (an Abandon message) and stops the call at once; the connection serves on."""
+    from trident.errors import StageTimeout
+
+    async def go():
+        calls = StageClient()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StageTimeout, match=r"stage instance prefill did not answer within 0.3 s "
+                                                   r"\(scheduling.stage_timeout_s\)"):
+                await calls.call("prefill", _text("sleep 30"), ["kv_meta"], timeout_s=0.3)
+            assert time.monotonic() - t0 < 2
+            deadline = time.monotonic() + 2
+            while worker["server"]._calls and time.monotonic() < deadline:  # the abandoned call stops
+                await asyncio.sleep(0.02)
+            assert not worker["server"]._calls
+            return await calls.call("prefill", _text("a"), ["kv_meta"], timeout_s=5)
+        finally:
+            calls.close()
+
+    assert _run(go())["kv_meta"].tolist() == [b"record of a"]

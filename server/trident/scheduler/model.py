@@ -318,7 +318,8 @@ class TritonPythonModel:
         self._begin("prefill", instance, held)
         try:
             with tracing.step("call:prefill"):
-                return await self._stages.call(instance, _arrays("prefill", inputs, None), [out], await_record=token)
+                return await self._stages.call(instance, _arrays("prefill", inputs, None), [out], await_record=token,
+                                               timeout_s=self.cfg.stage_timeout_s)
         finally:
             self._end("prefill", instance, held)
 
@@ -377,7 +378,8 @@ class TritonPythonModel:
         self._begin(stage, instance, held)
         try:
             with tracing.step(f"call:{stage}"):
-                arrays = await self._stages.call(instance, _arrays(stage, inputs, record), outputs, hand_to=hand_to)
+                arrays = await self._stages.call(instance, _arrays(stage, inputs, record), outputs, hand_to=hand_to,
+                                                 timeout_s=self.cfg.stage_timeout_s)
         finally:
             self._end(stage, instance, held)
         if arrays is None:

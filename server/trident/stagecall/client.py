@@ -19,6 +19,7 @@ worker that goes away during a call fails it: 503, "the request was lost with it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -33,10 +34,10 @@ from typing import Callable
 import numpy as np
 
 from .. import auth, tracing
-from ..errors import MalformedRecord, TridentError, Unavailable
+from ..errors import MalformedRecord, StageTimeout, TridentError, Unavailable
 from ..protocol import (
-    Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Stats, Withdraw, encode_message, error_of,
-    failure,
+    Abandon, Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Stats, Withdraw, encode_message,
+    error_of, failure,
 )
 from . import directory
 from .frames import ends, recv_message
@@ -163,6 +164,13 @@ class _Connection:
             pass
 
 
+def _where(info: dict | None) -> str:
+    """`` on <host>:<port>`` for a worker reached over TCP (one on another host), else nothing."""
+    if info and not info.get("direct") and isinstance(info.get("tcp"), list | tuple) and len(info["tcp"]) == 2:
+        return f" on {info['tcp'][0]}:{info['tcp'][1]}"
+    return ""
+
+
 def open_stage_socket(info: dict) -> socket.socket:
     """A connection to the worker a worker file describes, both ends having proved the deployment secret: its Unix
     socket when it is on this host (``direct``), else its TCP one (``tcp``: host, port)."""
@@ -211,16 +219,23 @@ class StageClient:
 
     async def call(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str],
                    parameters: dict | None = None, hand_to: HandTo | None = None,
-                   await_record: str | None = None) -> dict[str, np.ndarray] | None:
-        """The outputs of one call of ``instance``; None when it is not there to take it (try another). Raises the stage's error (a :class:`~trident.errors.TridentError`) as it sent it."""
+                   await_record: str | None = None, timeout_s: float | None = None) -> dict[str, np.ndarray] | None:
+        """The outputs of one call of ``instance``; None when it is not there to take it (try another). Raises the
+        stage's error (a :class:`~trident.errors.TridentError`) as it sent it, or :class:`StageTimeout` when no
+        answer came within ``timeout_s`` (the worker is then told to stop the call: an :class:`Abandon`)."""
         connection = await self._connection(instance)
         if connection is None:
             return None
         call = Call(connection.next_id(), inputs, outputs, parameters or {}, hand_to, await_record, tracing.traceparent())
         try:
-            answer = await connection.ask(call)
+            answer = await asyncio.wait_for(connection.ask(call), timeout_s)
         except NotSent:
             return None
+        except asyncio.TimeoutError:
+            with contextlib.suppress(NotSent):
+                connection.send(Abandon(connection.next_id(), call.id), None)
+            raise StageTimeout(f"stage instance {instance}{_where(directory.lookup(instance))} did not answer within "
+                               f"{timeout_s:g} s (scheduling.stage_timeout_s)") from None
         if isinstance(answer, Gone):  # the worker is stopping
             return None
         if isinstance(answer, Failure):

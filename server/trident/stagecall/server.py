@@ -33,7 +33,9 @@ from typing import Callable
 
 from .. import auth, tracing
 from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
-from ..protocol import Call, Cancel, Deliver, Gone, Reply, StageMessage, Stats, Withdraw, encode_message, failure
+from ..protocol import (
+    Abandon, Call, Cancel, Deliver, Gone, Reply, StageMessage, Stats, Withdraw, encode_message, failure,
+)
 from .frames import read_message
 
 SOCKET_NAME = "calls.sock"
@@ -157,9 +159,15 @@ class StageServer:
         me = asyncio.current_task()
         self._connections.add(me)
         tasks: set[asyncio.Task] = set()
+        by_id: dict[int, asyncio.Task] = {}  # this connection's calls in progress
         try:
             while True:
                 message = await read_message(reader)
+                if isinstance(message, Abandon):  # the caller gave up on one of its calls: it stops
+                    if (abandoned := by_id.get(message.call)) is not None:
+                        abandoned.cancel()
+                    await self._write(writer, Reply(message.id))
+                    continue
                 if not isinstance(message, Call):
                     await self._control_message(writer, message)
                     continue
@@ -170,6 +178,8 @@ class StageServer:
                 for held in (tasks, self._calls):
                     held.add(task)
                     task.add_done_callback(held.discard)
+                by_id[message.id] = task
+                task.add_done_callback(lambda _, i=message.id: by_id.pop(i, None))
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # the other end went away, or the worker stops
         except MalformedRecord as e:
