@@ -34,7 +34,7 @@ from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_inst
 from ..repository import install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
-from .processes import descendants, is_stub, kill_left, remove_direct_socket
+from .processes import descendants, is_stub, kill_left, remove_direct_socket, stubs_of
 from .joined import JoinedWatch
 from .warmup import warm_up
 from .zygote import Forked, Zygote
@@ -473,7 +473,7 @@ class Launcher:
         # Triton first: it takes no new request and lets those in flight finish on the workers, which are still up
         # (then the workers have no model to unbind)
         if self.triton is not None:
-            stubs = [pid for pid in descendants(os.getpid()) if is_stub(pid)]
+            stubs = sorted({*(pid for pid in descendants(os.getpid()) if is_stub(pid)), *stubs_of(self.model_store)})
             self.triton.stop()
             self._reap(stubs)
         # a worker's own processes (vLLM's engine core and its worker) stop with it, unless it could not

@@ -69,3 +69,18 @@ def is_stub(pid: int) -> bool:
         return running_pid(pid) and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def stubs_of(model_store: Path) -> list[int]:
+    """The python-backend stubs of the models in ``model_store``, Triton's children or not: a stub whose Triton was
+    killed is init's, and one caught in a call to its dead parent (a metric update) does not exit by itself."""
+    store = str(model_store).encode() + b"/"
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"triton_python_backend_stub" in argv and store in argv:
+            found.append(int(entry.name))
+    return found

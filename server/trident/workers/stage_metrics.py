@@ -9,6 +9,7 @@ Runs in the stage model's python-backend stub (:mod:`.proxy_model`): no torch he
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -78,7 +79,10 @@ class StageMetrics:
         self._thread.start()
 
     def _run(self) -> None:
+        triton = os.getppid()
         while not self._stop.wait(INTERVAL_S):
+            if os.getppid() != triton:  # Triton is gone: a metric update would wait on it for good
+                return
             try:
                 stats = self._ask()
             except Exception as e:  # noqa: BLE001 - the next round asks again
