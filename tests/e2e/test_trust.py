@@ -292,7 +292,7 @@ quit
 
 
 def _refused_at_once(server) -> None:
-    """A draining server (SIGTERM, a stream still in flight): within a second it is not READY (Triton's readiness
+    """A draining server (SIGTERM, a stream still in flight): within seconds it is not READY (Triton's readiness
     and the OpenAI frontend's /health answer 503), and a new request on every way in is refused at once with
     ``Unavailable`` naming the shutdown (the OpenAI API: 503 with Retry-After; Triton's generate endpoint answers
     400 for every error of a decoupled model)."""
@@ -300,7 +300,7 @@ def _refused_at_once(server) -> None:
 
     t0 = time.monotonic()
     while requests.get(f"http://{server.http}/v2/health/ready", timeout=2).status_code == 200:
-        assert time.monotonic() - t0 < 1, "Triton still READY 1 s after SIGTERM"
+        assert time.monotonic() - t0 < 3, "Triton still READY 3 s after SIGTERM"
         time.sleep(0.02)
     assert requests.get(f"{server.openai_url.removesuffix('/v1')}/health", timeout=2).status_code == 503
     says = "the server is shutting down"
@@ -313,7 +313,7 @@ def _refused_at_once(server) -> None:
     r = requests.post(f"{server.openai_url}/completions",
                       json={"model": f"{SHARED_LLAVA_NAME}:e_p_d", "prompt": "Hi.", "max_tokens": 2}, timeout=10)
     assert r.status_code == 503 and says in r.json()["error"]["message"] and r.headers["Retry-After"], r.text
-    assert time.monotonic() - t0 < 2, "the refusals were not at once"
+    assert time.monotonic() - t0 < 5, "the refusals were not at once"  # (three requests, on a busy 2-core machine)
 
 
 def test_a_stopping_server_finishes_its_streams_refuses_new_requests_and_exits_cleanly(server, tmp_path):
