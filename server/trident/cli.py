@@ -317,7 +317,8 @@ def _add_worker(sub) -> None:
                    "next free instance <stage>-<n>; its schedulers pick it up within a second")
     _opt(w, "--name", WorkerSettings, "name", shown=None)
     w.add_argument("--access-token-file", metavar="PATH",
-                   help="file holding the server's repository-API token, printed by serve (env TRIDENT_ACCESS_TOKEN)")
+                   help="file holding the server's repository-API token (serve writes it to <workspace>/access-token; "
+                        "env TRIDENT_ACCESS_TOKEN)")
     w.add_argument("--transfer-secret-file", metavar="PATH",
                    help=f"file holding the server's record-signing key (env {signing.ENV}; a worker joining a "
                    "server on another host needs the secret that server was started with)")

@@ -202,7 +202,8 @@ def test_the_server_s_files_are_its_user_s_alone(server):
     """``trident serve`` starts everything under a 0077 umask: no folder of its workspace (worker files, stats,
     Triton's log, the model store; not the copy of Triton's own binaries) is open to other users, and no file the
     server writes there is (a file copied from a package, e.g. a stub's model.py, keeps its 0644 behind a 0700
-    folder). (The python backend's /dev/shm regions stay 0644: the backend sets their mode itself.)"""
+    folder). Nor are the python backend's /dev/shm regions, which carry every prompt and output: the backend sets
+    them 0644 itself, the shim Triton runs with (launcher/triton_shim.c) keeps them 0600."""
     import stat
 
     binaries = server.workspace / "triton" / "tritonserver"  # Triton itself, copied by PyTriton with its modes
@@ -210,12 +211,15 @@ def test_the_server_s_files_are_its_user_s_alone(server):
     open_to_others = [str(p) for p in paths if not p.is_symlink() and p.exists() and stat.S_IMODE(p.stat().st_mode) & 0o077
                       and (p.is_dir() or p.suffix != ".py")]
     assert not open_to_others, open_to_others[:10]
+    regions = list(Path("/dev/shm").glob(f"pytrtion{server.proc.pid}-*"))
+    assert regions and {oct(stat.S_IMODE(r.stat().st_mode)) for r in regions} == {"0o600"}, regions
 
 
 def test_no_secret_in_an_argv_and_none_in_the_frontend(server):
     """Neither the deployment secret nor the repository-API token is in the command line of any process the server
-    started (readable by every local user from /proc), Triton's aside (Triton 2.51 takes its token only there:
-    docs/security.md); the OpenAI frontend, which needs neither, is not given them."""
+    started (readable by every local user from /proc), Triton's included: Triton 2.51 takes its token only there,
+    so its command line holds a placeholder that the shim it runs with swaps for the token (launcher/triton_shim.c).
+    The OpenAI frontend, which needs neither, is not given them."""
     import os
 
     from support import descendants
@@ -227,9 +231,10 @@ def test_no_secret_in_an_argv_and_none_in_the_frontend(server):
             argvs[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:  # ended meanwhile
             continue
-    shown = [argv[:60] for argv in argvs.values() if b"tritonserver" not in argv.split(b"\0")[0]
-             and any(secret in argv for secret in secrets)]
+    shown = [argv[:60] for argv in argvs.values() if any(secret in argv for secret in secrets)]
     assert len(argvs) >= 10 and not shown, shown
+    triton = [argv for argv in argvs.values() if argv.split(b"\0")[0].endswith(b"/tritonserver")]
+    assert len(triton) == 1 and b"triton-access-token=@TRIDENT_ACCESS_TOKEN@" in triton[0], triton
     started = [line for line in server.log if line.startswith("[trident] started the OpenAI frontend (pid ")]
     frontend = int(started[-1].split("(pid ")[1].split(")")[0])
     environ = Path(f"/proc/{frontend}/environ").read_bytes()
@@ -342,6 +347,7 @@ def test_a_stopping_server_finishes_its_streams_refuses_new_requests_and_exits_c
             text.append(next_response().as_numpy("text_output").reshape(-1)[0].decode())
     assert "".join(text) == whole.text
     assert server.proc.wait(60) == 0, "\n".join(server.log[-30:])
+    assert not list(Path("/dev/shm").glob(f"pytrtion{server.proc.pid}-*"))  # the python backend's regions: removed
     # the stub has exited (or crashed, and gdb printed where)
     gdb_run.finish(tmp_path / "gdb.log")
     lines = gdb_run.lines

@@ -34,7 +34,8 @@ from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_inst
 from ..repository import install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
-from .processes import descendants, is_stub, kill_left, remove_direct_socket, stubs_of
+from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stubs_of
+from . import triton_shim
 from .joined import JoinedWatch
 from .warmup import warm_up
 from .zygote import Forked, Zygote
@@ -223,7 +224,7 @@ class Launcher:
         directory.create(self.workspace / "stages")  # Triton's stubs enter their workers here, for the schedulers
 
     def _start_triton(self) -> None:
-        from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+        from pytriton.triton import TRITON_ACCESS_HEADER, Triton, TritonConfig, TritonSecurityConfig
 
         self.out(
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
@@ -233,22 +234,26 @@ class Launcher:
 
         bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
         close_gate(self.model_store)
+        # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards. Triton
+        # reads it from its argv alone, so the argv holds a placeholder the preloaded shim swaps for it.
+        restriction = triton_shim.restriction(["model-repository", "shared-memory", "trace", "logging"],
+                                              TRITON_ACCESS_HEADER)
         config = TritonConfig(
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
             metrics_port=self.s.metrics_port, exit_timeout_secs=self.s.drain_s, log_verbose=0,
             log_file=self.workspace / "triton.log", exit_on_error=False,  # (the gate fails to load, by design)
             # GPU metrics need NVML; without an NVIDIA driver, asking for them only prints an error at start
             allow_gpu_metrics=None if shutil.which("nvidia-smi") else False,
+            http_restricted_api=restriction, grpc_restricted_protocol=restriction,
         )
         self.triton = Triton(
             config=config,
             workspace=self._triton_workspace,
-            # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards.
-            security_config=TritonSecurityConfig(
-                access_token=self.token, restricted_endpoints=["model-repository", "shared-memory", "trace", "logging"]
-            ),
+            # PyTriton's own calls carry the token; the restriction is the config's above, not PyTriton's (with argv)
+            security_config=TritonSecurityConfig(access_token=self.token, restricted_endpoints=[]),
         )
-        self.triton.run()
+        with triton_shim.preloaded(triton_shim.build(self.workspace), self.token):
+            self.triton.run()
 
     def worker_settings(self, name: str) -> WorkerSettings:
         """What the worker bound as model ``name`` (``<stage>`` or ``<stage>-<n>``) gets, whole, as JSON."""
@@ -476,6 +481,8 @@ class Launcher:
             stubs = sorted({*(pid for pid in descendants(os.getpid()) if is_stub(pid)), *stubs_of(self.model_store)})
             self.triton.stop()
             self._reap(stubs)
+            if regions := remove_shm_regions(os.getpid()):
+                self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
         # a worker's own processes (vLLM's engine core and its worker) stop with it, unless it could not
         # stop them (an engine still starting): whatever of them outlives it is killed
         trees = {stage: descendants(proc.pid) for stage, proc in self.workers.items()}

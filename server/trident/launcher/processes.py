@@ -84,3 +84,17 @@ def stubs_of(model_store: Path) -> list[int]:
         if b"triton_python_backend_stub" in argv and store in argv:
             found.append(int(entry.name))
     return found
+
+
+def remove_shm_regions(owner_pid: int, folder: Path = Path("/dev/shm")) -> int:
+    """Unlink the python backend's shared-memory regions of the Triton that the process ``owner_pid`` started
+    (PyTriton names them ``pytrtion<pid>-...``), once it and its stubs are gone: a stub that is killed leaves its
+    regions behind, 4 MiB each, in memory until the host restarts. Returns how many were removed."""
+    removed = 0
+    for region in folder.glob(f"pytrtion{owner_pid}-*"):
+        try:
+            region.unlink()
+            removed += 1
+        except OSError:  # (not ours, or gone meanwhile)
+            pass
+    return removed

@@ -1,0 +1,54 @@
+"""The library ``tritonserver`` runs with (``triton_shim.c``, by LD_PRELOAD): its repository-API token out of its
+command line, and the python backend's /dev/shm regions its user's alone.
+
+Triton 2.51 takes the token only on its command line, where any local user reads it from /proc/<pid>/cmdline; the
+launcher writes :data:`PLACEHOLDER` there and hands the token over by environment (readable by the same user alone),
+and the library swaps them before Triton's ``main`` runs. A Triton started without the library keeps the
+placeholder as its token: it refuses the launcher's repository calls and start-up fails, never open."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+PLACEHOLDER = "@TRIDENT_ACCESS_TOKEN@"
+TOKEN_ENV = "TRIDENT_ACCESS_TOKEN"
+SOURCE = Path(__file__).with_name("triton_shim.c")
+
+
+def build(folder: Path) -> Path:
+    """Compile the library into ``folder`` (the server's workspace, its user's alone) and return its path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("a C compiler (cc) is needed to keep Triton's access token out of its command line "
+                           "(e.g. apt-get install gcc)")
+    library = folder / "triton_shim.so"
+    done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(library), str(SOURCE), "-ldl"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
+    return library
+
+
+def restriction(endpoints: list[str], header: str) -> str:
+    """Triton's ``--http-restricted-api`` / ``--grpc-restricted-protocol`` value, with the placeholder for the token."""
+    return f"{','.join(endpoints)}:{header}={PLACEHOLDER}"
+
+
+@contextlib.contextmanager
+def preloaded(library: Path, token: str):
+    """Within it, the processes started (Triton) get the library and the token by environment."""
+    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV)}
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, [str(library), saved["LD_PRELOAD"]]))
+    os.environ[TOKEN_ENV] = token
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,55 @@
+"""The library tritonserver runs with (launcher/triton_shim.c), tried on a Python process: the token reaches main's
+argv while the command line other users can read keeps the placeholder, and /dev/shm files stay 0600."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from trident.launcher import triton_shim
+
+CHILD = """
+import os, sys
+print(sys.argv[1])
+print(open("/proc/self/cmdline", "rb").read().split(b"\\0")[3].decode())
+print(os.environ.get("TRIDENT_ACCESS_TOKEN", "(unset)"))
+for path in sys.argv[2:]:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    os.fchmod(fd, 0o644)  # as the python backend sets its regions
+    print(oct(os.fstat(fd).st_mode & 0o777))
+    os.close(fd)
+    os.unlink(path)
+"""
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return triton_shim.build(tmp_path_factory.mktemp("shim"))
+
+
+def _run(library, env_token, *args):
+    env = {k: v for k, v in os.environ.items() if k != triton_shim.TOKEN_ENV}
+    env["LD_PRELOAD"] = str(library)
+    if env_token is not None:
+        env[triton_shim.TOKEN_ENV] = env_token
+    return subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_token_reaches_main_and_never_the_command_line(library, tmp_path):
+    shm, plain = f"/dev/shm/trident-test-{uuid.uuid4().hex}", tmp_path / "plain"
+    arg = triton_shim.restriction(["model-repository", "logging"], "triton-access-token")
+    done = _run(library, "s3cret-token", arg, shm, str(plain))
+    assert done.returncode == 0, done.stderr
+    argv, cmdline, environ, shm_mode, plain_mode = done.stdout.split()
+    assert argv == "model-repository,logging:triton-access-token=s3cret-token"
+    assert cmdline == arg == "model-repository,logging:triton-access-token=@TRIDENT_ACCESS_TOKEN@"
+    assert environ == "(unset)"  # (not handed on to the stubs it starts)
+    assert (shm_mode, plain_mode) == ("0o600", "0o644")  # only /dev/shm is kept private
+
+
+def test_without_the_token_the_process_does_not_start(library):
+    done = _run(library, None, triton_shim.restriction(["logging"], "h"))
+    assert done.returncode == 78 and "TRIDENT_ACCESS_TOKEN is not set" in done.stderr
+    assert done.stdout == ""
