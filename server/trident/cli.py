@@ -31,7 +31,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from .config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, WorkerSettings
+from .config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, TransferConfig, WorkerSettings
+from .netutil import route_address
 from . import signing
 from .protocol import MODES, STAGES
 
@@ -220,7 +221,7 @@ def _add_serve(sub) -> None:
     sec = sv.add_argument_group("secrets (from files only you can read, or environment variables; never argv)")
     sec.add_argument("--access-token-file", metavar="PATH",
                      help="file holding the token of Triton's repository API (env TRIDENT_ACCESS_TOKEN; default: "
-                     "generated and printed)")
+                     "generated into <workspace>/access-token, readable by you alone)")
     _serve_flag(sec, "--api-key-file", metavar="PATH", shown="none: the OpenAI API is open")
     sec.add_argument("--transfer-secret-file", metavar="PATH",
                      help="file holding the deployment's key for signing the records stages hand on; workers on "
@@ -286,6 +287,8 @@ def _worker(args: argparse.Namespace) -> int:
         settings = WorkerSettings(
             stage=args.stage, name=args.name, free_name=bool(args.join and not args.name), model=args.model, url=url, backend=args.backend, threads=args.threads,
             model_store=args.model_store, stats_dir=args.stats_dir, embedding_cache_bytes=args.embedding_cache_mib * MiB,
+            # its data plane (NIXL, its TCP stage sockets) on the address it reaches the server from
+            transfer=TransferConfig(data_address=route_address(url)),
         )
     torch.set_num_threads(settings.threads)
     return _end_process(run_worker(settings, token))

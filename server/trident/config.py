@@ -336,7 +336,10 @@ class ServeSettings(_Settings):
     transfer: TransferConfig = Field(TransferConfig(), description="each worker's NIXL transfer endpoint")
     scheduler: Scheduler = Field("bls", description="what the entry models are: bls (Trident's scheduler) or ensemble")
     scheduling: SchedulerConfig = Field(SchedulerConfig(), description="the BLS scheduler's decisions")
-    instances: dict[str, int] = Field(default_factory=dict, description="workers per stage (default 1 each)")
+    instances: dict[str, int] = Field(
+        default_factory=dict, description="workers per stage on this host (default 1 each); 0: none here, the "
+        "stage's instances join from other hosts (`trident worker STAGE --join URL`) and serve waits for one"
+    )
     embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
     max_inflight: int = Field(
         64, ge=1, description="requests each stage worker takes at once; one more is refused at once with 503 "
@@ -358,8 +361,8 @@ class ServeSettings(_Settings):
         for stage, count in v.items():
             if stage not in STAGES:
                 raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
-            if count < 1:
-                raise ValueError(f"{stage}={count}: a stage runs at least one instance")
+            if count < 0:
+                raise ValueError(f"{stage}={count}: a count of workers is 0 or more")
         return v
 
     @field_validator("modes", "load", mode="before")

@@ -41,3 +41,18 @@ def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         if len(found) == n:
             return found
     raise OSError(f"no {n} free ports between {start} and {low}")
+
+
+def route_address(url: str) -> str:
+    """This host's address on the way to ``url``'s host (no packet is sent): loopback for a server on this host,
+    else the address of the interface the route to it leaves by, where the server and other hosts reach this one."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or "127.0.0.1"
+    try:  # IPv4 where the name has it
+        family, _, _, _, where = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0]
+    except socket.gaierror:
+        family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(where)
+        return probe.getsockname()[0]

@@ -129,8 +129,10 @@ class Launcher:
         # The workers take the longest (their engines load): their zygote starts importing first (once the workspace,
         # which the environment it inherits names, is made), Triton and the frontend beside it, and the workers bind
         # their stage models into Triton's repository once it answers.
+        joining = [stage for stage in stages_for(self.s.modes) if self.s.instances.get(stage, 1) == 0]
         self._make_triton_workspace()
-        self._start_zygote()
+        if names:  # (a head whose stages all join from other hosts forks none)
+            self._start_zygote()
         self._start_triton()
         if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
             frontend = self._spawn_frontend()
@@ -146,8 +148,11 @@ class Launcher:
                 scheduler=self.s.scheduler, scheduling=self.s.scheduling,
             )
         load = self.s.load if self.s.load is not None else self.s.modes
-        self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
+        if names:
+            self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
         self._wait_ready(names)
+        if joining:
+            self._wait_joined(joining)
         # once their stages are bound: an entry model loads only when a request to it would be served (the BLS
         # refuses to load otherwise, an ensemble needs its steps)
         loading = [self._load_beside(mode) for mode in load]
@@ -282,8 +287,9 @@ class Launcher:
     def _start_worker(self, name: str) -> None:
         # (a session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops everything in order;
         # vLLM's engine process, sent it too, died under its worker and each worker printed a traceback)
-        if not self._zygote.alive:
-            self.out("[trident] the workers' zygote exited; starting it again")
+        if self._zygote is None or not self._zygote.alive:
+            if self._zygote is not None:
+                self.out("[trident] the workers' zygote exited; starting it again")
             self._start_zygote()
         self.workers[name] = self._zygote.spawn(["worker", "--settings", self.worker_settings(name).model_dump_json()])
         self._started_at[name] = time.monotonic()
@@ -361,6 +367,32 @@ class Launcher:
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
             time.sleep(0.2)
+
+    def _wait_joined(self, stages: list[str]) -> None:
+        """Wait, for as long as it takes (not READY meanwhile), until each stage with no worker on this host has an
+        instance that joined from another host; the workers of this host must stay up meanwhile."""
+        join = f"trident worker STAGE --model PATH --join http://<this host>:{self.s.http_port}"
+        self.out(f"[trident] waiting for stage hosts to join: {', '.join(stages)} (`{join}` on each)")
+        said, missing = time.monotonic(), set(stages)
+        while missing:
+            for name, proc in self.workers.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker {name} exited with code {proc.returncode} during start-up")
+            # (a joined worker's stage model is not in this repository: its files came with its load request)
+            with self._client(network_timeout=5) as client:
+                for name in [instance_name(stage, n) for stage in sorted(missing) for n in range(1, 5)]:
+                    try:
+                        ready = client.is_model_ready(name)
+                    except Exception:  # noqa: BLE001 - Triton still settling
+                        ready = False
+                    if ready and parse_instance(name)[0] in missing:
+                        missing.discard(parse_instance(name)[0])
+                        self.out(f"[trident] stage model {name} joined")
+            if missing and time.monotonic() - said > 60:
+                said = time.monotonic()
+                self.out(f"[trident] still waiting for stage hosts to join: {', '.join(sorted(missing))}")
+            if missing:
+                time.sleep(0.5)
 
     def load_entry_model(self, mode: str) -> None:
         # Triton loads one model at a time: a load may wait for the others
@@ -551,7 +583,7 @@ def _say(line: str) -> None:
 
 def serve(settings: ServeSettings) -> int:
     # every file the server and the processes it starts write (its workspace: worker files, stats, Triton's log, the
-    # model store) is its user's alone (the python backend's /dev/shm regions are not: it sets their mode itself)
+    # model store) is its user's alone (the python backend's /dev/shm regions too: launcher/triton_shim.c)
     os.umask(0o077)
     launcher = Launcher(settings)
 

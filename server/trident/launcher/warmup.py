@@ -25,7 +25,7 @@ def warm_up(http_url: str, model_path: str, modes, instances: dict[str, int], ou
     kind = family.modalities[0]
     params = json.dumps({"max_tokens": 2, "temperature": 0})
     for mode in modes:
-        for i in range(max(instances.get(stage, 1) for stage in MODES[mode])):
+        for i in range(max(1, *(instances.get(stage, 1) for stage in MODES[mode]))):  # (0: they joined)
             body = json.dumps({
                 "text_input": f"{family.placeholders[kind].text}\nWarm-up.", kind: [warm_up_item(kind, i)],
                 "sampling_parameters": params,

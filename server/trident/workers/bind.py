@@ -152,6 +152,27 @@ def _block_bytecode(model_store: str, stage: str) -> None:
     blocker.touch()
 
 
+def _wait_for_server(url: str) -> None:
+    """Until the Triton at ``url`` answers as live, for as long as it takes (one log line if it does not at once)."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=5)
+    said = False
+    try:
+        while True:
+            try:
+                if client.is_server_live():
+                    return
+            except Exception:  # noqa: BLE001 - not up yet, or not reachable yet
+                pass
+            if not said:
+                log.warning("waiting for the server at %s to answer", url)
+                said = True
+            time.sleep(1.0)
+    finally:
+        client.close()
+
+
 def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | None:
     """The instance name to bind as, checked against the server just before binding; None when another
     worker serves it or is loading it.
@@ -186,6 +207,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     from .infer import make_handler
 
     bind_when_live()
+    if settings.free_name:  # a worker that joins may start before its server (pods of a cluster start together)
+        _wait_for_server(settings.url)
     spec = STAGES[settings.stage]
     if settings.backend == "vllm":
         # vLLM's engine processes talk over ZeroMQ IPC socket files in VLLM_RPC_BASE_PATH (default: the system's

@@ -1,0 +1,93 @@
+"""A head with no stage worker of its own (``instances`` 0 for each of its stages): Triton, the BLS and nothing
+else. Its EP/D stages join from two hosts (:mod:`support.hosts`: nothing crosses but TCP), each worker started with
+the command the Helm chart's stage containers run (:func:`support.roles.worker_argv`; its data address the one
+it reaches the head from). The head is not READY until both have joined, then serves model.generate()'s tokens."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import Server, build_reference, grpc_generate
+from support.hosts import Hosts, unavailable
+from support.roles import head_settings, python_argv, worker_argv
+
+WHY = unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
+
+MODES = ["ep_d"]
+STAGES = ("encode_prefill", "decode")
+GREEDY = {"max_tokens": 6, "temperature": 0}
+CASES = {"text": [], **{f"image-{i}": [(224, 224, 800 + i)] for i in range(2)}}
+CHECKOUT = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture(scope="module")
+def head(demo_models, tmp_path_factory, shared_servers):
+    """The head (from the pool of shared servers: whatever ran before stops first) and its two stage hosts;
+    ``head.not_ready_before_join``: what Triton's readiness said while it waited for them."""
+    import requests
+
+    model = demo_models["llava"]
+
+    def start() -> Server:
+        hosts, srv = Hosts(list(STAGES)), None
+        try:
+            srv = Server(model, tmp_path_factory.mktemp("head") / "ws", modes=MODES,
+                         config={**head_settings(MODES), "scheduling": {"local_prefill_tokens": 0}})
+            srv.hosts, srv.joined = hosts, {}
+            deadline = time.monotonic() + 120
+            while not any(line.startswith("[trident] waiting for stage hosts to join") for line in srv.log):
+                assert srv.proc.poll() is None and time.monotonic() < deadline, "\n".join(srv.log[-20:])
+                time.sleep(0.2)
+            srv.not_ready_before_join = requests.get(f"http://{srv.http}/v2/health/ready", timeout=5).status_code
+            # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told
+            env = dict(os.environ, TRIDENT_ACCESS_TOKEN=srv.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
+            url = f"http://{hosts.head_address}:{srv.http_port}"
+            for stage in STAGES:
+                srv.joined[stage] = hosts[stage].popen(python_argv(worker_argv(stage, model, url)), env=env,
+                                                      copies=(model, CHECKOUT))
+            srv.wait_ready(timeout=240)
+        except BaseException:
+            try:
+                if srv is not None:
+                    srv.stop()
+            finally:
+                hosts.close()
+            raise
+        return srv
+
+    def stop(srv: Server) -> None:
+        try:
+            assert srv.stop() == 0, "\n".join(srv.log[-20:])
+            # the workers lose their head: they stop when told (the test's hosts stop them)
+        finally:
+            srv.hosts.close()
+
+    return shared_servers.get(("llava", "head-alone"), start, stop)
+
+
+@pytest.fixture(scope="module")
+def ref(head):
+    return build_reference(head.model_path, CASES, GREEDY["max_tokens"])
+
+
+def test_a_head_starts_no_worker_and_is_not_ready_until_its_stages_join(head):
+    assert not [line for line in head.log if line.startswith("[trident] started worker")], head.log
+    assert head.not_ready_before_join != 200
+    joined = sorted(line.split("stage model ")[1].split()[0] for line in head.log if line.endswith(" joined"))
+    assert joined == ["decode-2", "encode_prefill-2"], joined
+
+
+def test_its_stages_on_other_hosts_give_the_reference_tokens(head, ref):
+    """Every request goes head -> encode_prefill host -> decode host (the KV over UCX's TCP between the two
+    hosts), with and without an image, each answer model.generate()'s."""
+    for case in ref.values():
+        assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True).text \
+            == case["expected"]
+        assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=False).text \
+            == case["expected"]
