@@ -288,7 +288,7 @@ def _worker(args: argparse.Namespace) -> int:
             stage=args.stage, name=args.name, free_name=bool(args.join and not args.name), model=args.model, url=url, backend=args.backend, threads=args.threads,
             model_store=args.model_store, stats_dir=args.stats_dir, embedding_cache_bytes=args.embedding_cache_mib * MiB,
             # its data plane (NIXL, its TCP stage sockets) on the address it reaches the server from
-            transfer=TransferConfig(data_address=route_address(url)),
+            transfer=TransferConfig(data_address=route_address(url)), health_port=args.health_port,
         )
     torch.set_num_threads(settings.threads)
     return _end_process(run_worker(settings, token))
@@ -319,6 +319,7 @@ def _add_worker(sub) -> None:
     w.add_argument("--join", metavar="URL", help="add this worker to a running server at URL (Triton HTTP) as the "
                    "next free instance <stage>-<n>; its schedulers pick it up within a second")
     _opt(w, "--name", WorkerSettings, "name", shown=None)
+    _opt(w, "--health-port", WorkerSettings, "health_port", type=int, shown=None)
     w.add_argument("--access-token-file", metavar="PATH",
                    help="file holding the server's repository-API token (serve writes it to <workspace>/access-token; "
                         "env TRIDENT_ACCESS_TOKEN)")

@@ -207,6 +207,11 @@ class WorkerSettings(_Settings):
         64, ge=1, description="requests this worker takes at once; one more is refused at once with 503 and "
         "Retry-After rather than queued"
     )
+    health_port: int | None = Field(
+        None, ge=1, le=65535, description="port of its GET /health on its data address (200 while it serves; for a "
+        "cluster's probes)"
+    )
+
     @field_validator("stage")
     @classmethod
     def _known_stage(cls, v: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from support import Server, build_reference, grpc_generate
 from support.hosts import Hosts, unavailable
-from support.roles import head_settings, python_argv, worker_argv
+from support.roles import HEALTH_PORT, head_settings, python_argv, worker_argv
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
@@ -81,6 +81,18 @@ def test_a_head_starts_no_worker_and_is_not_ready_until_its_stages_join(head):
     assert head.not_ready_before_join != 200
     joined = sorted(line.split("stage model ")[1].split()[0] for line in head.log if line.endswith(" joined"))
     assert joined == ["decode-2", "encode_prefill-2"], joined
+
+
+def test_a_stage_worker_s_health_is_200_while_it_serves(head):
+    """The probe the chart's stage containers have: GET /health on the worker's data address (the address it
+    reaches the head from: its host's), 200 while bound; anything else there is a 404."""
+    import requests
+
+    for stage in STAGES:
+        url = f"http://{head.hosts[stage].address}:{HEALTH_PORT}"
+        reply = requests.get(f"{url}/health", timeout=5)
+        assert (reply.status_code, reply.text) == (200, "serving")
+        assert requests.get(f"{url}/metrics", timeout=5).status_code == 404
 
 
 def test_its_stages_on_other_hosts_give_the_reference_tokens(head, ref):

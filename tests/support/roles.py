@@ -6,10 +6,13 @@ from __future__ import annotations
 from trident.protocol import stages_for
 
 
+HEALTH_PORT = 8080  # a stage worker's GET /health, on its data address (the chart's probes)
+
+
 def worker_argv(stage: str, model: str, head_url: str) -> list[str]:
     """A stage host's worker, joining the head at ``head_url`` (its data address: the one it reaches the head
     from; its secrets from the environment)."""
-    return ["trident", "worker", stage, "--model", model, "--join", head_url]
+    return ["trident", "worker", stage, "--model", model, "--join", head_url, "--health-port", str(HEALTH_PORT)]
 
 
 def head_argv(config: str) -> list[str]:

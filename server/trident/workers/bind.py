@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..config import WorkerSettings
 from ..protocol import NAME_TAKEN_EXIT, STAGES, WORKER_FILE, instance_name
+from .health import Health
 
 log = logging.getLogger("trident.worker")
 _PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
@@ -207,6 +208,7 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     from .infer import make_handler
 
     bind_when_live()
+    health = Health(settings.transfer.data_address, settings.health_port) if settings.health_port else None
     if settings.free_name:  # a worker that joins may start before its server (pods of a cluster start together)
         _wait_for_server(settings.url)
     spec = STAGES[settings.stage]
@@ -218,6 +220,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     engine = build_engine(settings)
     name = _claim_name(settings, access_token)
     if name is None:
+        if health:
+            health.state = "not bound"
         log.error("worker %s: another worker already serves stage model %s; not binding",
                   settings.model_name, settings.model_name)
         engine.close()
@@ -256,10 +260,14 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
             # a worker `trident serve` started: its server says when the stage model is ready; one joined by hand says it
             (log.info if settings.model_store else log.warning)(
                 "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
+            if health:
+                health.state = "serving"
             triton.serve()
     except KeyboardInterrupt:
         pass
     finally:
+        if health:
+            health.state = "stopping"
         server.stop()  # the stage model is unbound: the calls taken finish, later ones are answered Gone
         stop.set()
         engine.close()
