@@ -175,8 +175,13 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
 def _serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
     from .launcher import serve
+    from .launcher.startup import StartupError
 
-    return serve(settings)
+    try:
+        return serve(settings)
+    except StartupError as e:  # (everything started is stopped by then)
+        print(f"trident serve: {e}", file=sys.stderr)
+        return 1
 
 
 def _serve_flag(group, flag: str, shown: Any = None, **kwargs) -> None:
@@ -270,6 +275,9 @@ def _add_frontend(sub) -> None:
 
 # -- worker -----------------------------------------------------------------------------------------------
 def _worker(args: argparse.Namespace) -> int:
+    # quiet by default, as the workers serve starts (NIXL logs every agent at INFO, transformers draws a bar)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
 
     from .workers.bind import run_worker

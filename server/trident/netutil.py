@@ -56,3 +56,17 @@ def route_address(url: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(where)
         return probe.getsockname()[0]
+
+
+def taken_ports(host: str, ports: list[int]) -> list[int]:
+    """Those of ``ports`` another process listens on at ``host`` (as a server binds: SO_REUSEADDR)."""
+    taken = []
+    for port in ports:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken

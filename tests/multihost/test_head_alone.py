@@ -26,6 +26,11 @@ CASES = {"text": [], **{f"image-{i}": [(224, 224, 800 + i)] for i in range(2)}}
 CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 
+def _head(model: str, tmp_path_factory, ports=None) -> Server:
+    return Server(model, tmp_path_factory.mktemp("head") / "ws", modes=MODES, ports=ports,
+                  config={**head_settings(MODES), "scheduling": {"local_prefill_tokens": 0}})
+
+
 @pytest.fixture(scope="module")
 def head(demo_models, tmp_path_factory, shared_servers):
     """The head (from the pool of shared servers: whatever ran before stops first) and its two stage hosts;
@@ -37,8 +42,7 @@ def head(demo_models, tmp_path_factory, shared_servers):
     def start() -> Server:
         hosts, srv = Hosts(list(STAGES)), None
         try:
-            srv = Server(model, tmp_path_factory.mktemp("head") / "ws", modes=MODES,
-                         config={**head_settings(MODES), "scheduling": {"local_prefill_tokens": 0}})
+            srv = _head(model, tmp_path_factory)
             srv.hosts, srv.joined = hosts, {}
             deadline = time.monotonic() + 120
             while not any(line.startswith("[trident] waiting for stage hosts to join") for line in srv.log):
@@ -103,3 +107,25 @@ def test_its_stages_on_other_hosts_give_the_reference_tokens(head, ref):
             == case["expected"]
         assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=False).text \
             == case["expected"]
+
+
+def test_a_restarted_head_gets_its_stage_hosts_back_without_touching_them(head, ref, tmp_path_factory):
+    """The module's last test. The head stops (SIGTERM) and a new one starts on the same ports, with the same
+    secrets: the stage hosts' workers, left alone, see their stage models gone, wait for the head and bind again
+    (the same names), and the new head serves model.generate()'s tokens once they have. No worker restarted."""
+    assert head.stop() == 0, "\n".join(head.log[-20:])
+    t0 = time.monotonic()
+    again = _head(head.model_path, tmp_path_factory,
+                  ports=(head.http_port, head.grpc_port, head.metrics_port, head.openai_port))
+    try:
+        again.wait_ready(timeout=120)
+        took = time.monotonic() - t0
+        joined = sorted(line.split("stage model ")[1].split()[0] for line in again.log if line.endswith(" joined"))
+        assert joined == ["decode-2", "encode_prefill-2"], again.log
+        assert all(proc.poll() is None for proc in head.joined.values())  # the same processes
+        for case in ref.values():
+            assert grpc_generate(again.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True).text \
+                == case["expected"]
+        print(f"the new head was READY {took:.1f} s after the old one stopped")
+    finally:
+        assert again.stop() == 0, "\n".join(again.log[-20:])

@@ -9,10 +9,11 @@ from trident.protocol import stages_for
 HEALTH_PORT = 8080  # a stage worker's GET /health, on its data address (the chart's probes)
 
 
-def worker_argv(stage: str, model: str, head_url: str) -> list[str]:
+def worker_argv(stage: str, model: str, head_url: str, backend: str = "hf") -> list[str]:
     """A stage host's worker, joining the head at ``head_url`` (its data address: the one it reaches the head
     from; its secrets from the environment)."""
-    return ["trident", "worker", stage, "--model", model, "--join", head_url, "--health-port", str(HEALTH_PORT)]
+    argv = ["trident", "worker", stage, "--model", model, "--join", head_url, "--health-port", str(HEALTH_PORT)]
+    return argv + (["--backend", backend] if backend != "hf" else [])
 
 
 def head_argv(config: str) -> list[str]:

@@ -27,14 +27,15 @@ class Server:
 
     ``config`` holds settings of its config file (``--config``: keys of docs/configuration.md, nested as dicts),
     ``extra`` more command-line arguments; ``faults``: its workers inject the faults a prompt's markers name
-    (`tests/support/faults`). The config file and the access-token file are written beside the
-    workspace, in ``<workspace>.serve/``."""
+    (`tests/support/faults`); ``ports``: its HTTP, gRPC, metrics and OpenAI ports (default: free ones). The config
+    file and the access-token file are written beside the workspace, in ``<workspace>.serve/``."""
 
     def __init__(
         self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
         extra: list[str] | None = None, config: dict | None = None, faults: bool = False,
+        ports: tuple[int, int, int, int] | None = None,
     ) -> None:
-        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = ports or free_ports(4)
         self.model_path = model
         self.openai_host = (config or {}).get("openai_host", "127.0.0.1")
         self.workspace = workspace = Path(workspace)

@@ -197,3 +197,24 @@ def test_docs_configuration_md_is_what_the_generator_prints():
 def test_media_limits_defaults_are_unchanged_by_byte_sizes():
     assert MediaLimits().max_bytes == 32 * MiB
     assert MediaLimits.model_validate_json(MediaLimits(max_bytes="1 MiB").model_dump_json()).max_bytes == MiB
+
+
+def test_serve_with_a_port_in_use_says_which_and_exits_1_at_once(tmp_path):
+    """Before anything starts: Triton would exit on it, and PyTriton wait two minutes for it."""
+    import socket
+    import subprocess
+    import sys
+
+    from trident.netutil import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", grpc))
+        holder.listen()
+        done = subprocess.run([sys.executable, "-m", "trident.cli", "serve", "--model", str(tmp_path), "--http-port",
+                               str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0",
+                               "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"trident serve: ports in use: gRPC 127.0.0.1:{grpc} (another " \
+        "server, or one still stopping?)"
+    assert "Traceback" not in done.stderr

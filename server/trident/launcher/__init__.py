@@ -29,11 +29,12 @@ from pathlib import Path
 
 from .. import drain, signing, tracing
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
-from ..netutil import listen_ports
+from ..netutil import listen_ports, taken_ports
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
+from .startup import StartupError
 from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stubs_of
 from . import triton_shim
 from .joined import JoinedWatch
@@ -108,10 +109,12 @@ class Launcher:
     # -- start ------------------------------------------------------------------------------------
     def start(self) -> None:
         t0 = time.monotonic()
+        self._check_ports()
         missing = {m: s for m in (self.s.load or ()) for s in MODES[m] if s not in stages_for(self.s.modes)}
         if missing:
             raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
-        probe = self._probe_backend()  # answered while the model folder is found
+        local = any(self.s.instances.get(stage, 1) for stage in stages_for(self.s.modes))
+        probe = self._probe_backend() if local else None  # answered while the model folder is found
         if self.model_path is None:
             from ..dev.demo import default_demo_model
 
@@ -173,6 +176,16 @@ class Launcher:
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
         )
 
+    def _check_ports(self) -> None:
+        """Fail at once, naming them, when a port of the server's is taken (Triton would exit, and PyTriton wait)."""
+        ports = {"HTTP": (self.s.host, self.s.http_port), "gRPC": (self.s.host, self.s.grpc_port),
+                 "metrics": (self.s.host, self.s.metrics_port)}
+        if self.s.openai_port:
+            ports["OpenAI"] = (self.openai_host, self.s.openai_port)
+        taken = [f"{what} {host}:{port}" for what, (host, port) in ports.items() if taken_ports(host, [port])]
+        if taken:
+            raise StartupError(f"ports in use: {', '.join(taken)} (another server, or one still stopping?)")
+
     def _probe_backend(self) -> subprocess.Popen | None:
         """With ``--backend vllm``: whether the workers' Python can import vllm, asked now, answered to
         :meth:`_check_backend`."""
@@ -186,7 +199,7 @@ class Launcher:
             return
         python = self.s.worker_python or sys.executable
         if probe.wait() != 0:
-            raise RuntimeError(
+            raise StartupError(
                 f"--backend vllm: the workers' Python ({python}) cannot import vllm. Install it with "
                 "`make install-vllm` and pass --worker-python .venv-vllm/bin/python (or set TRIDENT_WORKER_PYTHON)"
             )
@@ -230,6 +243,7 @@ class Launcher:
 
     def _start_triton(self) -> None:
         from pytriton.triton import TRITON_ACCESS_HEADER, Triton, TritonConfig, TritonSecurityConfig
+
 
         self.out(
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
@@ -325,9 +339,9 @@ class Launcher:
         deadline = time.monotonic() + 60
         while not self._frontend_up():
             if proc.poll() is not None:
-                raise RuntimeError(f"the OpenAI frontend exited with code {proc.returncode} during start-up")
+                raise StartupError(f"the OpenAI frontend exited with code {proc.returncode} during start-up")
             if time.monotonic() > deadline:
-                raise TimeoutError("the OpenAI frontend did not answer /health within 60 s") from None
+                raise StartupError("the OpenAI frontend did not answer /health within 60 s") from None
             time.sleep(0.2)
 
     @contextlib.contextmanager
@@ -357,7 +371,7 @@ class Launcher:
             for name in list(pending):
                 proc = self.workers[name]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"worker {name} exited with code {proc.returncode} during start-up")
+                    raise StartupError(f"worker {name} exited with code {proc.returncode} during start-up")
                 try:
                     if client.is_model_ready(name):
                         pending.discard(name)
@@ -365,7 +379,7 @@ class Launcher:
                 except Exception:  # server still settling
                     pass
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
+                raise StartupError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
             time.sleep(0.2)
 
     def _wait_joined(self, stages: list[str]) -> None:
@@ -377,7 +391,7 @@ class Launcher:
         while missing:
             for name, proc in self.workers.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"worker {name} exited with code {proc.returncode} during start-up")
+                    raise StartupError(f"worker {name} exited with code {proc.returncode} during start-up")
             # (a joined worker's stage model is not in this repository: its files came with its load request)
             with self._client(network_timeout=5) as client:
                 for name in [instance_name(stage, n) for stage in sorted(missing) for n in range(1, 5)]:

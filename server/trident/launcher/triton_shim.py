@@ -14,6 +14,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .startup import StartupError
+
 PLACEHOLDER = "@TRIDENT_ACCESS_TOKEN@"
 TOKEN_ENV = "TRIDENT_ACCESS_TOKEN"
 SOURCE = Path(__file__).with_name("triton_shim.c")
@@ -23,13 +25,13 @@ def build(folder: Path) -> Path:
     """Compile the library into ``folder`` (the server's workspace, its user's alone) and return its path."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise RuntimeError("a C compiler (cc) is needed to keep Triton's access token out of its command line "
+        raise StartupError("a C compiler (cc) is needed to keep Triton's access token out of its command line "
                            "(e.g. apt-get install gcc)")
     library = folder / "triton_shim.so"
     done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(library), str(SOURCE), "-ldl"],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
+        raise StartupError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
     return library
 
 

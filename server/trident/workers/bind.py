@@ -174,6 +174,25 @@ def _wait_for_server(url: str) -> None:
         client.close()
 
 
+def _watch_server(url: str, name: str, misses: int = 3) -> None:
+    """Return once the server at ``url`` has not shown stage model ``name`` ready ``misses`` times in a row, a
+    second apart (it is gone, or restarted without it). Each look is a connection of its own, closed at once: a
+    stopping Triton waits for its open HTTP connections."""
+    import urllib.error
+    import urllib.request
+
+    base = url if "://" in url else f"http://{url}"
+    missed = 0
+    while missed < misses:
+        time.sleep(1.0)
+        try:
+            with urllib.request.urlopen(f"{base}/v2/models/{name}/ready", timeout=5) as reply:
+                ready = reply.status == 200
+        except (urllib.error.URLError, OSError):  # (HTTPError: not ready; the others: not reachable)
+            ready = False
+        missed = 0 if ready else missed + 1
+
+
 def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | None:
     """The instance name to bind as, checked against the server just before binding; None when another
     worker serves it or is loading it.
@@ -248,21 +267,33 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     if settings.model_store:
         _block_bytecode(settings.model_store, name)
     try:
-        with _remote_triton(settings.url, access_token, settings.model_store) as triton:
-            triton.bind(
-                model_name=name,
-                infer_func=[_not_through_pytriton] * engine.calls_at_once,  # (how many instances Triton runs)
-                inputs=list(spec.inputs),
-                outputs=list(spec.outputs),
-                config=ModelConfig(batching=False, decoupled=spec.decoupled),
-                strict=False,
-            )
-            # a worker `trident serve` started: its server says when the stage model is ready; one joined by hand says it
-            (log.info if settings.model_store else log.warning)(
-                "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
+        while True:
+            with _remote_triton(settings.url, access_token, settings.model_store) as triton:
+                triton.bind(
+                    model_name=name,
+                    infer_func=[_not_through_pytriton] * engine.calls_at_once,  # (how many instances Triton runs)
+                    inputs=list(spec.inputs),
+                    outputs=list(spec.outputs),
+                    config=ModelConfig(batching=False, decoupled=spec.decoupled),
+                    strict=False,
+                )
+                # a worker `trident serve` started: its server says when the stage model is ready; one joined by
+                # hand says it
+                (log.info if settings.model_store else log.warning)(
+                    "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
+                if health:
+                    health.state = "serving"
+                if not settings.free_name:  # (`trident serve` stops its workers when its Triton goes)
+                    triton.serve()
+                    break
+                _watch_server(settings.url, name)
+            # its server went away (a restart) or no longer serves its stage model: bind again once it is back
             if health:
-                health.state = "serving"
-            triton.serve()
+                health.state = "lost its server"
+            log.warning("worker %s: the server at %s no longer serves %s; binding again once it answers",
+                        name, settings.url, name)
+            _wait_for_server(settings.url)
+            name = _claim_name(settings, access_token)
     except KeyboardInterrupt:
         pass
     finally:
