@@ -5,6 +5,7 @@ from :mod:`trident.protocol` and the family adapters.
     trident serve [--config FILE] [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--backend hf|vllm]
                   [--http-port ...] [--instances STAGE=N ...] [--access-token-file PATH] ...
     trident worker --settings JSON          (started by `serve`; or STAGE --model PATH --join URL)
+    trident node STAGE[=N] ... --model PATH --join URL   (a stage host's workers, each started again if it exits)
     trident frontend --settings JSON        (started by `serve`; or --model PATH --grpc-url HOST:PORT)
     trident config-reference                (docs/configuration.md: every key of serve's config file)
     trident build-demo-model --arch llava|qwen2vl OUT
@@ -83,6 +84,8 @@ def field_at(key: str, model: type[BaseModel] = ServeSettings) -> FieldInfo:
 
 def _stage_count(value: str) -> tuple[str, int]:
     stage, sep, count = value.partition("=")
+    if not sep and stage in STAGES:  # (trident node's STAGE alone: one worker)
+        return stage, 1
     if not sep or not count.isdigit():
         raise argparse.ArgumentTypeError(f"STAGE=N (e.g. prefill=2), got {value!r}")
     return stage, int(count)
@@ -318,6 +321,53 @@ def _end_process(code: int) -> int:
     os._exit(code)
 
 
+def _node(args: argparse.Namespace) -> int:
+    from .config import VLLMConfig
+    from .launcher import own_side_channel
+    from .launcher.node import Node
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if args.access_token_file:
+        env["TRIDENT_ACCESS_TOKEN"] = read_secret_file(args.access_token_file, "--access-token-file")
+    if args.transfer_secret_file:
+        env[signing.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
+    address = route_address(args.join)  # the data plane of each: the address this host reaches the head from
+    workers = {
+        f"{stage}#{i}": WorkerSettings(
+            stage=stage, free_name=True, model=args.model, url=args.join, backend=args.backend, threads=args.threads,
+            transfer=TransferConfig(data_address=address), vllm=own_side_channel(VLLMConfig(), args.backend, stage),
+            embedding_cache_bytes=args.embedding_cache_mib * MiB,
+        )
+        for stage, count in args.stages for i in range(1, count + 1)
+    }
+    if not workers:
+        raise UsageError("give at least one stage, e.g. `trident node encode prefill=2 ...`")
+    python = args.worker_python or os.environ.get("TRIDENT_WORKER_PYTHON") or sys.executable
+    return Node(workers, python, env, out=lambda line: print(line, flush=True)).run()
+
+
+def _add_node(sub) -> None:
+    n = sub.add_parser("node", help="a stage host's supervisor: runs workers of the given stages, each joining a "
+                       "server by URL, and starts again each that exits")
+    n.add_argument("stages", nargs="+", metavar="STAGE[=N]", type=_stage_count,
+                   help=f"stages to run here, N workers each (default 1); stages: {', '.join(STAGES)}")
+    n.add_argument("--model", required=True, help="checkpoint folder")
+    n.add_argument("--join", metavar="URL", required=True, help="the server's Triton HTTP URL, e.g. http://HEAD:8000")
+    _opt(n, "--backend", WorkerSettings, "backend", choices=BACKENDS)
+    _opt(n, "--threads", WorkerSettings, "threads", type=int)
+    n.add_argument("--worker-python", metavar="PATH", help="Python interpreter of the workers, an environment with "
+                   "trident installed (env TRIDENT_WORKER_PYTHON; default: this one)")
+    n.add_argument("--embedding-cache-mib", type=int, default=ServeSettings().embedding_cache_mib,
+                   help=f"encode stage: embedding cache, MiB (default: {ServeSettings().embedding_cache_mib})")
+    n.add_argument("--access-token-file", metavar="PATH",
+                   help="file holding the server's repository-API token (env TRIDENT_ACCESS_TOKEN)")
+    n.add_argument("--transfer-secret-file", metavar="PATH",
+                   help=f"file holding the server's record-signing key (env {signing.ENV})")
+    n.set_defaults(func=_node)
+
+
 def _add_worker(sub) -> None:
     w = sub.add_parser("worker", help="bind one stage model into a running Triton (started by serve)")
     w.add_argument("--settings", help="the whole trident.config.WorkerSettings as JSON (what serve passes)")
@@ -406,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_frontend(sub)
     _add_worker(sub)
+    _add_node(sub)
     _add_dev(sub)
     return p
 

@@ -1,18 +1,22 @@
 """A head with no stage worker of its own (``instances`` 0 for each of its stages): Triton, the BLS and nothing
-else. Its EP/D stages join from two hosts (:mod:`support.hosts`: nothing crosses but TCP), each worker started with
-the command the Helm chart's stage containers run (:func:`support.roles.worker_argv`; its data address the one
-it reaches the head from). The head is not READY until both have joined, then serves model.generate()'s tokens."""
+else. Its EP/D stages join from two hosts (:mod:`support.hosts`: nothing crosses but TCP): the decode host runs
+the command the Helm chart's stage containers run (:func:`support.roles.worker_argv`; its data address the one it
+reaches the head from), the encode_prefill host ``trident node encode_prefill`` (a supervisor that starts its
+worker again when it exits). The head is not READY until both have joined, then serves model.generate()'s tokens.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
+import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from support import Server, build_reference, grpc_generate
+from support import Server, build_reference, descendants, grpc_generate
 from support.hosts import Hosts, unavailable
 from support.roles import HEALTH_PORT, head_settings, python_argv, worker_argv
 
@@ -52,9 +56,14 @@ def head(demo_models, tmp_path_factory, shared_servers):
             # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told
             env = dict(os.environ, TRIDENT_ACCESS_TOKEN=srv.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
             url = f"http://{hosts.head_address}:{srv.http_port}"
-            for stage in STAGES:
-                srv.joined[stage] = hosts[stage].popen(python_argv(worker_argv(stage, model, url)), env=env,
-                                                      copies=(model, CHECKOUT))
+            srv.joined["decode"] = hosts["decode"].popen(python_argv(worker_argv("decode", model, url)), env=env,
+                                                        copies=(model, CHECKOUT))
+            srv.node_log = []
+            srv.joined["encode_prefill"] = node = hosts["encode_prefill"].popen(
+                python_argv(["trident", "node", "encode_prefill", "--model", model, "--join", url]), env=env,
+                copies=(model, CHECKOUT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            threading.Thread(target=lambda: srv.node_log.extend(line.rstrip() for line in node.stdout),
+                             daemon=True).start()
             srv.wait_ready(timeout=240)
         except BaseException:
             try:
@@ -92,7 +101,7 @@ def test_a_stage_worker_s_health_is_200_while_it_serves(head):
     reaches the head from: its host's), 200 while bound; anything else there is a 404."""
     import requests
 
-    for stage in STAGES:
+    for stage in ["decode"]:  # (the node's workers have no --health-port)
         url = f"http://{head.hosts[stage].address}:{HEALTH_PORT}"
         reply = requests.get(f"{url}/health", timeout=5)
         assert (reply.status_code, reply.text) == (200, "serving")
@@ -106,6 +115,46 @@ def test_its_stages_on_other_hosts_give_the_reference_tokens(head, ref):
         assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True).text \
             == case["expected"]
         assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=False).text \
+            == case["expected"]
+
+
+def _node_worker(head) -> int:
+    """The pid (this machine's) of the worker the encode_prefill host's node runs."""
+    node = head.joined["encode_prefill"]
+    for pid in descendants(node.pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"trident worker encode_prefill"):
+                return pid
+        except OSError:
+            pass
+    raise AssertionError(f"no worker under the node: {head.node_log[-10:]}")
+
+
+def test_a_stage_host_s_worker_killed_comes_back_with_a_new_agent_and_the_answers_stay_exact(head, ref):
+    """SIGKILL to the encode_prefill host's worker (it unbinds nothing): its node starts it again (a new process,
+    a new NIXL agent, the decode host untouched), the head unloads the dead instance, and once the new one has
+    joined every answer is model.generate()'s again: the decode worker READs the KV from the new agent, whose
+    metadata the records carry."""
+    killed = _node_worker(head)
+    t0 = time.monotonic()
+    os.kill(killed, signal.SIGKILL)
+    case = next(iter(ref.values()))
+    while True:
+        try:
+            text = grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True, timeout=30).text
+        except Exception as e:  # noqa: BLE001 - no encode_prefill instance meanwhile: an error, never a wrong answer
+            assert "Unavailable" in str(e) or "encode_prefill" in str(e), e
+        else:
+            assert text == case["expected"]
+            if _node_worker(head) != killed:
+                break
+        assert time.monotonic() - t0 < 60, head.node_log[-10:]
+        time.sleep(0.5)
+    print(f"served again by the node's new worker {time.monotonic() - t0:.1f} s after the kill")
+    assert any("worker encode_prefill#1 exited with code -9; starting it again" in line for line in head.node_log)
+    assert head.joined["decode"].poll() is None
+    for case in ref.values():
+        assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True).text \
             == case["expected"]
 
 

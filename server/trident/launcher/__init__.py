@@ -28,12 +28,13 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from .. import drain, signing, tracing
-from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, WorkerSettings
+from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
 from ..netutil import listen_ports, taken_ports
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
+from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .startup import StartupError
 from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stubs_of
 from . import triton_shim
@@ -59,8 +60,15 @@ def _server_environment() -> None:
     os.environ["PYTRITON_NO_TENSORSTORE"] = "1"
 
 
-QUICK_DEATH_S = 60.0  # a worker that exits sooner than this after its start counts as a quick death
-MAX_QUICK_DEATHS = 5  # quick deaths in a row after which a worker is left down
+
+
+def own_side_channel(vllm: VLLMConfig, backend: str, stage: str) -> VLLMConfig:
+    """A vLLM KV worker's settings with a NIXL side-channel port of its own (unless one is set), out of the range
+    vLLM's own free ports come from: two such workers on one host never collide."""
+    spec = STAGES[stage]
+    if backend == "vllm" and "kv" in (spec.takes, spec.hands_on) and vllm.nixl_port is None:
+        return vllm.model_copy(update={"nixl_port": listen_ports(1)[0]})
+    return vllm
 
 
 class Launcher:
@@ -81,9 +89,7 @@ class Launcher:
         self.workspace = Path(settings.workspace or self._make_tmp())
         self.model_path: str | None = settings.model
         self._stopping = False
-        self._started_at: dict[str, float] = {}  # worker name -> when its process started
-        self._quick_deaths: dict[str, int] = {}  # worker name -> exits in a row within QUICK_DEATH_S of a start
-        self._restart_at: dict[str, float] = {}  # worker name -> when to start it again
+        self._restarts = Restarts()  # when a worker (or the frontend) that exited starts again
         self._coming_back: set[str] = set()  # restarted workers whose stage model is not ready yet
 
     def _make_tmp(self) -> str:
@@ -277,11 +283,7 @@ class Launcher:
     def worker_settings(self, name: str) -> WorkerSettings:
         """What the worker bound as model ``name`` (``<stage>`` or ``<stage>-<n>``) gets, whole, as JSON."""
         stage, _ = parse_instance(name)
-        vllm = self.s.vllm
-        spec = STAGES[stage]
-        if self.s.backend == "vllm" and "kv" in (spec.takes, spec.hands_on) and vllm.nixl_port is None:
-            # each KV worker its own side channel, out of the range vLLM's own free ports come from
-            vllm = vllm.model_copy(update={"nixl_port": listen_ports(1)[0]})
+        vllm = own_side_channel(self.s.vllm, self.s.backend, stage)
         return WorkerSettings(
             stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
             threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
@@ -306,7 +308,7 @@ class Launcher:
                 self.out("[trident] the workers' zygote exited; starting it again")
             self._start_zygote()
         self.workers[name] = self._zygote.spawn(["worker", "--settings", self.worker_settings(name).model_dump_json()])
-        self._started_at[name] = time.monotonic()
+        self._restarts.started(name)
         self.out(f"[trident] started worker {name} (pid {self.workers[name].pid})")
 
     def _spawn_frontend(self) -> subprocess.Popen:
@@ -319,7 +321,7 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if k not in (signing.ENV, "TRIDENT_ACCESS_TOKEN")}
         self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"),
                                                             start_new_session=True)
-        self._started_at["frontend"] = time.monotonic()
+        self._restarts.started("frontend")
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
         return proc
 
@@ -433,11 +435,11 @@ class Launcher:
         """Block until a signal (returns 0) or until Triton dies (returns 1: everything is stopped, and a service
         manager restarts the server, as for any other crash). A worker that exits has its stage model unloaded, so
         that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve, and
-        is started again after a backoff (1, 2, 4, ... s); after :data:`MAX_QUICK_DEATHS` exits in a row
+        is started again after a backoff (:mod:`.restarts`: 1 s, or 2, 4, 8, ... s after quick exits in a row); after :data:`MAX_QUICK_DEATHS` exits in a row
         each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down. A worker that joined
         from elsewhere and has gone has its stage model unloaded too (:mod:`.joined`)."""
         stop = {"signal": None}
-        self._joined = JoinedWatch(lambda: set(self.workers) | set(self._restart_at), self._unload, self.out)
+        self._joined = JoinedWatch(lambda: set(self.workers) | set(self._restarts.due_at), self._unload, self.out)
         self._joined.start()
 
         def _handler(signum, _frame):
@@ -474,14 +476,11 @@ class Launcher:
             except Exception as e:  # Triton may be going away too
                 self.out(f"[trident] could not unload {name}: {e}")
         what = "the OpenAI frontend" if name == "frontend" else f"worker {name}"
-        quick = time.monotonic() - self._started_at.get(name, 0.0) < QUICK_DEATH_S
-        self._quick_deaths[name] = self._quick_deaths.get(name, 0) + 1 if quick else 0
-        if self._quick_deaths[name] >= MAX_QUICK_DEATHS:
+        delay = self._restarts.exited(name)
+        if delay is None:
             self.out(f"[trident] {what} failed: it exited {MAX_QUICK_DEATHS} times in a row within "
                      f"{QUICK_DEATH_S:.0f} s of starting; not restarting it (its modes answer 503 or fall back)")
             return
-        delay = 2.0 ** self._quick_deaths[name]
-        self._restart_at[name] = time.monotonic() + delay
         self.out(f"[trident] restarting {what} in {delay:.0f} s")
 
     def _unload(self, name: str) -> None:
@@ -490,14 +489,12 @@ class Launcher:
 
     def _restart_due(self) -> None:
         """Start the workers whose backoff is over; say when a restarted one serves again."""
-        for name, at in list(self._restart_at.items()):
-            if time.monotonic() >= at:
-                del self._restart_at[name]
-                if name == "frontend":
-                    self._spawn_frontend()
-                else:
-                    self._start_worker(name)
-                self._coming_back.add(name)
+        for name in self._restarts.due():
+            if name == "frontend":
+                self._spawn_frontend()
+            else:
+                self._start_worker(name)
+            self._coming_back.add(name)
         for name in list(self._coming_back):
             if name == "frontend":
                 if self._frontend_up():
