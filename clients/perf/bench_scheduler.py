@@ -77,8 +77,9 @@ class Serve:
     TOKEN = "bench-scheduler"
 
     def __init__(self, model: str, extra: list[str], modes: tuple[str, ...] = (*MODES, "epd"),
-                 openai: bool = False, config: dict | None = None, python: str | None = None) -> None:
-        self.http, self.grpc, metrics, openai_port = free_ports(4)
+                 openai: bool = False, config: dict | None = None, python: str | None = None,
+                 ports: list[int] | None = None) -> None:
+        self.http, self.grpc, metrics, openai_port = ports or free_ports(4)
         self.openai = openai_port if openai else 0
         self.model = model
         self.workspace = Path(tempfile.mkdtemp(prefix="bench-sched-"))

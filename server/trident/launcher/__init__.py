@@ -36,7 +36,7 @@ from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
 from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .startup import StartupError
-from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stubs_of
+from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of
 from . import triton_shim
 from .joined import JoinedWatch
 from .warmup import warm_up
@@ -526,22 +526,8 @@ class Launcher:
             self._reap(stubs)
             if regions := remove_shm_regions(os.getpid()):
                 self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
-        # a worker's own processes (vLLM's engine core and its worker) stop with it, unless it could not
-        # stop them (an engine still starting): whatever of them outlives it is killed
-        trees = {stage: descendants(proc.pid) for stage, proc in self.workers.items()}
-        for stage, proc in self.workers.items():
-            if proc.poll() is None:
-                proc.terminate()
-        for stage, proc in self.workers.items():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.out(f"[trident] worker {stage} did not stop; killing it")
-                proc.kill()
-                proc.wait()
-            left = kill_left([*trees[stage], *descendants(proc.pid)])
-            if left:
-                self.out(f"[trident] worker {stage} left {left} process(es) running; killed them")
+        stop_all(self.workers, lambda line: self.out(f"[trident] {line}"))
+        for stage in self.workers:
             remove_direct_socket(self.model_store / stage)
         if self._zygote is not None:
             self._zygote.close()

@@ -6,11 +6,10 @@ on SIGTERM / Ctrl-C stops them all, each unbinding first."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 from ..config import WorkerSettings
-from .processes import descendants, kill_left
+from .processes import stop_all
 from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .zygote import Forked, Zygote
 
@@ -66,16 +65,6 @@ class Node:
             self._stop()
 
     def _stop(self) -> None:
-        trees = {key: descendants(proc.pid) for key, proc in self.procs.items()}
-        for proc in self.procs.values():
-            proc.terminate()
-        for key, proc in self.procs.items():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.out(f"[trident node] worker {key} did not stop; killing it")
-                proc.kill()
-                proc.wait()
-            kill_left([*trees[key], *descendants(proc.pid)])
+        stop_all(self.procs, lambda line: self.out(f"[trident node] {line}"))
         self._zygote.close()
         self.out("[trident node] stopped")

@@ -98,3 +98,24 @@ def remove_shm_regions(owner_pid: int, folder: Path = Path("/dev/shm")) -> int:
         except OSError:  # (not ours, or gone meanwhile)
             pass
     return removed
+
+
+def stop_all(procs: dict, say, grace_s: float = 15.0) -> None:
+    """Stop the workers ``procs`` (by name): SIGTERM to each at once, up to ``grace_s`` for each to end (then
+    SIGKILL), and whatever of a worker's own processes outlive it (vLLM's engine core, an engine still starting)
+    killed; ``say(line)`` tells of each that had to be killed."""
+    import subprocess
+
+    trees = {name: descendants(proc.pid) for name, proc in procs.items()}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            say(f"worker {name} did not stop; killing it")
+            proc.kill()
+            proc.wait()
+        if left := kill_left([*trees[name], *descendants(proc.pid)]):
+            say(f"worker {name} left {left} process(es) running; killed them")
