@@ -41,9 +41,16 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+TCP_SEGMENT = "256k"  # UCX's TCP segments (its default: 8 KiB out, 64 KiB in)
+
+
 def bind(address: str) -> None:
-    """Pin this process's UCX devices and vLLM's side channel to ``address`` (unless the environment says)."""
+    """Pin this process's UCX devices and vLLM's side channel to ``address`` (unless the environment says), and
+    give UCX's TCP transport (between hosts) segments of :data:`TCP_SEGMENT`: with its defaults a 64 MiB READ
+    between two hosts ran at half a plain socket's bandwidth, with these at 1.1x (``make bench-hosts``)."""
     os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", address)
+    os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", TCP_SEGMENT)
+    os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", TCP_SEGMENT)
     if "UCX_NET_DEVICES" not in os.environ:
         interface = interface_of(address)
         if interface is None:
