@@ -158,6 +158,58 @@ def test_a_stage_host_s_worker_killed_comes_back_with_a_new_agent_and_the_answer
             == case["expected"]
 
 
+def test_a_stage_host_s_worker_killed_mid_stream_fails_that_stream_in_seconds_naming_it_and_its_replacement_serves(
+        head, ref):
+    """SIGKILL to the decode host's worker while it streams: the stream ends within 5 s with an error naming the
+    instance and its host (no hang, never a success); a new worker started on that host (as a cluster restarts
+    its container) joins, and every answer is exact again."""
+    import threading
+
+    decode = head.hosts["decode"]
+    proc = head.joined["decode"]
+    case = next(iter(ref.values()))
+    outcome: dict = {}
+
+    def stream() -> None:
+        try:
+            outcome["text"] = grpc_generate(head.grpc, "ep_d", case["text"], case["images"],
+                                            {"max_tokens": 400, "temperature": 0, "ignore_eos": True},
+                                            stream=True, timeout=60).text
+        except Exception as e:  # noqa: BLE001 - what the client gets
+            outcome["error"] = str(e)
+        outcome["at"] = time.monotonic()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(2.0)  # (well into its decode)
+    os.killpg(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    reader.join(30)
+    assert "error" in outcome, outcome
+    took = outcome["at"] - killed
+    assert took < 5, took
+    assert "decode-2" in outcome["error"] and decode.address in outcome["error"], outcome["error"]
+    print(f"the stream failed {took:.1f} s after the kill: {outcome['error'][:200]}")
+    env = dict(os.environ, TRIDENT_ACCESS_TOKEN=head.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
+    url = f"http://{head.hosts.head_address}:{head.http_port}"
+    head.joined["decode"] = decode.popen(python_argv(worker_argv("decode", head.model_path, url)), env=env,
+                                         copies=(head.model_path, CHECKOUT))
+    t0 = time.monotonic()
+    while True:
+        try:
+            text = grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True, timeout=30).text
+        except Exception as e:  # noqa: BLE001 - no decode instance meanwhile
+            assert "Unavailable" in str(e) or "decode" in str(e), e
+        else:
+            assert text == case["expected"]
+            break
+        assert time.monotonic() - t0 < 90, "the new decode worker did not serve within 90 s"
+        time.sleep(0.5)
+    for case in ref.values():
+        assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=True).text \
+            == case["expected"]
+
+
 def test_a_restarted_head_gets_its_stage_hosts_back_without_touching_them(head, ref, tmp_path_factory):
     """The module's last test. The head stops (SIGTERM) and a new one starts on the same ports, with the same
     secrets: the stage hosts' workers, left alone, see their stage models gone, wait for the head and bind again

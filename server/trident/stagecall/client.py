@@ -206,6 +206,10 @@ def _fail_when_unanswered(sock: socket.socket) -> None:
 
 
 def lost_message(instance: str, info: dict) -> str:
+    """What a call that its worker's end of the connection ended says: a worker on another host by its address
+    (its pid there means nothing here, and no launcher here restarts it), one on this host by its pid."""
+    if where := _where(info):
+        return f"the {instance} stage's worker{where} went away; the request was lost with it"
     pid = f" (pid {info['pid']})" if info.get("pid") else ""
     return f"the {instance} stage's worker{pid} exited; the request was lost with it (the server restarts the worker)"
 
