@@ -58,15 +58,12 @@ def route_address(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def taken_ports(host: str, ports: list[int]) -> list[int]:
-    """Those of ``ports`` another process listens on at ``host`` (as a server binds: SO_REUSEADDR)."""
-    taken = []
-    for port in ports:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError:
-                taken.append(port)
-    return taken
+def port_taken(host: str, port: int) -> bool:
+    """Whether another process listens on ``port`` at ``host`` (tried as a server binds: SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False

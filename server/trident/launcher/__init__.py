@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import drain, signing, tracing
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
-from ..netutil import listen_ports, taken_ports
+from ..netutil import listen_ports, port_taken
 from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_entry_model
 from ..stagecall import directory
@@ -119,8 +119,10 @@ class Launcher:
         missing = {m: s for m in (self.s.load or ()) for s in MODES[m] if s not in stages_for(self.s.modes)}
         if missing:
             raise ValueError(f"--load {sorted(missing)} needs stage models that --mode does not start: {missing}")
-        local = any(self.s.instances.get(stage, 1) for stage in stages_for(self.s.modes))
-        probe = self._probe_backend() if local else None  # answered while the model folder is found
+        counts = {stage: self.s.instances.get(stage, 1) for stage in stages_for(self.s.modes)}  # (0: they join)
+        names = [instance_name(stage, i) for stage, count in counts.items() for i in range(1, count + 1)]
+        joining = [stage for stage, count in counts.items() if count == 0]
+        probe = self._probe_backend() if names else None  # answered while the model folder is found
         if self.model_path is None:
             from ..dev.demo import default_demo_model
 
@@ -132,13 +134,9 @@ class Launcher:
         self._set_environment()
         self.out(f"[trident] repository-API access token: in {self._token_file()} (readable by you alone)")
         self._check_backend(probe)
-        names = [
-            instance_name(stage, i) for stage in stages_for(self.s.modes) for i in range(1, self.s.instances.get(stage, 1) + 1)
-        ]
         # The workers take the longest (their engines load): their zygote starts importing first (once the workspace,
         # which the environment it inherits names, is made), Triton and the frontend beside it, and the workers bind
         # their stage models into Triton's repository once it answers.
-        joining = [stage for stage in stages_for(self.s.modes) if self.s.instances.get(stage, 1) == 0]
         self._make_triton_workspace()
         if names:  # (a head whose stages all join from other hosts forks none)
             self._start_zygote()
@@ -188,7 +186,7 @@ class Launcher:
                  "metrics": (self.s.host, self.s.metrics_port)}
         if self.s.openai_port:
             ports["OpenAI"] = (self.openai_host, self.s.openai_port)
-        taken = [f"{what} {host}:{port}" for what, (host, port) in ports.items() if taken_ports(host, [port])]
+        taken = [f"{what} {host}:{port}" for what, (host, port) in ports.items() if port_taken(host, port)]
         if taken:
             raise StartupError(f"ports in use: {', '.join(taken)} (another server, or one still stopping?)")
 
