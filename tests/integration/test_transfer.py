@@ -111,6 +111,24 @@ def test_byte_exact_and_pools_return_to_zero(consumer, producer, layout):
     assert stats["released"] == 1 and stats["expired"] == 0
 
 
+def test_the_transport_to_a_peer_on_this_host_is_told_once(consumer, producer, caplog):
+    """Two processes on one host: UCX reads over shared memory or cma, not TCP; the consumer says so once, in a log
+    line and in its counters (the stage metrics ``trident_transfer_peers_{tcp,not_tcp}``)."""
+    from trident.transfer import transport
+
+    before = consumer.stats()
+    with caplog.at_level("INFO", logger="trident.transfer.agent"):
+        for _ in range(2):
+            record = _read(producer.call("publish", ("embeddings", None)))
+            consumer.fetch(record).release()
+    assert consumer.agent.transports[record.agent] == transport.NOT_TCP
+    told = [r.getMessage() for r in caplog.records if "go over" in r.getMessage()]
+    assert told == [f"READs from NIXL agent {record.agent} go over shared memory or cma on this host (no TCP "
+                    "connection)"]
+    after = consumer.stats()
+    assert (after["peers_tcp"] - before["peers_tcp"], after["peers_not_tcp"] - before["peers_not_tcp"]) == (0, 1)
+
+
 def test_expired_lease_frees_region_and_is_refused(consumer, producer):
     data = producer.call("publish", ("embeddings", 0.3))
     assert producer.call("stats")["send_regions_in_use"] == 1

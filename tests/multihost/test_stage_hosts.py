@@ -88,6 +88,19 @@ def test_stages_on_other_hosts_give_the_reference_tokens(cluster, ref):
     time.sleep(0.5)  # (the scheduler's metric updates)
     served = {name: _routed(cluster, name) - before[name] for name in before}
     assert served == {name: 2 for name in before}, served
+    # the transport each instance's READs took, as the stage metrics show it: TCP from the other hosts, and none
+    # between the head's own prefill and encode (shared memory or cma)
+    wanted = {("prefill", "tcp"): 0, ("prefill", "not_tcp"): 1, ("prefill-2", "tcp"): 1, ("prefill-2", "not_tcp"): 0,
+              ("decode-2", "not_tcp"): 0}
+    deadline = time.monotonic() + 5
+    while True:  # (the stage metrics follow the workers' counters every second)
+        peers = {(dict(labels)["model"], n.removeprefix("trident_transfer_peers_")): v
+                 for (n, labels), v in cluster.metrics("trident_transfer_peers").items()}
+        if all(peers.get(k) == v for k, v in wanted.items()) and peers.get(("decode-2", "tcp"), 0) >= 1 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(peers.get(k) == v for k, v in wanted.items()) and peers.get(("decode-2", "tcp"), 0) >= 1, peers
 
 
 

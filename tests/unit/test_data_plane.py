@@ -34,3 +34,25 @@ def test_what_the_operator_set_is_kept(env):
 def test_an_address_no_interface_holds_is_refused(env):
     with pytest.raises(ValueError, match="no network interface holds the data-plane address '192.0.2.77'"):
         data_plane.bind("192.0.2.77")
+
+
+def test_a_tcp_connection_to_the_address_in_a_peers_metadata_is_its_transport():
+    """transfer/transport.py reads this process's established TCP connections from /proc: one to the address and
+    port a peer's metadata holds makes that peer's transport TCP; the address alone (another process on its host)
+    or no connection does not."""
+    import socket
+
+    from trident.transfer import transport
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with listener, socket.create_connection(("127.0.0.1", port)) as conn, listener.accept()[0]:
+        assert (socket.inet_aton("127.0.0.1"), port) in transport.tcp_connections()
+        metadata = b"ucx\x00" + socket.inet_aton("127.0.0.1") + b"\x07" + port.to_bytes(2, "big") + b"\x00"
+        assert transport.transport_to(metadata) == (transport.TCP, f"TCP to 127.0.0.1:{port}")
+        other_port = (port + 1) % 65536
+        assert transport.transport_to(metadata.replace(port.to_bytes(2, "big"), other_port.to_bytes(2, "big")))[0] \
+            == transport.NOT_TCP
+        conn.close()
+    assert (socket.inet_aton("127.0.0.1"), port) not in transport.tcp_connections()
+    assert transport.transport_to(metadata)[0] == transport.NOT_TCP

@@ -69,6 +69,7 @@ class TransferEndpoint:
             "fetched_bytes": self.receiver.fetched_bytes,
             "fetch_seconds": self.receiver.fetch_seconds,
             "recv_quarantined": self.receiver.quarantined,
+            **self.agent.transport_counts(),
         }
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import uuid
 import torch
 
 from ..errors import PeerUnavailable, TransferError, TransferTimeout
+from . import transport
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class NixlAgent:
         # The default error-handling mode can hang without a progress thread.
         self._agent.create_backend(backend, {"ucx_error_handling_mode": "none"})
         self._remotes: dict[str, bytes] = {}
+        self.transports: dict[str, str] = {}  # peer -> transport.TCP / NOT_TCP, known after a first READ from it
         self.metadata: bytes = self._agent.get_agent_metadata()
         log.info("NIXL agent %s ready (%s backend, metadata %d bytes)", self.name, backend, len(self.metadata))
 
@@ -70,6 +72,7 @@ class NixlAgent:
             return
         if remote in self._remotes:  # same name, new metadata: the peer restarted
             self._agent.remove_remote_agent(remote)
+            self.transports.pop(remote, None)
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as e:  # nixl raises its own binding exceptions
@@ -132,10 +135,23 @@ class NixlAgent:
             if state != "DONE":
                 self._forget(remote)
                 raise PeerUnavailable(f"READ from NIXL agent {remote!r} ended in state {state}")
+            if remote not in self.transports:
+                self._tell_transport(remote, metadata)
         finally:
             if not released:
                 with self._lock:
                     self._release(handle)
+
+    def _tell_transport(self, remote: str, metadata: bytes) -> None:
+        """Log, once per peer (and again after it restarts), which transport its READs took."""
+        kind, shown = transport.transport_to(metadata)
+        self.transports[remote] = kind
+        log.info("READs from NIXL agent %s go over %s", remote, shown)
+
+    def transport_counts(self) -> dict[str, int]:
+        """How many peers this agent READs from over TCP and without it (``peers_tcp``, ``peers_not_tcp``)."""
+        kinds = list(self.transports.values())
+        return {"peers_tcp": kinds.count(transport.TCP), "peers_not_tcp": kinds.count(transport.NOT_TCP)}
 
     def _release(self, handle) -> bool:
         """Release a transfer handle (aborting the transfer if it still runs); False when NIXL refuses."""
@@ -148,6 +164,7 @@ class NixlAgent:
 
     def _forget(self, remote: str) -> None:
         """Drop a peer after an error so the next record from it reconnects from its metadata."""
+        self.transports.pop(remote, None)
         if self._remotes.pop(remote, None) is not None:
             try:
                 self._agent.remove_remote_agent(remote)

@@ -54,6 +54,10 @@ FAMILIES: dict[str, tuple[str, str, Callable[[dict], float | None]]] = {
                                           _first("fetched_bytes")),
     "trident_transfer_read_seconds_total": ("COUNTER", "seconds a stage instance's worker spent in those READs",
                                             _first("fetch_seconds")),
+    "trident_transfer_peers_tcp": ("GAUGE", "NIXL peers a stage instance's worker READs from over TCP (UCX's TCP "
+                                   "transport: a peer on another host without RDMA)", _first("peers_tcp")),
+    "trident_transfer_peers_not_tcp": ("GAUGE", "NIXL peers a stage instance's worker READs from without TCP "
+                                       "(shared memory or cma on one host, or RDMA)", _first("peers_not_tcp")),
 }
 
 
