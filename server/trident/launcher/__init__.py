@@ -368,10 +368,8 @@ class Launcher:
         deadline = time.monotonic() + self.s.startup_timeout_s
         pending = set(names)
         while pending:
+            self._check_workers_up(pending)
             for name in list(pending):
-                proc = self.workers[name]
-                if proc.poll() is not None:
-                    raise StartupError(f"worker {name} exited with code {proc.returncode} during start-up")
                 try:
                     if client.is_model_ready(name):
                         pending.discard(name)
@@ -382,6 +380,13 @@ class Launcher:
                 raise StartupError(f"stage models not ready after {self.s.startup_timeout_s:.0f} s: {sorted(pending)}")
             time.sleep(0.2)
 
+    def _check_workers_up(self, names) -> None:
+        """A :class:`StartupError` when one of the local workers ``names`` has exited."""
+        for name in names:
+            proc = self.workers[name]
+            if proc.poll() is not None:
+                raise StartupError(f"worker {name} exited with code {proc.returncode} during start-up")
+
     def _wait_joined(self, stages: list[str]) -> None:
         """Wait, for as long as it takes (not READY meanwhile), until each stage with no worker on this host has an
         instance that joined from another host; the workers of this host must stay up meanwhile."""
@@ -389,9 +394,7 @@ class Launcher:
         self.out(f"[trident] waiting for stage hosts to join: {', '.join(stages)} (`{join}` on each)")
         said, missing = time.monotonic(), set(stages)
         while missing:
-            for name, proc in self.workers.items():
-                if proc.poll() is not None:
-                    raise StartupError(f"worker {name} exited with code {proc.returncode} during start-up")
+            self._check_workers_up(self.workers)
             # (a joined worker's stage model is not in this repository: its files came with its load request)
             with self._client(network_timeout=5) as client:
                 for name in [instance_name(stage, n) for stage in sorted(missing) for n in range(1, 5)]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -158,18 +159,12 @@ def _wait_for_server(url: str) -> None:
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=5)
-    said = False
     try:
-        while True:
-            try:
-                if client.is_server_live():
-                    return
-            except Exception:  # noqa: BLE001 - not up yet, or not reachable yet
-                pass
-            if not said:
-                log.warning("waiting for the server at %s to answer", url)
-                said = True
-            time.sleep(1.0)
+        try:
+            _wait_for_server_live(client, timeout_s=0)
+        except Exception:  # noqa: BLE001 - not up yet, or not reachable yet
+            log.warning("waiting for the server at %s to answer", url)
+            _wait_for_server_live(client, timeout_s=math.inf)
     finally:
         client.close()
 
