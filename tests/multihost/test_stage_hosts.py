@@ -2,8 +2,9 @@
 processes in PID and mount namespaces of its own with a private /tmp and /dev/shm (:mod:`support.hosts`), so
 nothing reaches it but TCP. The head is the LLaVA server test_supervision.py goes on with
 (:func:`support.bridged_llava_server`: Triton, the BLS and a worker of each stage of its own, its ports and data
-plane on the bridge); a prefill worker and a decode worker join it from their own hosts by URL
-(``trident worker --join``), the checkpoint a copy of their own, the secrets from the environment."""
+plane on the bridge); a prefill, a decode, a prefill_decode and a generate worker join it, each from a host of its
+own, by URL (``trident worker --join``), the checkpoint a copy of their own, the secrets from the environment. (EP/D
+across hosts: test_head_alone.py; the vLLM engine across hosts: test_head_alone_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no 
 
 GREEDY = {"max_tokens": 6, "temperature": 0}
 CASES = {f"image-{i}": [(224, 224, 700 + i)] for i in range(4)}
-JOINED = {"prefill": "prefill-2", "decode": "decode-2"}  # the stage model each host's worker binds as
+JOINED = {"prefill": "prefill-2", "decode": "decode-2",  # the stage model each host's worker binds as
+          "prefill_decode": "prefill_decode-2", "generate": "generate-2"}
+MODE_STAGES = {"e_p_d": ("prefill", "decode"), "e_pd": ("prefill_decode",), "epd": ("generate",)}
 CHECKOUT = str(Path(__file__).resolve().parents[2])  # Trident and its environments, a host's own copy (a clone in
 # /tmp would be hidden by the host's private /tmp)
 
@@ -77,21 +80,27 @@ def _routed(server, instance: str) -> float:
 
 
 def test_stages_on_other_hosts_give_the_reference_tokens(cluster, ref):
-    """E/P/D with a prefill and a decode instance on hosts of their own beside the head's: turn by turn each request
-    goes to the head's or the other host's instance of each stage (embeddings from the head to the prefill host, KV
-    from a prefill to the other host's decode, over UCX's TCP: the hosts share no memory), and every answer is
-    model.generate()'s."""
-    before = {name: _routed(cluster, name) for name in ("prefill", "decode", *JOINED.values())}
-    for case in ref.values():
-        assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
-            == case["expected"]
-    time.sleep(0.5)  # (the scheduler's metric updates)
-    served = {name: _routed(cluster, name) - before[name] for name in before}
-    assert served == {name: 2 for name in before}, served
+    """E/P/D, E/PD and EPD with an instance of each of their stages on a host of its own beside the head's: turn by
+    turn each request goes to the head's or the other host's instance of each stage (embeddings from the head to the
+    prefill and prefill_decode hosts, KV from a prefill to the other host's decode, over UCX's TCP: the hosts share
+    no memory; EPD's whole request on the generate host), and every answer is model.generate()'s. E/PD's images, which
+E/P/D's requests encoded, come from the encode worker's embedding cache."""
+    for mode, stages in MODE_STAGES.items():
+        names = [name for stage in stages for name in (stage, JOINED[stage])]
+        before = {name: _routed(cluster, name) for name in names}
+        runs = cluster.stats(settled=True)["encode"]["vision_runs"]
+        for case in ref.values():
+            assert grpc_generate(cluster.grpc, mode, case["text"], case["images"], GREEDY, stream=True).text \
+                == case["expected"], mode
+        time.sleep(0.5)  # (the scheduler's metric updates)
+        served = {name: _routed(cluster, name) - before[name] for name in names}
+        assert served == {name: 2 for name in names}, (mode, served)
+        if mode == "e_pd":  # E/P/D encoded these images: E/PD's come from the encode worker's cache, to either host
+            assert cluster.stats(settled=True)["encode"]["vision_runs"] == runs
     # the transport each instance's READs took, as the stage metrics show it: TCP from the other hosts, and none
     # between the head's own prefill and encode (shared memory or cma)
     wanted = {("prefill", "tcp"): 0, ("prefill", "not_tcp"): 1, ("prefill-2", "tcp"): 1, ("prefill-2", "not_tcp"): 0,
-              ("decode-2", "not_tcp"): 0}
+              ("prefill_decode-2", "tcp"): 1, ("prefill_decode-2", "not_tcp"): 0, ("decode-2", "not_tcp"): 0}
     deadline = time.monotonic() + 5
     while True:  # (the stage metrics follow the workers' counters every second)
         peers = {(dict(labels)["model"], n.removeprefix("trident_transfer_peers_")): v

@@ -175,7 +175,7 @@ def shared_media_server(pool: OneServerAtATime, model: str, arch: str, tmp_path_
     return pool.get((arch, "media"), start, check_stopped)
 
 
-HOSTS = ("prefill", "decode")  # the hosts the bridged server's bridge has, each for a worker of that stage
+HOSTS = ("prefill", "decode", "prefill_decode", "generate")  # the hosts the bridged server's bridge has, each for a worker of that stage
 
 
 def bridged_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -> Server:

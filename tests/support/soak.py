@@ -12,6 +12,11 @@ One asyncio client drives a running server (:class:`support.served.Server`):
    have, the worker of stage ``kill`` is killed with SIGKILL and the supervisor starts it again.
 3. **after**: the server must drain (no lease, region, KV block or decode left), the killed worker must be
    back, every mode must still give each reference; RSS is read again ("after", idle).
+4. **endings** (``make soak``, not the suite's short soak): with 16 streams in flight the server gets SIGTERM: each
+   stream finishes with its reference text or ends with a clean 503, a request sent just after gets a 503 within
+   a second, the server exits 0; then a second server has its Triton killed (SIGKILL) under the same load: each
+   stream ends (its reference text or an error, no hang), the server exits 1. Neither leaves a process or a
+   shared-memory region behind (:class:`Ending`).
 
 An error is *expected* only when it is a 503 naming the problem (the worker exited, no live stage instance,
 over capacity) for a request in flight between the kill and a moment after the worker was back; every other
@@ -262,6 +267,7 @@ class Report:
     rss_after: dict[str, tuple[int, float]] = field(default_factory=dict)
     final_check: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    reference: dict[str, str] = field(default_factory=dict)  # each case's text (the calm pass)
 
     def count(self, kind: str) -> int:
         return sum(o.kind == kind for o in self.outcomes)
@@ -347,7 +353,7 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
     t0 = time.monotonic()
     try:
         say(f"[soak] calm pass: {len(cases)} cases x {len(modes)} modes")
-        reference = await _references(client, cases, modes, report)
+        reference = report.reference = await _references(client, cases, modes, report)
         # a burst of `concurrency` at each mode in turn: every worker reaches the batch it may see in the soak
         # (a mode whose stage is down falls back, so one worker may take every request in flight)
         say(f"[soak] warm-up: a burst of {concurrency} at each mode")
@@ -410,6 +416,106 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
     finally:
         await client.close()
     return report
+
+
+# -- the server's end under load -----------------------------------------------------------------------
+ENDINGS = ("SIGTERM", "Triton killed")
+LATE_WITHIN_S = 1.0  # a request sent after SIGTERM is answered (503) within this
+
+
+@dataclass
+class Ending:
+    """How a server ended with streams in flight: ``how`` is SIGTERM (a drain: each stream finishes with its
+    reference text or ends with a clean error, a request sent afterwards gets a 503 at once, the server exits 0) or
+    Triton killed (each stream ends, with its reference text or an error, none hangs; the server exits 1). Either
+    way nothing it started is left: no process, no shared-memory region."""
+
+    how: str
+    in_flight: list[Outcome] = field(default_factory=list)
+    late: list[Outcome] = field(default_factory=list)  # sent just after the signal
+    exit_code: int | None = None
+    exit_s: float = 0.0  # from the signal to the server's exit
+    left: list[str] = field(default_factory=list)
+
+    def wrong(self, reference: dict[str, str]) -> list[str]:
+        """What broke the promise above, one line each."""
+        out = []
+        for o in self.in_flight:
+            if o.error is None and o.text != reference.get(o.case):
+                out.append(f"in flight: {o.mode} {o.case}: wrong text {o.text!r}")
+            elif o.error is not None and ("a hang" in o.error or (self.how == "SIGTERM" and not any(
+                    s in o.error for s in EXPECTED_503))):
+                out.append(f"in flight: {o.mode} {o.case}: {o.error}")
+        for o in self.late:
+            if o.error is None:
+                out.append(f"sent after {self.how}: {o.path} answered as a success")
+            elif self.how == "SIGTERM" and not ("shutting down" in o.error and o.end - o.start <= LATE_WITHIN_S):
+                out.append(f"sent after SIGTERM: {o.path}: {o.end - o.start:.2f} s: {o.error[:200]}")
+        expected = 0 if self.how == "SIGTERM" else 1
+        if self.exit_code != expected:
+            out.append(f"exit code {self.exit_code}, not {expected}")
+        return out + [f"left behind: {x}" for x in self.left]
+
+
+def _triton_pid(serve_pid: int) -> int:
+    return next(pid for pid in descendants(serve_pid) if _label(pid) == "tritonserver")
+
+
+async def end_under_load(server: Server, how: str, cases: list[Case], streams: int = 16, seed: int = 1,
+                         say=lambda line: None) -> Ending:
+    """Send ``streams`` streams over every mode (gRPC and OpenAI), wait until each has its first text, then end the
+    server ``how`` (:data:`ENDINGS`), send one more request each way, and watch everything end."""
+    rng = random.Random(seed)
+    modes = [m for m in MODES if server.ready(m)]
+    client = Client(server.grpc, server.openai_url if server.openai_port else None, Path(server.model_path).name)
+    ending = Ending(how)
+    try:
+        outcomes = [Outcome(rng.choice(modes), c.name, "openai" if client.openai_url and i % 4 == 0 else "grpc", 0.0)
+                    for i, c in enumerate(rng.choice(cases) for _ in range(streams))]
+        by_name = {c.name: c for c in cases}
+        tasks = []
+        for o in outcomes:
+            o.start = time.monotonic()
+            tasks.append(asyncio.create_task(client.run(o, by_name[o.case], None, 120)))
+        deadline = time.monotonic() + 60
+        while any(o.ttft is None and not t.done() for o, t in zip(outcomes, tasks)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        tree = [server.proc.pid, *descendants(server.proc.pid)]
+        triton = _triton_pid(server.proc.pid)
+        say(f"[soak] {how} with {sum(not t.done() for t in tasks)} streams in flight")
+        t0 = time.monotonic()
+        if how == "SIGTERM":
+            server.proc.send_signal(signal.SIGTERM)
+        else:
+            os.kill(triton, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        late = [Outcome(modes[0], cases[0].name, path, time.monotonic())
+                for path in (["grpc", "openai"] if client.openai_url else ["grpc"])]
+        ending.late = list(await asyncio.gather(*(client.run(o, cases[0], None, 30) for o in late)))
+        ending.in_flight = list(await asyncio.gather(*tasks))
+        ending.exit_code = await asyncio.to_thread(server.proc.wait, 120)
+        ending.exit_s = time.monotonic() - t0
+        await asyncio.sleep(1.0)  # (vLLM's engine processes end just after their worker)
+        ending.left = [f"pid {pid} ({_label(pid) or 'gone meanwhile'})" for pid in tree
+                       if Path(f"/proc/{pid}").exists() and _label(pid) is not None]
+        ending.left += [f"/dev/shm/{r.name}" for r in Path("/dev/shm").glob(f"pytrtion{server.proc.pid}-*")]
+    finally:
+        await client.close()
+    return ending
+
+
+def ending_table(endings: list[Ending], reference: dict[str, str]) -> list[str]:
+    lines = ["| ending | streams in flight | finished with the reference text | ended with a clean error | "
+             "sent after it: answered in | exit code (s after the signal) | left behind |", "|---|---|---|---|---|---|---|"]
+    for e in endings:
+        done = sum(o.error is None and o.text == reference.get(o.case) for o in e.in_flight)
+        late = ", ".join(f"{o.path} {o.end - o.start:.2f} s ({'503' if o.error and 'shutting down' in o.error else 'error' if o.error else 'success!'})"
+                         for o in e.late)
+        lines.append(f"| {e.how} | {len(e.in_flight)} | {done} | {sum(o.error is not None for o in e.in_flight)} | "
+                     f"{late} | {e.exit_code} ({e.exit_s:.1f} s) | {len(e.left) or 'nothing'} |")
+    for e in endings:
+        lines += [f"\n{e.how}: {line}" for line in e.wrong(reference)]
+    return lines
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -476,28 +582,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill", default="decode", help="stage whose worker is killed during the run ('none': no kill)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", type=Path, help="write the table into this markdown file (section `soak`)")
+    p.add_argument("--no-endings", action="store_true",
+                   help="stop the server as usual after the run (default: end it with SIGTERM under load, then start "
+                        "another and kill its Triton under load)")
     p.add_argument("serve_args", nargs="*", help="more `trident serve` arguments, after --")
     args = p.parse_args(argv)
     from .demo import default_demo_model
 
     model = args.model or str(default_demo_model("llava"))
     workspace = Path(tempfile.mkdtemp(prefix="trident-soak-"))
-    print(f"[soak] starting trident serve (every mode) on {model}", flush=True)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    say(f"[soak] starting trident serve (every mode) on {model}")
     server = Server(model, workspace / "ws", modes=list(MODES), extra=args.serve_args)
+    endings: list[Ending] = []
     try:
         server.wait_ready()
         report = asyncio.run(soak(server, requests=args.requests, concurrency=args.concurrency, cancel=args.cancel,
-                                  kill=None if args.kill == "none" else args.kill, seed=args.seed,
-                                  say=lambda line: print(line, flush=True)))
+                                  kill=None if args.kill == "none" else args.kill, seed=args.seed, say=say))
+        if not args.no_endings:
+            cases = make_cases(model)
+            endings.append(asyncio.run(end_under_load(server, "SIGTERM", cases, say=say)))
+            say("[soak] starting another server, to kill its Triton under load")
+            server = Server(model, workspace / "ws2", modes=list(MODES), extra=args.serve_args)
+            server.wait_ready()
+            endings.append(asyncio.run(end_under_load(server, "Triton killed", cases, say=say)))
     finally:
-        code = server.stop()
+        code = server.stop()  # (its exit code, where it has ended already)
     lines = table(report)
+    wrong = [line for e in endings for line in e.wrong(report.reference)]
+    if endings:
+        lines += ["", "Then the server's end with streams in flight (`Ending` in `tests/support/soak.py`): SIGTERM to "
+                  "`trident serve` (a drain), and on a second server SIGKILL to Triton.", "",
+                  *ending_table(endings, report.reference)]
+    elif code != 0:
+        say(f"[soak] trident serve exited with {code}")
     print("\n".join(lines))
-    if code != 0:
-        print(f"[soak] trident serve exited with {code}")
     if args.report:
         write_section(args.report, lines)
-    return 0 if report.passed and code == 0 else 1
+    return 0 if report.passed and not wrong and (endings or code == 0) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""The vLLM engine across hosts: E/P/D with each stage on a host of its own (:mod:`support.hosts`: nothing crosses
+but TCP) and a head with no worker (Triton, the BLS). Each host runs the command the Helm chart's stage containers run
+(:func:`support.roles.worker_argv` with ``--backend vllm``, from the vLLM environment): the embeddings go from the
+encode host to the prefill host over Trident's NIXL, the KV from the prefill host to the decode host over vLLM's
+NixlConnector (its side channel on the prefill host's data address), both over UCX's TCP. Every answer is
+model.generate()'s (for LLaVA, vLLM's one-engine output is the same: test_vllm_serving.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from support import Server, build_reference, cancellable_stream, grpc_generate, vllm_python
+from support.hosts import Hosts, unavailable
+from support.roles import head_settings, worker_argv
+
+WHY = unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
+
+MODES = ["e_p_d"]
+STAGES = ("encode", "prefill", "decode")
+GREEDY = {"max_tokens": 8, "temperature": 0}
+CASES = {"text": [], "image": [(224, 224, 900)]}
+CHECKOUT = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture(scope="module")
+def head(demo_models, tmp_path_factory, shared_servers):
+    """The head (from the pool of shared servers: whatever ran before stops first) and its three stage hosts."""
+    model, python = demo_models["llava"], vllm_python()
+
+    def start() -> Server:
+        hosts, srv = Hosts(list(STAGES)), None
+        try:
+            # every prompt goes through the prefill host (none is prefilled on the decode host)
+            config = {**head_settings(MODES), "scheduling": {"local_prefill_tokens": 0}}
+            srv = Server(model, tmp_path_factory.mktemp("vllm-head") / "ws", modes=MODES, config=config,
+                         extra=["--backend", "vllm", "--worker-python", python])
+            srv.hosts = hosts
+            # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told
+            env = dict(os.environ, TRIDENT_ACCESS_TOKEN=srv.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
+            url = f"http://{hosts.head_address}:{srv.http_port}"
+            for stage in STAGES:
+                argv = worker_argv(stage, model, url, backend="vllm")
+                hosts[stage].popen([python, "-m", "trident.cli", *argv[1:]], env=env, copies=(model, CHECKOUT))
+            srv.wait_ready(timeout=400)
+        except BaseException:
+            try:
+                if srv is not None:
+                    srv.stop()
+            finally:
+                hosts.close()
+            raise
+        return srv
+
+    def stop(srv: Server) -> None:
+        try:
+            assert srv.stop() == 0, "\n".join(srv.log[-20:])
+        finally:
+            srv.hosts.close()  # (the workers, having lost their head, stop when told)
+
+    return shared_servers.get(("llava", "vllm-hosts"), start, stop)
+
+
+@pytest.fixture(scope="module")
+def ref(head):
+    return build_reference(head.model_path, CASES, GREEDY["max_tokens"])
+
+
+def _stage_metrics(head, prefix: str) -> dict[tuple[str, str], float]:
+    return {(name, dict(labels)["model"]): v for (name, labels), v in head.metrics(prefix).items()}
+
+
+def test_each_stage_on_its_own_host_gives_the_reference_tokens(head, ref):
+    """Streamed and not, with an image and without, every answer is model.generate()'s; the prefill host READs the
+    embeddings over TCP (the transport its worker saw, in the stage metrics)."""
+    for case in ref.values():
+        for stream in (True, False):
+            assert grpc_generate(head.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=stream).text \
+                == case["expected"], (case, stream)
+    deadline = time.monotonic() + 5
+    while (peers := _stage_metrics(head, "trident_transfer_peers")).get(("trident_transfer_peers_tcp", "prefill-2")) \
+            != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert peers.get(("trident_transfer_peers_tcp", "prefill-2")) == 1, peers
+    assert peers.get(("trident_transfer_peers_not_tcp", "prefill-2")) == 0, peers
+
+
+def test_a_stream_cancelled_across_hosts_frees_the_decode_host_s_blocks(head, ref):
+    """A stream cancelled after its first tokens: the decode host's vLLM stops it and holds no KV within 5 s (vLLM's
+    own gauges, which the stage model's stub asks its worker for over the stage link every second), and the next
+    request is exact."""
+    case = ref["image"]
+    with cancellable_stream(head.grpc, "e_p_d", case["text"], case["images"],
+                            {"max_tokens": 200, "temperature": 0}) as next_response:
+        next_response()
+        next_response()
+    deadline = time.monotonic() + 5
+    while True:
+        gauges = _stage_metrics(head, "vllm:")
+        held = {key: v for key, v in gauges.items() if key[1] == "decode-2" and v > 0
+                and key[0] in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc")}
+        if not held or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not held, gauges
+    assert grpc_generate(head.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
+        == case["expected"]
