@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from support import Server, build_reference, descendants, grpc_generate
-from support.hosts import Hosts, unavailable
+from support import Server, build_reference, descendants, grpc_generate, hosted_head
+from support.hosts import unavailable, worker_env
 from support.roles import HEALTH_PORT, head_settings, python_argv, worker_argv
 
 WHY = unavailable()
@@ -43,45 +43,29 @@ def head(demo_models, tmp_path_factory, shared_servers):
 
     model = demo_models["llava"]
 
-    def start() -> Server:
-        hosts, srv = Hosts(list(STAGES)), None
-        try:
-            srv = _head(model, tmp_path_factory)
-            srv.hosts, srv.joined = hosts, {}
-            deadline = time.monotonic() + 120
-            while not any(line.startswith("[trident] waiting for stage hosts to join") for line in srv.log):
-                assert srv.proc.poll() is None and time.monotonic() < deadline, "\n".join(srv.log[-20:])
-                time.sleep(0.2)
-            srv.not_ready_before_join = requests.get(f"http://{srv.http}/v2/health/ready", timeout=5).status_code
-            # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told
-            env = dict(os.environ, TRIDENT_ACCESS_TOKEN=srv.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
-            url = f"http://{hosts.head_address}:{srv.http_port}"
-            srv.joined["decode"] = hosts["decode"].popen(python_argv(worker_argv("decode", model, url)), env=env,
-                                                        copies=(model, CHECKOUT))
-            srv.node_log = []
-            srv.joined["encode_prefill"] = node = hosts["encode_prefill"].popen(
-                python_argv(["trident", "node", "encode_prefill", "--model", model, "--join", url]), env=env,
-                copies=(model, CHECKOUT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            threading.Thread(target=lambda: srv.node_log.extend(line.rstrip() for line in node.stdout),
-                             daemon=True).start()
-            srv.wait_ready(timeout=240)
-        except BaseException:
-            try:
-                if srv is not None:
-                    srv.stop()
-            finally:
-                hosts.close()
-            raise
+    def start(hosts, made) -> Server:
+        srv = _head(model, tmp_path_factory)
+        made(srv)
+        srv.joined = {}
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("[trident] waiting for stage hosts to join") for line in srv.log):
+            assert srv.proc.poll() is None and time.monotonic() < deadline, "\n".join(srv.log[-20:])
+            time.sleep(0.2)
+        srv.not_ready_before_join = requests.get(f"http://{srv.http}/v2/health/ready", timeout=5).status_code
+        env = worker_env(srv.token)
+        url = f"http://{hosts.head_address}:{srv.http_port}"
+        srv.joined["decode"] = hosts["decode"].popen(python_argv(worker_argv("decode", model, url)), env=env,
+                                                    copies=(model, CHECKOUT))
+        srv.node_log = []
+        srv.joined["encode_prefill"] = node = hosts["encode_prefill"].popen(
+            python_argv(["trident", "node", "encode_prefill", "--model", model, "--join", url]), env=env,
+            copies=(model, CHECKOUT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=lambda: srv.node_log.extend(line.rstrip() for line in node.stdout),
+                         daemon=True).start()
+        srv.wait_ready(timeout=240)
         return srv
 
-    def stop(srv: Server) -> None:
-        try:
-            assert srv.stop() == 0, "\n".join(srv.log[-20:])
-            # the workers lose their head: they stop when told (the test's hosts stop them)
-        finally:
-            srv.hosts.close()
-
-    return shared_servers.get(("llava", "head-alone"), start, stop)
+    return hosted_head(shared_servers, ("llava", "head-alone"), list(STAGES), start)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ model.generate()'s (for LLaVA, vLLM's one-engine output is the same: test_vllm_s
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from support import Server, build_reference, cancellable_stream, grpc_generate, vllm_python
-from support.hosts import Hosts, unavailable
+from support import Server, build_reference, cancellable_stream, grpc_generate, hosted_head, vllm_python
+from support.hosts import unavailable, worker_env
 from support.roles import head_settings, worker_argv
 
 WHY = unavailable()
@@ -32,37 +31,21 @@ def head(demo_models, tmp_path_factory, shared_servers):
     """The head (from the pool of shared servers: whatever ran before stops first) and its three stage hosts."""
     model, python = demo_models["llava"], vllm_python()
 
-    def start() -> Server:
-        hosts, srv = Hosts(list(STAGES)), None
-        try:
-            # every prompt goes through the prefill host (none is prefilled on the decode host)
-            config = {**head_settings(MODES), "scheduling": {"local_prefill_tokens": 0}}
-            srv = Server(model, tmp_path_factory.mktemp("vllm-head") / "ws", modes=MODES, config=config,
-                         extra=["--backend", "vllm", "--worker-python", python])
-            srv.hosts = hosts
-            # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told
-            env = dict(os.environ, TRIDENT_ACCESS_TOKEN=srv.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
-            url = f"http://{hosts.head_address}:{srv.http_port}"
-            for stage in STAGES:
-                argv = worker_argv(stage, model, url, backend="vllm")
-                hosts[stage].popen([python, "-m", "trident.cli", *argv[1:]], env=env, copies=(model, CHECKOUT))
-            srv.wait_ready(timeout=400)
-        except BaseException:
-            try:
-                if srv is not None:
-                    srv.stop()
-            finally:
-                hosts.close()
-            raise
+    def start(hosts, made) -> Server:
+        # every prompt goes through the prefill host (none is prefilled on the decode host)
+        config = {**head_settings(MODES), "scheduling": {"local_prefill_tokens": 0}}
+        srv = Server(model, tmp_path_factory.mktemp("vllm-head") / "ws", modes=MODES, config=config,
+                     extra=["--backend", "vllm", "--worker-python", python])
+        made(srv)
+        env = worker_env(srv.token)
+        url = f"http://{hosts.head_address}:{srv.http_port}"
+        for stage in STAGES:
+            argv = worker_argv(stage, model, url, backend="vllm")
+            hosts[stage].popen([python, "-m", "trident.cli", *argv[1:]], env=env, copies=(model, CHECKOUT))
+        srv.wait_ready(timeout=400)
         return srv
 
-    def stop(srv: Server) -> None:
-        try:
-            assert srv.stop() == 0, "\n".join(srv.log[-20:])
-        finally:
-            srv.hosts.close()  # (the workers, having lost their head, stop when told)
-
-    return shared_servers.get(("llava", "vllm-hosts"), start, stop)
+    return hosted_head(shared_servers, ("llava", "vllm-hosts"), list(STAGES), start)
 
 
 @pytest.fixture(scope="module")

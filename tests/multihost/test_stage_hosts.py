@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from support import bridged_llava_server, build_reference, grpc_generate
-from support.hosts import unavailable
+from support.hosts import unavailable, worker_env
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
@@ -38,10 +38,8 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
 
     server = bridged_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
     head = server.hosts.head_address
-    # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told;
     # UCX_TCP_BRIDGE_ENABLE: the head's end of the links is the test's bridge, which UCX leaves out unless told
-    env = dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp",
-               UCX_TCP_BRIDGE_ENABLE="y")
+    env = worker_env(server.token, UCX_TCP_BRIDGE_ENABLE="y")
     workers = {}
     try:
         for stage in JOINED:

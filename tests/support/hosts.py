@@ -77,6 +77,13 @@ class Host:
         _ip("link", "set", "eth0", "up" if up else "down", ns=self.netns)
 
 
+def worker_env(token: str, **more: str) -> dict[str, str]:
+    """The environment of a stage worker on one of these hosts: the head's access token (the deployment secret is
+    this process's own), the checkpoint offline, and ``UCX_TLS=tcp``: the hosts are one machine, which UCX would
+    take for one host (shared memory, cma) unless told."""
+    return dict(os.environ, TRIDENT_ACCESS_TOKEN=token, HF_HUB_OFFLINE="1", UCX_TLS="tcp", **more)
+
+
 class Hosts:
     """A bridge with hosts on it; :meth:`close` stops their processes and removes the namespaces and the bridge,
     also after a failure (use it as a context manager)."""

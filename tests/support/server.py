@@ -10,7 +10,7 @@ from .served import Server, descendants, held
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 
-__all__ = ["OneServerAtATime", "Server", "descendants", "serving", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics",
+__all__ = ["OneServerAtATime", "Server", "descendants", "hosted_head", "serving", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics",
            "vllm_server", "wait_drained"]
 
 
@@ -219,6 +219,36 @@ def bridged_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -
                 srv.hosts.close()
 
     return pool.get(("llava", "bridged"), start, stop)
+
+
+def hosted_head(pool: OneServerAtATime, key: tuple, names: list[str], start) -> Server:
+    """A head server from ``pool`` (under ``key``) with stage hosts ``names`` (:mod:`support.hosts`), which are made
+    first and closed with it: ``start(hosts, made)`` starts the head, calls ``made(srv)`` as soon as the server
+    exists (so that a start that fails stops it) and returns it ready. The head must stop cleanly (0); the hosts'
+    workers, having lost it, stop when the hosts close."""
+    from .hosts import Hosts
+
+    def begin() -> Server:
+        hosts, made = Hosts(names), []
+        try:
+            srv = start(hosts, made.append)
+        except BaseException:
+            try:
+                for srv in made:
+                    srv.stop()
+            finally:
+                hosts.close()
+            raise
+        srv.hosts = hosts
+        return srv
+
+    def end(srv: Server) -> None:
+        try:
+            assert srv.stop() == 0, "\n".join(srv.log[-20:])
+        finally:
+            srv.hosts.close()
+
+    return pool.get(key, begin, end)
 
 
 def check_stopped(srv: Server) -> None:
