@@ -8,9 +8,18 @@ Trident serves. Not used on CUDA machines, where torchvision is real.
 The schemas are defined when torchvision is first imported, not when Python starts: importing torch takes
 about a second of CPU, which every Python process of this environment would pay (vLLM's resource trackers,
 Trident's start-up probe), whether it uses torch or not.
+
+vLLM's CPU build warns as it is imported ("Triton is installed, but doesn't include CPU backend"), before it has
+configured its logging from ``VLLM_LOGGING_LEVEL``, so the warning ignores it; the ``vllm`` logger gets that level
+here, in every process of this environment (its engine processes are spawned: each imports vLLM afresh).
 """
 
+import logging
+import os
 import sys
+
+if os.environ.get("VLLM_LOGGING_LEVEL"):
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
 
 
 def _define_schemas() -> None:

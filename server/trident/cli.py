@@ -278,9 +278,9 @@ def _add_frontend(sub) -> None:
 
 # -- worker -----------------------------------------------------------------------------------------------
 def _worker(args: argparse.Namespace) -> int:
-    # quiet by default, as the workers serve starts (NIXL logs every agent at INFO, transformers draws a bar)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from .launcher.quiet import quiet
+
+    quiet(os.environ)  # (as the workers serve starts)
     import torch
 
     from .workers.bind import run_worker
@@ -325,10 +325,10 @@ def _node(args: argparse.Namespace) -> int:
     from .config import VLLMConfig
     from .launcher import own_side_channel
     from .launcher.node import Node
+    from .launcher.quiet import quiet
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.setdefault("NIXL_LOG_LEVEL", "WARN")
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet(env)
     if args.access_token_file:
         env["TRIDENT_ACCESS_TOKEN"] = read_secret_file(args.access_token_file, "--access-token-file")
     if args.transfer_secret_file:

@@ -220,6 +220,7 @@ class VLLMStageEngine:
             enable_mm_embeds=self.embeddings_in,
             kv_transfer_config=kv_transfer,
             disable_log_stats=False,
+            use_tqdm_on_load=False,  # (a progress bar per checkpoint load, in every engine's output)
             seed=0,
             **_executor(config, cpu),
         )

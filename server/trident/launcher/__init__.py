@@ -35,6 +35,7 @@ from ..repository import install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
 from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
+from .quiet import quiet
 from .startup import StartupError
 from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of
 from . import triton_shim
@@ -294,8 +295,7 @@ class Launcher:
         taken now, is theirs (the stage directory's included). A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton python-backend stub cannot
         take): the zygote runs the workers' Python."""
         env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")  # quiet by default: NIXL logs every agent it creates at INFO
-        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # and transformers draws a bar per checkpoint load
+        quiet(env, self.s.vllm.log_level)
         self._zygote = Zygote(self.s.worker_python or sys.executable, env, self.s.backend, str(self.model_path))
 
     def _start_worker(self, name: str) -> None:
