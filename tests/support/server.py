@@ -313,6 +313,9 @@ def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace, modes:
         srv = Server(model, workspace, modes=modes, extra=["--backend", "vllm", "--worker-python", vllm_python()])
         try:
             srv.wait_ready(timeout=400)
+            # quiet by default: from start to ready only the server's own lines (no vLLM, transformers or torch noise)
+            noise = [line for line in srv.log if line.strip() and not line.startswith(("[trident]", "[demo-model]"))]
+            assert not noise, noise[:10]
         except BaseException:
             srv.stop()
             raise

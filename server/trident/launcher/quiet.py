@@ -15,5 +15,6 @@ def quiet(env: MutableMapping[str, str], vllm_log_level: str = VLLMConfig().log_
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", vllm_log_level)
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # (its processors' advice, e.g. on Qwen2-VL's video pixel cap)
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # (vLLM on torch's deprecated names, at import)
