@@ -179,6 +179,7 @@ class VLLMStageEngine:
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from ..transfer import TransferEndpoint
@@ -193,8 +194,6 @@ class VLLMStageEngine:
         self.family = self.processor.family
         text_config = getattr(self.processor.config, "text_config", self.processor.config)
         self.hidden_size: int = text_config.hidden_size
-        takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
-        self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
         self._used_kv = signing.SingleUse()  # the kv_meta records this decode has taken
         self._stats = _EngineStats()
@@ -225,7 +224,16 @@ class VLLMStageEngine:
             **_executor(config, cpu),
         )
         log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, self.kv_role, self.embeddings_in)
-        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if cpu:
+            # vLLM's CPU platform makes its engine-core process a spawned one, which imports vLLM afresh (tens of
+            # seconds of CPU per engine on a small machine); this process has imported it, run no OpenMP region
+            # and opened no NIXL agent yet (the endpoint below comes after), so a fork is safe here and starts
+            # the engine core without the imports
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._stats.factory])
+        takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
+        self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
         self._first_token_rules(
             self.llm.vllm_config.cache_config.block_size,
             self.llm.model_config.try_get_generation_config().get("eos_token_id"),
