@@ -11,7 +11,7 @@ Trident's start-up probe), whether it uses torch or not.
 
 vLLM's CPU build warns as it is imported ("Triton is installed, but doesn't include CPU backend"), before it has
 configured its logging from ``VLLM_LOGGING_LEVEL``, so the warning ignores it; the ``vllm`` logger gets that level
-here, in every process of this environment (its engine processes are spawned: each imports vLLM afresh).
+here, in every process of this environment.
 """
 
 import logging
