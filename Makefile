@@ -27,7 +27,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile $(PIP_INSTALL)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "==> installing Trident and its dependencies into $(VENV) (first run takes a few minutes)"
+	@echo "==> installing Trident and its dependencies into $(VENV) (a minute or two)"
 	$(PIP_INSTALL) $(PY) torch==2.13.0
 	$(PIP_INSTALL) $(PY) -e '.[test]'
 	@# the `nixl` import shim: with its dependencies it would pull CUDA torch and both CUDA variants
@@ -42,7 +42,7 @@ install-vllm: $(VLLM_STAMP)
 # $(VENV)'s, as both write server/trident.egg-info.
 $(VLLM_BASE): Makefile $(PIP_INSTALL)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	@echo "==> installing $(VLLM_PKG) into $(VLLM_VENV) (first run takes a few minutes)"
+	@echo "==> installing $(VLLM_PKG) into $(VLLM_VENV) (a minute or two)"
 	$(PIP_INSTALL) $(VLLM_PY) $(VLLM_PKG)
 	@touch $(VLLM_BASE)
 
@@ -71,15 +71,18 @@ serve: install
 serve-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trident serve --backend vllm --worker-python $(VLLM_PY) $(SERVE_ARGS)
 
+# The suite runs in two lanes, one process each (tests/conftest.py: lane)
+LANES = -n 2
+
 # gdb: a test attaches it to the BLS entry model's python-backend stub (tests/e2e/test_trust.py).
 test:
 	@$(MAKE) --no-print-directory -j2 install install-vllm
 	@command -v gdb >/dev/null || { apt-get update -qq && apt-get install -y -qq gdb; }
-	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRIDENT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(LANES) $(PYTEST_ARGS)
 
 # The unit and integration tests only (no server started): a few minutes.
 test-fast: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(LANES) tests/unit tests/integration $(PYTEST_ARGS)
 
 # aiperf wants numpy 2 and a newer transformers: it gets a venv of its own.
 bench-tools: perf-tools

@@ -169,6 +169,15 @@ class Abandon(msgspec.Struct, array_like=True, frozen=True, tag="abandon"):
     call: int
 
 
+class Claim(msgspec.Struct, array_like=True, frozen=True, tag="claim"):
+    """Take the KV the vllm engine's prefill holds under ``claim`` (a :class:`VLLMKVRecord`'s), before reading it:
+    the producer answers the first claim with an empty :class:`Reply`, and every other one, from any consumer,
+    and one after the KV's lease, with :class:`~trident.errors.ReplayedRecord`."""
+
+    id: int
+    claim: str
+
+
 class Stats(msgspec.Struct, array_like=True, tag="stats"):
     """Ask the worker for its counters (the stage model's stub, for its metrics): answered with a :class:`Reply`
     whose ``outputs`` are ``{"stats": {name: number}}``."""
@@ -176,9 +185,9 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
     id: int = 0
 
 
-Control = Union[Cancel, Deliver, Withdraw, Abandon, Stats]
+Control = Union[Cancel, Deliver, Withdraw, Abandon, Claim, Stats]
 """What a caller tells a stage worker besides calls: each a message of its own, never a parameter of a call."""
-StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw, Abandon, Stats]
+StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw, Abandon, Claim, Stats]
 """Everything that crosses a stage socket, either way. Arrays travel as msgpack extensions (:func:`encode_message`)."""
 
 FRAME = struct.Struct("!I")
@@ -326,7 +335,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 7  # 7: transfers carry the lease's release key
+RECORD_VERSION = 8  # 8: vLLM KV records name the claim at their producer
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
 MAX_TENSOR_RANK = 8
@@ -484,10 +493,16 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     # the first token's logprob entries when the request asked for logprobs: (token id, logprob, rank), the
     # sampled token's first, then the top ones (trident.output.TokenLogprob)
     first_logprobs: list[tuple[int, float, int]] | None = None
+    # single use across consumers and restarts: the consumer claims the KV at its producer before vLLM reads it
+    # (:class:`Claim`), on the producer worker's stage socket that ``claim_at`` describes (its worker file)
+    claim: str = ""
+    claim_at: dict[str, Any] = {}
 
     def validate(self) -> None:
         if self.first_token is not None and self.first_token < 0:
             raise MalformedRecord("kv_meta has a negative first token")
+        if not self.claim or not self.claim_at:
+            raise MalformedRecord("kv_meta names no producer to claim its KV at")
         _check_logprobs(self.first_logprobs, self.first_token)
         if len(self.token_counts) != len(self.image_ids):
             raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")

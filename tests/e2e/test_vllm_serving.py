@@ -16,7 +16,7 @@ import pytest
 
 from support import (
     ADDITIONAL, LOGPROB_FLAGS, credential,
-    MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, descendants, drain_kv,
+    MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, decode_kv, descendants, drain_kv,
     grpc_generate, http_generate, make_frames, make_wave, media_prompt, settled_vllm_metrics, stage_output, strings,
     video_bytes, vllm_metrics, vllm_server, wait_drained,
 )
@@ -205,6 +205,42 @@ def test_stage_records_are_small(server, reference):
     for record in records:
         drain_kv(server.grpc, record, c["text"])  # read the KV so nothing waits for its lease
     wait_drained(server, _kv_stages(server), timeout=30)
+
+
+@pytest.mark.servers("llava")
+def test_a_kv_record_another_consumer_claimed_is_refused_before_any_token(server, reference):
+    """A prefill's KV is read once, whichever decode instance the record goes to: each consumer claims it at its
+    producer first. This test claims it as a second decode worker of the deployment would (the deployment's
+    secret, the producer's stage socket from the record); the decode worker, which has never seen the record,
+    then gets it and refuses it (403, "already used") instead of reading blocks vLLM has freed for other requests.
+    A claim twice is refused too, and the next request is exact."""
+    import asyncio
+
+    import tritonclient.grpc as grpcclient
+
+    from trident.errors import ReplayedRecord
+    from trident.protocol import decode_record
+    from trident.stagecall import StageClient
+
+    c = reference["text-only"]
+    kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"])})
+    record = decode_record(kv)
+
+    async def claim_twice() -> None:
+        other = StageClient()
+        try:
+            await other.claim(record.claim_at, record.claim)
+            with pytest.raises(ReplayedRecord, match="already used"):
+                await other.claim(record.claim_at, record.claim)
+        finally:
+            other.close()
+
+    asyncio.run(claim_twice())
+    error = decode_kv(server.grpc, kv, c["text"])  # (its first answer: an error, no token before it)
+    assert isinstance(error, grpcclient.InferenceServerException), error
+    assert "already used" in error.message(), error
+    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=False).text == c["expected"]
+    wait_drained(server, _kv_stages(server), timeout=40)  # (the claimed KV is freed by vLLM's lease, 30 s)
 
 
 def test_sixteen_concurrent_streams_and_kv_drains(server, reference):

@@ -6,7 +6,7 @@
 - :mod:`.reference`: transformers' ``generate()`` references
 """
 
-from .clients import ADDITIONAL, LOGPROB_FLAGS, Result, cancellable_stream, credential, drain_kv, grpc_generate, http_generate, stage_output, strings
+from .clients import ADDITIONAL, LOGPROB_FLAGS, Result, cancellable_stream, credential, decode_kv, drain_kv, grpc_generate, http_generate, stage_output, strings
 from .media import (
     audio_bytes, b64, chat_prompt, frameless_video, long_header_video, make_frames, make_image, make_wave, media_prompt,
     png_bytes, video_bytes,

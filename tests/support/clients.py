@@ -174,6 +174,12 @@ def stage_output(url: str, model: str, inputs: dict) -> bytes:
 
 def drain_kv(url: str, kv: bytes, text: str | None = None) -> None:
     """Decode a ``kv_meta`` for two tokens through the decode stage, so nothing waits for its lease."""
+    error = decode_kv(url, kv, text)
+    assert error is None, error
+
+
+def decode_kv(url: str, kv: bytes, text: str | None = None):
+    """Call the decode stage with a ``kv_meta`` for two tokens: its error (tritonclient's), or None once it answers."""
     import tritonclient.grpc as grpcclient
 
     q: queue.Queue = queue.Queue()
@@ -184,8 +190,7 @@ def drain_kv(url: str, kv: bytes, text: str | None = None) -> None:
         inputs["text_input"] = strings(text)
     try:
         client.async_stream_infer("decode", _grpc_inputs(grpcclient, inputs), parameters=credential())
-        result, error = q.get(timeout=60)
-        assert error is None, error
+        return q.get(timeout=60)[1]
     finally:
         client.stop_stream()
         client.close()

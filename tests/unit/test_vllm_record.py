@@ -20,7 +20,8 @@ PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
 
 def _record(**kw) -> VLLMKVRecord:
     fields = dict(kv_transfer_params=PARAMS, prompt_len=220, prompt_digest="ab" * 8,
-                  token_counts=[196], grid_thw=None, image_ids=["f" * 32])
+                  token_counts=[196], grid_thw=None, image_ids=["f" * 32],
+                  claim="c" * 32, claim_at={"name": "prefill", "tcp": ["127.0.0.1", 40000]})
     fields.update(kw)
     return VLLMKVRecord(**fields)
 
@@ -38,6 +39,8 @@ def test_kv_record_round_trip_and_size():
     (_record(image_ids=[]).encode(), "item token counts and item ids"),
     (_record(seconds=[1.0, 1.0]).encode(), "invalid seconds per temporal patch"),
     (_record(seconds=[float("nan")]).encode(), "invalid seconds per temporal patch"),
+    (_record(claim="").encode(), "no producer to claim its KV at"),
+    (_record(claim_at={}).encode(), "no producer to claim its KV at"),
 ])
 def test_malformed_kv_records_are_refused(data, message):
     with pytest.raises(MalformedRecord, match=message):
@@ -150,3 +153,45 @@ def test_kv_record_carries_the_first_token():
     assert decode_record(_record(first_token=17).encode(), VLLMKVRecord).first_token == 17
     with pytest.raises(MalformedRecord, match="negative first token"):
         decode_record(_record(first_token=-1).encode(), VLLMKVRecord)
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["unix-socket", "tcp"])
+def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local, monkeypatch):
+    """Two consumers (two stage clients, as two decode workers) claim one record's KV at its producer's stage
+    socket (Unix on one host, TCP from another): the first gets it, every later claim is refused, from either; so
+    are a claim never made and one past the KV's life. The producer here is the vllm engine's claim table behind a
+    real stage server and the prefill handler's control hook (no vLLM)."""
+    import asyncio
+    import os
+    import threading
+
+    from trident.engines import vllm as vllm_engine
+    from trident.errors import ReplayedRecord
+    from trident.protocol import STAGES
+    from trident.stagecall import StageClient, StageServer
+    from trident.workers.infer import StageHandler
+
+    producer = object.__new__(VLLMStageEngine)
+    producer._claims, producer._claims_lock = {}, threading.Lock()
+    handler = StageHandler(STAGES["prefill"], infer=None, claims=producer.take_claim)
+    server = StageServer(None, handler.control, "127.0.0.1")
+    server.start()
+    first, second = StageClient(), StageClient()
+    try:
+        producer.serving_at(server.worker_file(os.getpid() if local else None, "prefill"))
+        at = _record(claim=producer._hold(), claim_at=producer._claim_at)
+        monkeypatch.setattr(vllm_engine, "KV_CLAIM_S", 0.0)
+        expired = producer._hold()
+
+        async def claims() -> None:
+            await first.claim(at.claim_at, at.claim)
+            for client, claim in ((second, at.claim), (first, at.claim), (second, "0" * 32), (first, expired)):
+                with pytest.raises(ReplayedRecord, match="already used, or its KV has expired"):
+                    await client.claim(at.claim_at, claim)
+
+        asyncio.run(claims())
+        assert producer._claims == {}  # nothing held once claimed or expired
+    finally:
+        first.close()
+        second.close()
+        server.stop(drain_s=1)

@@ -36,7 +36,7 @@ import numpy as np
 from .. import auth, tracing
 from ..errors import MalformedRecord, StageTimeout, TridentError, Unavailable
 from ..protocol import (
-    Abandon, Call, Cancel, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Stats, Withdraw, encode_message,
+    Abandon, Call, Cancel, Claim, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Stats, Withdraw, encode_message,
     error_of, failure,
 )
 from . import directory
@@ -289,6 +289,21 @@ class StageClient:
         :class:`~trident.protocol.Withdraw` message, not waited for)."""
         return await self._post(instance, lambda id: Withdraw(id, token))
 
+    async def claim(self, producer: dict, claim: str) -> None:
+        """Take the vLLM KV held under ``claim`` at the worker ``producer`` (its worker file, from the record) before
+        reading it (a :class:`~trident.protocol.Claim` message): raises its refusal, or :class:`Unavailable` when
+        that worker is not there (its KV went with it)."""
+        name = str(producer.get("name", "?"))
+        connection = await self._connection(name, producer)
+        if connection is None:
+            raise Unavailable(f"the worker of {name} that prefilled this request is not there; its KV went with it")
+        try:
+            answer = await connection.ask(Claim(connection.next_id(), claim))
+        except NotSent:
+            raise Unavailable(f"the worker of {name} that prefilled this request has gone; its KV went with it") from None
+        if isinstance(answer, Failure):
+            raise error_of(answer)
+
     async def _post(self, instance: str, make: Callable[[int], StageMessage]) -> bool:
         connection = await self._connection(instance)
         if connection is None:
@@ -299,11 +314,13 @@ class StageClient:
             return False
         return True
 
-    async def _connection(self, instance: str) -> _Connection | None:
+    async def _connection(self, instance: str, info: dict | None = None) -> _Connection | None:
+        """The open connection to ``instance``, or a new one to where ``info`` (a worker file) or else the stage
+        directory says it listens; None when it cannot be opened."""
         connection = self._connections.get(instance)
         if connection is not None and connection.open:
             return connection
-        info = directory.lookup(instance)
+        info = info or directory.lookup(instance)
         try:
             if info is None:
                 raise OSError("no entry in the stage directory")

@@ -34,7 +34,7 @@ from typing import Callable
 from .. import auth, tracing
 from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
 from ..protocol import (
-    Abandon, Call, Cancel, Deliver, Gone, Reply, StageMessage, Stats, Withdraw, encode_message, failure,
+    Abandon, Call, Cancel, Claim, Deliver, Gone, Reply, StageMessage, Stats, Withdraw, encode_message, failure,
 )
 from .frames import read_message
 
@@ -204,7 +204,7 @@ class StageServer:
         <trident.workers.infer.StageHandler.control>`), answered with an empty :class:`Reply` (or its
         :class:`Failure`); :class:`Stats` is answered with the hook's counters."""
         try:
-            if not isinstance(message, (Cancel, Deliver, Withdraw, Stats)):
+            if not isinstance(message, (Cancel, Deliver, Withdraw, Claim, Stats)):
                 raise InvalidRequest(f"a caller does not send {type(message).__name__} messages")
             done = self._control(message)
             if inspect.isawaitable(done):

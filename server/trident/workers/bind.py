@@ -245,6 +245,8 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
     infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.entry)
     server = StageServer(infer, handler.control, settings.transfer.data_address)
     server.start()
+    if (serving_at := getattr(engine, "serving_at", None)) is not None:  # a vllm KV producer's consumers claim there
+        serving_at(server.worker_file(os.getpid(), name))
     _install_proxy_model(server)
     stop = threading.Event()
     if settings.stats_dir:

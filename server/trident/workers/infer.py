@@ -25,7 +25,7 @@ from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import (
-    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Control, Deliver, StageSpec, Stats, Withdraw,
+    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Claim, Control, Deliver, StageSpec, Stats, Withdraw,
 )
 from . import record_handoff
 
@@ -181,6 +181,7 @@ class StageHandler:
     inbox: record_handoff.Inbox | None = None  # a prefill stage's records delivered by the encode worker
     streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
     counters: Callable[[], dict] | None = None  # the engine's (``StageEngine.stats``)
+    claims: Callable[[str], None] | None = None  # a KV producer's that consumers claim its KV at (the vllm engine's)
 
     @contextlib.asynccontextmanager
     async def entry(self, call: Call):
@@ -222,6 +223,8 @@ class StageHandler:
             self.inbox.deliver(message.token, message.record)
         elif isinstance(message, Withdraw) and self.inbox is not None:
             self.inbox.withdraw(message.token)
+        elif isinstance(message, Claim) and self.claims is not None:
+            self.claims(message.claim)
         else:
             raise InvalidRequest(f"the {self.spec.name} stage takes no {type(message).__name__} message")
 
@@ -308,7 +311,8 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             return outputs
 
         inbox = record_handoff.Inbox(engine.discard) if spec.takes == "embeddings" else None
-        return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox, counters=engine.stats)
+        return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox, counters=engine.stats,
+                            claims=getattr(engine, "take_claim", None))
 
     streams = Streams()
 
