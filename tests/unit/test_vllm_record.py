@@ -11,6 +11,13 @@ from trident.processor import Processor
 from trident.protocol import VLLMKVRecord, decode_record
 from trident.signing import sign
 
+
+def _record_id(value):
+    """A case's id: a record's bytes are sealed with a random nonce, so they name no case (and would differ between
+    the suite's two processes)."""
+    return "record" if isinstance(value, bytes) else None
+
+
 PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
     "remote_engine_id": "0c63c0b8-508f-4759-9a86-678c860ceb71", "remote_request_id": "r1-b060ab74",
@@ -41,7 +48,7 @@ def test_kv_record_round_trip_and_size():
     (_record(seconds=[float("nan")]).encode(), "invalid seconds per temporal patch"),
     (_record(claim="").encode(), "no producer to claim its KV at"),
     (_record(claim_at={}).encode(), "no producer to claim its KV at"),
-])
+], ids=_record_id)
 def test_malformed_kv_records_are_refused(data, message):
     with pytest.raises(MalformedRecord, match=message):
         decode_record(data, VLLMKVRecord)

@@ -268,15 +268,9 @@ class StageClient:
     async def cancel(self, instance: str, request_id: str) -> None:
         """Stop the stream started with ``request_id`` (a :class:`~trident.protocol.Cancel` message), once the
         worker has taken it."""
-        connection = await self._connection(instance)
-        if connection is None:
-            raise Unavailable(f"stage instance {instance} is not in the stage directory any more")
-        try:
-            answer = await connection.ask(Cancel(connection.next_id(), request_id))
-        except NotSent:
-            raise Unavailable(f"the worker of stage instance {instance} has gone") from None
-        if isinstance(answer, Failure):
-            raise error_of(answer)
+        await self._ask(instance, lambda id: Cancel(id, request_id),
+                        f"stage instance {instance} is not in the stage directory any more",
+                        f"the worker of stage instance {instance} has gone")
 
     async def deliver(self, instance: str, token: str, record: bytes) -> bool:
         """Hand ``record`` to the prefill call posted on ``instance`` under ``token`` (a
@@ -294,13 +288,21 @@ class StageClient:
         reading it (a :class:`~trident.protocol.Claim` message): raises its refusal, or :class:`Unavailable` when
         that worker is not there (its KV went with it)."""
         name = str(producer.get("name", "?"))
-        connection = await self._connection(name, producer)
+        await self._ask(name, lambda id: Claim(id, claim),
+                        f"the worker of {name} that prefilled this request is not there; its KV went with it",
+                        f"the worker of {name} that prefilled this request has gone; its KV went with it", producer)
+
+    async def _ask(self, instance: str, make: Callable[[int], StageMessage], absent: str, gone: str,
+                   info: dict | None = None) -> None:
+        """Send the control message ``make(id)`` and wait for its answer: raises its refusal, or
+        :class:`Unavailable` with ``absent`` (no connection to the worker) or ``gone`` (it went before it was sent)."""
+        connection = await self._connection(instance, info)
         if connection is None:
-            raise Unavailable(f"the worker of {name} that prefilled this request is not there; its KV went with it")
+            raise Unavailable(absent)
         try:
-            answer = await connection.ask(Claim(connection.next_id(), claim))
+            answer = await connection.ask(make(connection.next_id()))
         except NotSent:
-            raise Unavailable(f"the worker of {name} that prefilled this request has gone; its KV went with it") from None
+            raise Unavailable(gone) from None
         if isinstance(answer, Failure):
             raise error_of(answer)
 
