@@ -30,10 +30,10 @@ def demo_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_servers():
-    """The servers several modules share, one running at a time: the hf servers of the modules in ``SHARED_HF``
-    (:func:`support.shared_media_server`, :func:`support.shared_llava_server`) and the vllm-engine servers
-    (:func:`support.vllm_server`, shared by the modules that ask for the same model one after the other: one takes
-    minutes to start on 2 cores)."""
+    """The servers several modules of a lane share, one running at a time: the hf servers of the modules in
+    ``SHARED_HF`` (:func:`support.shared_media_server`, :func:`support.shared_llava_server`) and the vllm-engine
+    servers (:func:`support.vllm_server`, shared by the modules that ask for the same model one after the other: one
+    takes a minute or more to start on 2 cores)."""
     from support import OneServerAtATime
 
     pool = OneServerAtATime()
@@ -59,18 +59,19 @@ def admin(server):
 SHARED_HF = ("test_media_serving.py", "test_serving.py", "test_openai.py", "test_bad_input.py", "test_trust.py")
 
 
-LANES = ("vllm-hosts-unit", "hf-integration")
+LANES = ("vllm-hosts-unit-integration", "hf")
 
 
 def lane(nodeid: str) -> str:
     """Which of the suite's two lanes a test runs in (`make test`: ``pytest -n 2``, one lane per process, each in
     the order of :func:`pytest_collection_modifyitems`): the vLLM engine's modules, the stage hosts with
-    test_supervision.py (they go on with one server) and the unit tests; the hf engine's servers with the
-    integration tests. A lane's servers run one at a time and its shared servers are its own. The two lanes take
-    about as long, and together they use the 2 cores that one lane left idle a third of the time."""
+    test_supervision.py (they go on with one server), the unit and the integration tests; the hf engine's servers.
+    A lane's servers run one at a time and its shared servers are its own. The two lanes take about as long, and
+    together they use the 2 cores that one lane left idle a third of the time."""
     path = nodeid.split("::", 1)[0]
     folder, _, name = path.rpartition("/")
-    if name.startswith("test_vllm_") or name == "test_supervision.py" or folder.endswith(("/multihost", "/unit")):
+    if (name.startswith("test_vllm_") or name == "test_supervision.py"
+            or folder.endswith(("/multihost", "/unit", "/integration"))):
         return LANES[0]
     return LANES[1]
 
@@ -89,8 +90,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The modules that share hf servers run one after the other, just before the vLLM modules, which take the pool
-    over from them: a shared server is never idle while other modules run their own.
+    """The modules that share hf servers run one after the other, after the other hf modules of their lane: a shared
+    server is never idle while its lane's other modules run their own (in the other lane, the stage hosts go on with
+    test_supervision.py's server).
 
     A module's ``SERVED_MODES`` (``{server param: its modes, None: all}``) deselects the tests of a ``mode`` its
     ``server`` does not run; a test marked ``servers(names)`` runs only with those ``server`` params."""
