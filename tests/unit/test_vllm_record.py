@@ -202,3 +202,37 @@ def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local, monkeypat
         first.close()
         second.close()
         server.stop(drain_s=1)
+
+
+def test_claims_reach_the_producer_named_in_the_record_even_under_a_reused_name():
+    """Two producers under one instance name at two addresses (two joined workers that swapped names when their
+    head restarted): one consumer's claims go to the worker whose address the record names, each served once."""
+    import asyncio
+    import threading
+
+    from trident.protocol import STAGES
+    from trident.stagecall import StageClient, StageServer
+    from trident.workers.infer import StageHandler
+
+    producers, servers = [], []
+    for _ in range(2):
+        producer = object.__new__(VLLMStageEngine)
+        producer._claims, producer._claims_lock = {}, threading.Lock()
+        server = StageServer(None, StageHandler(STAGES["prefill"], infer=None, claims=producer.take_claim).control,
+                             "127.0.0.1")
+        server.start()
+        producer.serving_at(server.worker_file(None, "prefill-2"))
+        producers.append(producer)
+        servers.append(server)
+    consumer = StageClient()
+    try:
+        async def claims() -> None:
+            for producer in producers + producers[::-1]:
+                await consumer.claim(producer._claim_at, producer._hold())
+
+        asyncio.run(claims())
+        assert [p._claims for p in producers] == [{}, {}]
+    finally:
+        consumer.close()
+        for server in servers:
+            server.stop(drain_s=1)

@@ -318,8 +318,10 @@ class StageClient:
 
     async def _connection(self, instance: str, info: dict | None = None) -> _Connection | None:
         """The open connection to ``instance``, or a new one to where ``info`` (a worker file) or else the stage
-        directory says it listens; None when it cannot be opened."""
-        connection = self._connections.get(instance)
+        directory says it listens; None when it cannot be opened. One named by its worker file is kept by its
+        address too (after a head's restart, two joined workers may have swapped their instance names)."""
+        key = instance if info is None else f"{instance}@{info.get('tcp')}"
+        connection = self._connections.get(key)
         if connection is not None and connection.open:
             return connection
         info = info or directory.lookup(instance)
@@ -328,9 +330,9 @@ class StageClient:
                 raise OSError("no entry in the stage directory")
             sock = await asyncio.get_running_loop().run_in_executor(None, open_stage_socket, info)
         except (OSError, ValueError, KeyError, TypeError):
-            self._connections.pop(instance, None)
+            self._connections.pop(key, None)
             return None
-        connection = self._connections[instance] = _Connection(sock, lost_message(instance, info))
+        connection = self._connections[key] = _Connection(sock, lost_message(instance, info))
         return connection
 
     def close(self) -> None:
