@@ -188,6 +188,9 @@ def _watch_server(url: str, name: str, misses: int = 3) -> None:
         missed = 0 if ready else missed + 1
 
 
+CLAIM_S = 300.0  # how long a worker asks the server's model index before it gives up binding
+
+
 def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | None:
     """The instance name to bind as, checked against the server just before binding; None when another
     worker serves it or is loading it.
@@ -201,7 +204,15 @@ def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | Non
 
     client = httpclient.InferenceServerClient(settings.url.split("://", 1)[-1], network_timeout=10)
     headers = {"triton-access-token": access_token} if access_token else None
-    index = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=headers)}
+    deadline = time.monotonic() + CLAIM_S
+    while True:  # Triton answers the index only between model loads: on a busy host that can take a while
+        try:
+            index = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=headers)}
+            break
+        except (TimeoutError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            log.info("worker %s: the server's model index did not answer within 10 s; asking again", settings.model_name)
     if not settings.free_name:
         name = settings.model_name
         held = index.get(name) == "LOADING" or client.is_model_ready(name)
