@@ -42,11 +42,10 @@ import torch
 
 from .. import tracing
 from ..config import TransferConfig, VLLMConfig
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ReplayedRecord
 from ..media import counts as media_counts
 from ..media.image import image_digest
 from ..output import DecodeEvent, Generation, TokenLogprob, early_text, logprob_entry
-from ..errors import ReplayedRecord
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from ..stagecall.client import StageClient

@@ -29,12 +29,12 @@ import shutil
 import socket
 import tempfile
 import threading
-from typing import Callable
+from typing import Callable, get_args
 
 from .. import auth, tracing
 from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
 from ..protocol import (
-    Abandon, Call, Cancel, Claim, Deliver, Gone, Reply, StageMessage, Stats, Withdraw, encode_message, failure,
+    Abandon, Call, Control, Gone, Reply, StageMessage, Stats, encode_message, failure,
 )
 from .frames import read_message
 
@@ -204,7 +204,7 @@ class StageServer:
         <trident.workers.infer.StageHandler.control>`), answered with an empty :class:`Reply` (or its
         :class:`Failure`); :class:`Stats` is answered with the hook's counters."""
         try:
-            if not isinstance(message, (Cancel, Deliver, Withdraw, Claim, Stats)):
+            if not isinstance(message, get_args(Control)):  # (Abandon is answered before, by the server)
                 raise InvalidRequest(f"a caller does not send {type(message).__name__} messages")
             done = self._control(message)
             if inspect.isawaitable(done):
