@@ -285,8 +285,6 @@ def _worker(args: argparse.Namespace) -> int:
 
     from .workers.bind import run_worker
 
-    token = (read_secret_file(args.access_token_file, "--access-token-file") if args.access_token_file
-             else os.environ.get("TRIDENT_ACCESS_TOKEN"))
     if args.transfer_secret_file:
         os.environ[signing.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
     if args.settings:
@@ -297,12 +295,12 @@ def _worker(args: argparse.Namespace) -> int:
             raise SystemExit("trident worker: give --settings JSON, or STAGE --model PATH --join URL")
         settings = WorkerSettings(
             stage=args.stage, name=args.name, free_name=bool(args.join and not args.name), model=args.model, url=url, backend=args.backend, threads=args.threads,
-            model_store=args.model_store, stats_dir=args.stats_dir, embedding_cache_bytes=args.embedding_cache_mib * MiB,
+            stats_dir=args.stats_dir, embedding_cache_bytes=args.embedding_cache_mib * MiB,
             # its data plane (NIXL, its TCP stage sockets) on the address it reaches the server from
             transfer=TransferConfig(data_address=route_address(url)), health_port=args.health_port,
         )
     torch.set_num_threads(settings.threads)
-    return _end_process(run_worker(settings, token))
+    return _end_process(run_worker(settings))
 
 
 def _end_process(code: int) -> int:
@@ -329,8 +327,7 @@ def _node(args: argparse.Namespace) -> int:
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     quiet(env)
-    if args.access_token_file:
-        env["TRIDENT_ACCESS_TOKEN"] = read_secret_file(args.access_token_file, "--access-token-file")
+    env.pop("TRIDENT_ACCESS_TOKEN", None)  # (workers bind through the server's bind model: no token of its)
     if args.transfer_secret_file:
         env[signing.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
     address = route_address(args.join)  # the data plane of each: the address this host reaches the head from
@@ -361,8 +358,6 @@ def _add_node(sub) -> None:
                    "trident installed (env TRIDENT_WORKER_PYTHON; default: this one)")
     n.add_argument("--embedding-cache-mib", type=int, default=ServeSettings().embedding_cache_mib,
                    help=f"encode stage: embedding cache, MiB (default: {ServeSettings().embedding_cache_mib})")
-    n.add_argument("--access-token-file", metavar="PATH",
-                   help="file holding the server's repository-API token (env TRIDENT_ACCESS_TOKEN)")
     n.add_argument("--transfer-secret-file", metavar="PATH",
                    help=f"file holding the server's record-signing key (env {signing.ENV})")
     n.set_defaults(func=_node)
@@ -378,15 +373,11 @@ def _add_worker(sub) -> None:
                    "next free instance <stage>-<n>; its schedulers pick it up within a second")
     _opt(w, "--name", WorkerSettings, "name", shown=None)
     _opt(w, "--health-port", WorkerSettings, "health_port", type=int, shown=None)
-    w.add_argument("--access-token-file", metavar="PATH",
-                   help="file holding the server's repository-API token (serve writes it to <workspace>/access-token; "
-                        "env TRIDENT_ACCESS_TOKEN)")
     w.add_argument("--transfer-secret-file", metavar="PATH",
                    help=f"file holding the server's record-signing key (env {signing.ENV}; a worker joining a "
                    "server on another host needs the secret that server was started with)")
     _opt(w, "--backend", WorkerSettings, "backend", choices=BACKENDS)
     _opt(w, "--threads", WorkerSettings, "threads", type=int)
-    _opt(w, "--model-store", WorkerSettings, "model_store", shown=None)
     _opt(w, "--stats-dir", WorkerSettings, "stats_dir", shown=None)
     w.add_argument("--embedding-cache-mib", type=int, default=ServeSettings().embedding_cache_mib,
                    help=f"encode stage: embedding cache, MiB (default: {ServeSettings().embedding_cache_mib})")

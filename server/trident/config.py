@@ -196,8 +196,8 @@ class WorkerSettings(_Settings):
     url: str = Field(description="Triton HTTP URL the stage model is bound into, e.g. http://127.0.0.1:8000")
     backend: Backend = Field("hf", description="engine: hf (PyTorch + transformers, the reference) or vllm")
     threads: int = Field(1, ge=1, description="torch / engine CPU threads")
-    model_store: str | None = Field(
-        None, description="the server's model repository folder on this host (needed for ensembles over the stage)"
+    same_host: bool = Field(
+        False, description="on the server's host (serve's workers): its stage stub calls it over its Unix socket"
     )
     stats_dir: str | None = Field(None, description="folder to keep <model>.json counters in (one per instance)")
     transfer: TransferConfig = Field(TransferConfig(), description="its NIXL transfer endpoint")
@@ -314,6 +314,10 @@ class ServeSettings(_Settings):
     access_token: str | None = Field(
         None, repr=False, json_schema_extra=SECRET,
         description="token for Triton's repository API (default: generated)",
+    )
+    allow_code_upload: bool = Field(
+        False, description="let a repository-API `load` carry model files (`file:` parameters), which run as this "
+        "server's user: off, such a load is refused (HTTP 501 / gRPC UNIMPLEMENTED); Trident itself never needs it"
     )
     transfer_secret: str | None = Field(
         None, exclude=True, repr=False, json_schema_extra=SECRET,

@@ -75,6 +75,13 @@ class Unauthenticated(TridentError):
     triton_code = "INVALID_ARG"
 
 
+class NameTaken(TridentError):
+    """A worker asked to bind as an instance name that another live worker serves (the head's bind model)."""
+
+    http_status = 409
+    triton_code = "ALREADY_EXISTS"
+
+
 class TransferError(TridentError):
     """Base class for errors of the NIXL transfer layer."""
 
@@ -130,7 +137,7 @@ class LeaseExpired(TransferError):
 ERRORS: dict[str, type[TridentError]] = {
     cls.__name__: cls
     for cls in (
-        TridentError, InvalidRequest, NotFound, Unavailable, Unauthenticated, TransferError, MalformedRecord, ForgedRecord,
+        TridentError, InvalidRequest, NotFound, Unavailable, Unauthenticated, NameTaken, TransferError, MalformedRecord, ForgedRecord,
         ReplayedRecord, PeerUnavailable,
         PoolExhausted, TransferTimeout, LeaseExpired, StageTimeout,
     )

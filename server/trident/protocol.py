@@ -24,7 +24,7 @@ import numpy as np
 from pytriton.model_config import Tensor
 
 from . import signing
-from .errors import ERRORS, ForgedRecord, MalformedRecord, TridentError, as_trident_error
+from .errors import ERRORS, ForgedRecord, InvalidRequest, MalformedRecord, TridentError, as_trident_error
 
 # -- the entry interface (Triton's vLLM backend's) ------------------------------------------------------
 _SAMPLING = Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)
@@ -257,6 +257,49 @@ WORKER_FILE = "trident_worker.json"
 NAME_TAKEN_EXIT = 3
 """A stage worker's exit code when the instance name it was to bind as is held by another live worker (one
 that joined while a worker ``trident serve`` supervises was down): the supervisor does not restart it."""
+
+BIND_MODEL = "trident_bind"
+"""The head's model that binds stage models (:mod:`trident.workers.bind_model`): every worker asks it, with the
+deployment's stage credential, to bind its stage model (a :class:`Bind` as JSON in the BYTES input ``bind``; the
+output ``name`` is the instance name it bound). Workers need neither Triton's repository API nor its token, and no
+stage model's files travel with a load request."""
+
+
+class Bind(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A worker's request to :data:`BIND_MODEL`: bind (with ``leave``: unbind) the stage model of the worker whose
+    stage server listens at ``tcp`` (on the head's host also at the Unix socket ``direct``, of process ``pid``)."""
+
+    stage: str
+    tcp: tuple[str, int]
+    instances: int = 1  # how many instances Triton runs (the calls the worker takes at once)
+    name: str | None = None  # the name to bind as; None: the first free <stage>-<n>, n >= 2 (a joining worker)
+    pid: int | None = None
+    direct: str | None = None
+    leave: bool = False
+
+    MAX_INSTANCES = 256
+
+    def check(self) -> None:
+        """Raise :class:`InvalidRequest` naming what is wrong with this request."""
+        if self.stage not in STAGES:
+            raise InvalidRequest(f"unknown stage {self.stage!r}; stages: {', '.join(STAGES)}")
+        host, port = self.tcp
+        if not host or len(host) > 255 or not 0 < port < 65536:
+            raise InvalidRequest(f"tcp must be a host and a port (1-65535), not {list(self.tcp)!r}")
+        if not 0 < self.instances <= self.MAX_INSTANCES:
+            raise InvalidRequest(f"instances must be 1-{self.MAX_INSTANCES}, not {self.instances}")
+        if self.name is not None and (parse_instance(self.name) or ("", 0))[0] != self.stage:
+            raise InvalidRequest(f"{self.name!r} is not an instance name of stage {self.stage} (<stage> or <stage>-<n>)")
+        if (self.pid is None) != (self.direct is None) or (self.pid is not None and self.pid <= 0):
+            raise InvalidRequest("pid and direct go together (a worker on the head's host), pid > 0")
+        if self.direct is not None and (not self.direct.startswith("/") or len(self.direct) > 4096):
+            raise InvalidRequest("direct must be an absolute path")
+
+    def worker_file(self, name: str) -> dict:
+        """The worker file of instance ``name``'s worker (what :meth:`trident.stagecall.StageServer.worker_file`
+        says of its server)."""
+        local = {"pid": self.pid, "direct": self.direct} if self.pid is not None else {}
+        return {"name": name, **local, "tcp": list(self.tcp)}
 
 ENCODE_REPORT = "encode_report"
 """Extra output of the encode stage: JSON counters of its embedding cache for the scheduler's metrics

@@ -14,6 +14,7 @@ checks it is in step).
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -24,13 +25,21 @@ from tritonclient.grpc import model_config_pb2 as pb
 from tritonclient.utils import np_to_triton_dtype
 
 from .config import SCHEDULERS, SchedulerConfig
-from .protocol import ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES
+from .protocol import BIND_MODEL, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, WORKER_FILE
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 _INTERNAL = set(RECORD_TENSOR.values())  # tensors that exist only between steps
 BLS_MODEL_PY = '''"""Entry model of a Trident mode: the BLS scheduler. Its code is trident/scheduler/model.py."""
 
 from trident.scheduler.model import TritonPythonModel  # noqa: F401
+'''
+STAGE_MODEL_PY = '''"""A stage model: Trident's stub that calls its worker. Its code is trident/workers/proxy_model.py."""
+
+from trident.workers.proxy_model import TritonPythonModel  # noqa: F401
+'''
+BIND_MODEL_PY = '''"""The head's bind model: binds every worker's stage model. Its code is trident/workers/bind_model.py."""
+
+from trident.workers.bind_model import TritonPythonModel  # noqa: F401
 '''
 
 
@@ -81,6 +90,57 @@ def bls_config(mode: str, scheduling: SchedulerConfig | None = None) -> pb.Model
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
+
+
+def stage_config(name: str, stage: str, instances: int) -> pb.ModelConfig:
+    """A stage instance's model (``name``: ``<stage>`` or ``<stage>-<n>``): the python-backend stub
+    (:mod:`trident.workers.proxy_model`) that calls its worker, with ``instances`` instances."""
+    spec = STAGES[stage]
+    config = pb.ModelConfig(name=name, backend="python", max_batch_size=0)
+    for t in spec.inputs:
+        config.input.add(name=t.name, data_type=_data_type(t.dtype), dims=list(t.shape), optional=t.optional)
+    for t in spec.outputs:
+        config.output.add(name=t.name, data_type=_data_type(t.dtype), dims=list(t.shape))
+    config.model_transaction_policy.decoupled = spec.decoupled
+    config.instance_group.add(count=instances, kind=pb.ModelInstanceGroup.Kind.KIND_CPU)
+    return config
+
+
+def bind_config(supervised: list[str]) -> pb.ModelConfig:
+    """The head's bind model (:data:`~trident.protocol.BIND_MODEL`, :mod:`trident.workers.bind_model`); ``supervised``:
+    the instance names the launcher's own workers bind as (never given to a joining worker)."""
+    config = pb.ModelConfig(name=BIND_MODEL, backend="python", max_batch_size=0)
+    config.input.add(name="bind", data_type=pb.TYPE_STRING, dims=[1])
+    config.output.add(name="name", data_type=pb.TYPE_STRING, dims=[1])
+    config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.Kind.KIND_CPU)  # one bind at a time
+    config.parameters["supervised"].string_value = json.dumps(sorted(supervised))
+    return config
+
+
+def _write_model(dst: Path, config: pb.ModelConfig, model_py: str, files: dict[str, str] | None = None) -> Path:
+    """A python-backend model's folder, written anew: its config, ``1/model.py`` and ``files`` beside it. The stub
+    would write ``__pycache__`` beside model.py: Triton then takes the folder as changed and reloads the model
+    whenever a model that uses it loads; a plain file of that name keeps the folder as it was loaded."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    (dst / "1").mkdir(parents=True)
+    (dst / "config.pbtxt").write_text(text_format.MessageToString(config))
+    for name, text in {"model.py": model_py, **(files or {})}.items():
+        (dst / "1" / name).write_text(text)
+    (dst / "1" / "__pycache__").touch()
+    return dst
+
+
+def install_stage_model(model_store: Path, name: str, stage: str, instances: int, worker: dict) -> Path:
+    """Put a stage instance's model into the server's model store: its config, the stub and the worker file
+    (``worker``: where its worker listens, :meth:`~trident.stagecall.StageServer.worker_file`)."""
+    return _write_model(model_store / name, stage_config(name, stage, instances), STAGE_MODEL_PY,
+                        {WORKER_FILE: json.dumps(worker)})
+
+
+def install_bind_model(model_store: Path, supervised: list[str]) -> Path:
+    """Put the head's bind model into the server's model store."""
+    return _write_model(model_store / BIND_MODEL, bind_config(supervised), BIND_MODEL_PY)
 
 
 def render_entry_model(mode: str, scheduler: str = "bls", scheduling: SchedulerConfig | None = None) -> str:

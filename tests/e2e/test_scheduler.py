@@ -498,15 +498,20 @@ def test_a_killed_prefill_instance_leaves_the_other_serving(server, ref, admin):
     assert server.proc.poll() is None
 
 
+def _worker_env() -> dict[str, str]:
+    """A worker's environment: the deployment secret, no repository-API token (workers bind through the head)."""
+    return {**{k: v for k, v in os.environ.items() if k != "TRIDENT_ACCESS_TOKEN"}, "HF_HUB_OFFLINE": "1"}
+
+
 def test_a_worker_that_joins_later_gets_traffic(server, ref, admin):
     """It joins while the supervisor has the killed prefill-2 coming back: it takes the next free name, and
     the restarted prefill-2, the joiner and prefill all serve. The restarted prefill-2 is called on its new Unix
-    socket; the joiner (bound from "elsewhere": its files uploaded with the load request, its worker file naming
-    only its TCP socket) over TCP, found in the stage directory like any other."""
+    socket; the joiner (bound as from elsewhere: by the head's bind model, its worker file naming only its TCP
+    socket, without the repository-API token) over TCP, found in the stage directory like any other."""
     stats_dir = server.workspace / "stats"
     cmd = [sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", server.model_path,
            "--join", f"http://{server.http}", "--stats-dir", str(stats_dir)]
-    joiner = subprocess.Popen(cmd, env=dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1"))
+    joiner = subprocess.Popen(cmd, env=_worker_env())
     try:
         deadline = time.monotonic() + 120
 
@@ -545,7 +550,7 @@ def test_a_worker_cannot_bind_over_a_live_instance(server):
     pid = server.stats()["prefill-2"]["pid"]
     cmd = [sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", server.model_path,
            "--url", f"http://{server.http}", "--name", "prefill-2"]
-    done = subprocess.run(cmd, env=dict(os.environ, TRIDENT_ACCESS_TOKEN=server.token, HF_HUB_OFFLINE="1"),
+    done = subprocess.run(cmd, env=_worker_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
     assert "another worker already serves stage model prefill-2" in done.stderr

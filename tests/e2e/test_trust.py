@@ -242,6 +242,82 @@ def test_no_secret_in_an_argv_and_none_in_the_frontend(server):
     assert not [secret for secret in secrets if secret in environ]
 
 
+UPLOADED = b"from pathlib import Path\nPath(%r).write_text('ran')\n"
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_load_that_uploads_model_files_is_refused_even_with_the_token(server, tmp_path, protocol):
+    """A repository-API ``load`` with model files (``file:`` parameters) would run their code as the server's user.
+    With the operator's own token it is still refused (HTTP 501 / gRPC UNIMPLEMENTED, naming the setting that allows
+    it), nothing of it runs, and the server serves on."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    marker = tmp_path / "ran"
+    config = json.dumps({"name": "uploaded", "backend": "python",
+                         "input": [{"name": "x", "data_type": "TYPE_STRING", "dims": [1]}],
+                         "output": [{"name": "y", "data_type": "TYPE_STRING", "dims": [1]}]})
+    files = {"file:1/model.py": UPLOADED % str(marker)}
+    if protocol == "http":
+        client, headers, wanted = httpclient.InferenceServerClient(server.http), {"triton-access-token": server.token}, "501"
+    else:
+        client, wanted = grpcclient.InferenceServerClient(server.grpc), "StatusCode.UNIMPLEMENTED"
+        headers = {"triton-grpc-protocol-triton-access-token": server.token}
+    try:
+        with pytest.raises(Exception) as refused:
+            client.load_model("uploaded", config=config, files=files, headers=headers)
+        assert str(refused.value.status()) == wanted, refused.value
+        assert "model-file uploads" in str(refused.value) and "allow_code_upload" in str(refused.value)
+        assert not client.is_model_ready("uploaded")
+    finally:
+        client.close()
+    assert not marker.exists()
+    text = grpc_generate(server.grpc, "e_p_d", PROMPT, [b64(png_bytes(make_image(64, 48, 5)))],
+                         {"max_tokens": 4, "temperature": 0}, stream=False).text
+    assert text
+
+
+def _bind(server, request: dict, credential: bool = True):
+    """Call the head's bind model as a client would (the deployment's credential or none): (name, error)."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    from trident import auth
+    from trident.protocol import BIND_MODEL
+
+    client = httpclient.InferenceServerClient(server.http)
+    given = httpclient.InferInput("bind", [1], "BYTES")
+    given.set_data_from_numpy(np.array([json.dumps(request).encode()], dtype=np.object_))
+    try:
+        answer = client.infer(BIND_MODEL, [given], parameters={auth.CREDENTIAL: auth.credential()} if credential else None)
+        return answer.as_numpy("name").reshape(-1)[0].decode(), None
+    except Exception as e:  # noqa: BLE001 - the refusal is what is checked
+        return None, e
+    finally:
+        client.close()
+
+
+def test_the_bind_model_binds_nothing_for_a_stranger_or_a_wrong_request(server):
+    """The head's bind model answers the deployment's own workers alone: a client without the credential is refused
+    (Unauthenticated), a wrong request gets a 400 naming its fault, and a worker cannot unbind a stage model bound
+    for another worker's socket. The stage models stay as they were."""
+    stage = {"stage": "prefill", "tcp": ["127.0.0.1", 9]}
+    name, error = _bind(server, stage, credential=False)
+    assert name is None and "Unauthenticated" in str(error), error
+    for request, fault in [({**stage, "stage": "decoder"}, "unknown stage 'decoder'"),
+                           ({**stage, "tcp": ["127.0.0.1", 0]}, "tcp must be a host and a port"),
+                           ({**stage, "instances": 10**6}, "instances must be 1-256"),
+                           ({**stage, "name": "decode-2"}, "not an instance name of stage prefill"),
+                           ({**stage, "pid": 1}, "pid and direct go together"),
+                           ({**stage, "exec": "x"}, "unknown field")]:
+        name, error = _bind(server, request)
+        assert name is None and "InvalidRequest" in str(error) and fault in str(error) and error.status() == "400", (
+            request, error)
+    name, error = _bind(server, {**stage, "name": "prefill", "leave": True})
+    assert name is None and "NameTaken" in str(error) and "is not bound to the worker at" in str(error), error
+    assert server.ready("prefill")
+
+
 class _Gdb:
     """gdb attached to a process in batch mode (``script``); its output is collected by a thread."""
 

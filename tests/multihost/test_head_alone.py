@@ -52,7 +52,7 @@ def head(demo_models, tmp_path_factory, shared_servers):
             assert srv.proc.poll() is None and time.monotonic() < deadline, "\n".join(srv.log[-20:])
             time.sleep(0.2)
         srv.not_ready_before_join = requests.get(f"http://{srv.http}/v2/health/ready", timeout=5).status_code
-        env = worker_env(srv.token)
+        env = worker_env()
         url = f"http://{hosts.head_address}:{srv.http_port}"
         srv.joined["decode"] = hosts["decode"].popen(python_argv(worker_argv("decode", model, url)), env=env,
                                                     copies=(model, CHECKOUT))
@@ -174,7 +174,7 @@ def test_a_stage_host_s_worker_killed_mid_stream_fails_that_stream_in_seconds_na
     assert took < 5, took
     assert "decode-2" in outcome["error"] and decode.address in outcome["error"], outcome["error"]
     print(f"the stream failed {took:.1f} s after the kill: {outcome['error'][:200]}")
-    env = dict(os.environ, TRIDENT_ACCESS_TOKEN=head.token, HF_HUB_OFFLINE="1", UCX_TLS="tcp")
+    env = worker_env()
     url = f"http://{head.hosts.head_address}:{head.http_port}"
     head.joined["decode"] = decode.popen(python_argv(worker_argv("decode", head.model_path, url)), env=env,
                                          copies=(head.model_path, CHECKOUT))

@@ -37,7 +37,7 @@ def head(demo_models, tmp_path_factory, shared_servers):
         srv = Server(model, tmp_path_factory.mktemp("vllm-head") / "ws", modes=MODES, config=config,
                      extra=["--backend", "vllm", "--worker-python", python])
         made(srv)
-        env = worker_env(srv.token)
+        env = worker_env()
         url = f"http://{hosts.head_address}:{srv.http_port}"
         for stage in STAGES:
             argv = worker_argv(stage, model, url, backend="vllm")

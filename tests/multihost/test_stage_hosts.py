@@ -39,7 +39,7 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
     server = bridged_llava_server(shared_servers, demo_models["llava"], tmp_path_factory)
     head = server.hosts.head_address
     # UCX_TCP_BRIDGE_ENABLE: the head's end of the links is the test's bridge, which UCX leaves out unless told
-    env = worker_env(server.token, UCX_TCP_BRIDGE_ENABLE="y")
+    env = worker_env(UCX_TCP_BRIDGE_ENABLE="y")
     workers = {}
     try:
         for stage in JOINED:

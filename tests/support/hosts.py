@@ -77,11 +77,12 @@ class Host:
         _ip("link", "set", "eth0", "up" if up else "down", ns=self.netns)
 
 
-def worker_env(token: str, **more: str) -> dict[str, str]:
-    """The environment of a stage worker on one of these hosts: the head's access token (the deployment secret is
-    this process's own), the checkpoint offline, and ``UCX_TLS=tcp``: the hosts are one machine, which UCX would
-    take for one host (shared memory, cma) unless told."""
-    return dict(os.environ, TRIDENT_ACCESS_TOKEN=token, HF_HUB_OFFLINE="1", UCX_TLS="tcp", **more)
+def worker_env(**more: str) -> dict[str, str]:
+    """The environment of a stage worker on one of these hosts: the deployment secret (this process's own; no
+    repository-API token: workers bind through the head's bind model), the checkpoint offline, and ``UCX_TLS=tcp``:
+    the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told."""
+    env = {k: v for k, v in os.environ.items() if k != "TRIDENT_ACCESS_TOKEN"}
+    return dict(env, HF_HUB_OFFLINE="1", UCX_TLS="tcp", **more)
 
 
 class Hosts:

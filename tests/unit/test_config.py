@@ -145,11 +145,13 @@ def test_secrets_come_from_files_only_their_owner_may_read(tmp_path, capsys):
     assert "empty" in capsys.readouterr().err
 
 
-def test_the_worker_takes_its_secrets_from_files_too():
+@pytest.mark.parametrize("command", ["worker", "node"])
+def test_a_stage_host_takes_the_deployment_secret_from_a_file_and_no_repository_token(command):
+    """Workers bind through the head's bind model: a stage host needs the deployment secret alone."""
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    flags = {f for a in sub.choices["worker"]._actions for f in a.option_strings}
-    assert {"--access-token-file", "--transfer-secret-file"} <= flags
-    assert not flags & {"--access-token", "--transfer-secret"}
+    flags = {f for a in sub.choices[command]._actions for f in a.option_strings}
+    assert "--transfer-secret-file" in flags
+    assert not flags & {"--access-token", "--transfer-secret", "--access-token-file"}
 
 
 # -- the reference ----------------------------------------------------------------------------------------

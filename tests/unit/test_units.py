@@ -288,41 +288,38 @@ def test_stage_messages_carry_their_tensors_and_round_trip():
             decode_message(bad)
 
 
-def test_every_stage_model_runs_trident_s_proxy_without_pytriton_s_tensor_store(tmp_path, monkeypatch):
-    """Written into the server's repository or uploaded by a worker that joins: the stage model's ``model.py`` is
-    Trident's stub, with the worker file naming the stage server's sockets; the uploaded one names only the TCP
-    socket (a pid and a Unix socket mean nothing on another host)."""
+def test_a_stage_model_is_trident_s_stub_with_the_worker_file_its_worker_asked_for(tmp_path):
+    """What the head's bind model writes for a worker: the stage's config (its tensors, decoupled or not, the
+    instances asked for), a ``model.py`` that runs Trident's stub, and the worker file naming the sockets the worker
+    asked for, as its stage server says them: the Unix socket with the pid for a worker on the head's host, the TCP
+    socket alone for one from another host (a pid and a Unix socket mean nothing there). Nothing of PyTriton's."""
     import json
 
-    import numpy as np
-    from pytriton.model_config import ModelConfig, Tensor
-    from pytriton.models import model as pytriton_model
-    from pytriton.models.model import Model
-    from pytriton.utils.workspace import Workspace
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
 
-    from trident.protocol import WORKER_FILE
-    from trident.workers import bind
-
+    from trident.protocol import STAGES, WORKER_FILE, Bind
+    from trident.repository import install_stage_model
     from trident.stagecall import StageServer
 
-    monkeypatch.setenv("PYTRITON_NO_TENSORSTORE", "")  # (restored after the test)
     server = StageServer(lambda call: None, lambda message: None, "127.0.0.1")
-    bind._install_proxy_model(server)
-    assert os.environ["PYTRITON_NO_TENSORSTORE"] == "1"  # PyTriton's own setting: its tensor store is not started
-    model = Model("prefill", 1, lambda requests: requests, [Tensor(name="x", dtype=np.bytes_, shape=(1,))],
-                  [Tensor(name="y", dtype=np.bytes_, shape=(1,))], ModelConfig(), Workspace(tmp_path / "ws"), None, False)
-    assert isinstance(model._serializer_deserializer, pytriton_model.Base64SerializerDeserializer)  # no manager process
-    ours = bind._PROXY_MODEL.read_bytes()
-    uploaded = model.get_proxy_model_files()
-    assert uploaded["file:1/model.py"] == ours
-    assert json.loads(uploaded[f"file:1/{WORKER_FILE}"]) == {"name": "prefill", "tcp": ["127.0.0.1", server.address[1]]}
-    store = tmp_path / "store"
-    store.mkdir()
-    model.generate_model(store)
-    assert (store / "prefill" / "1" / "model.py").read_bytes() == ours
-    local = json.loads((store / "prefill" / "1" / WORKER_FILE).read_text())
-    assert local == {"name": "prefill", "pid": os.getpid(), "direct": server.path, "tcp": ["127.0.0.1", server.address[1]]}
-    server.stop()
+    try:
+        for pid, stage in ((os.getpid(), "decode"), (None, "prefill")):
+            bind = Bind(stage=stage, tcp=server.address, instances=3, pid=pid, direct=server.path if pid else None)
+            bind.check()
+            assert bind.worker_file(f"{stage}-2") == server.worker_file(pid, f"{stage}-2")
+            folder = install_stage_model(tmp_path, f"{stage}-2", stage, 3, bind.worker_file(f"{stage}-2"))
+            config = text_format.Parse((folder / "config.pbtxt").read_text(), pb.ModelConfig())
+            assert config.name == f"{stage}-2" and config.backend == "python" and not config.parameters
+            assert [t.name for t in config.input] == [t.name for t in STAGES[stage].inputs]
+            assert [t.name for t in config.output] == [t.name for t in STAGES[stage].outputs]
+            assert config.model_transaction_policy.decoupled == STAGES[stage].decoupled
+            assert config.instance_group[0].count == 3
+            assert "from trident.workers.proxy_model import TritonPythonModel" in (folder / "1" / "model.py").read_text()
+            assert json.loads((folder / "1" / WORKER_FILE).read_text()) == server.worker_file(pid, f"{stage}-2")
+            assert (folder / "1" / "__pycache__").is_file()  # (the stub writes no bytecode there)
+    finally:
+        server.stop()
 
 
 def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
@@ -356,3 +353,24 @@ def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
         thread.join(5)
     assert json.loads((folder / "w.json").read_text())["ticks"] > 1
     assert sum("worker stats: cannot write" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_no_process_the_launcher_starts_inherits_the_repository_token(monkeypatch, tmp_path):
+    """The token given by environment is taken out of it at once: the workers (forked from the zygote) bind through
+    the head's bind model and get none, nor does the frontend; Triton gets it by the shim alone."""
+    import trident.launcher as launcher_module
+    from trident.config import ServeSettings
+
+    monkeypatch.setenv("TRIDENT_ACCESS_TOKEN", "tok-from-env-123")
+    given = {}
+
+    class Zygote:
+        def __init__(self, python, env, backend, model):
+            given["env"] = env
+
+    monkeypatch.setattr(launcher_module, "Zygote", Zygote)
+    launcher = launcher_module.Launcher(ServeSettings(workspace=str(tmp_path), access_token="tok-from-env-123"))
+    assert launcher.token == "tok-from-env-123" and "TRIDENT_ACCESS_TOKEN" not in os.environ  # (serve's CLI read it)
+    launcher.model_path = str(tmp_path)
+    launcher._start_zygote()
+    assert "tok-from-env-123" not in given["env"].values() and "TRIDENT_ACCESS_TOKEN" not in given["env"]

@@ -30,8 +30,8 @@ from pathlib import Path
 from .. import drain, signing, tracing
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
 from ..netutil import listen_ports, port_taken
-from ..protocol import MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
-from ..repository import install_entry_model
+from ..protocol import BIND_MODEL, MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
+from ..repository import install_bind_model, install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
 from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
@@ -78,7 +78,9 @@ class Launcher:
     def __init__(self, settings: ServeSettings, out=None) -> None:
         self.s = settings
         self.out = out or _say
-        self.token = settings.access_token or os.environ.get("TRIDENT_ACCESS_TOKEN") or secrets.token_urlsafe(24)
+        # (Triton alone gets it, by the shim: no process started inherits it, the workers and the frontend included)
+        from_env = os.environ.pop("TRIDENT_ACCESS_TOKEN", None)
+        self.token = settings.access_token or from_env or secrets.token_urlsafe(24)
         # the key every record is signed with: Triton (the schedulers) and every worker get it by environment
         self.transfer_secret = settings.transfer_secret or os.environ.get(signing.ENV) or signing.new_secret()
         self.workers: dict[str, subprocess.Popen | Forked] = {}  # by Triton model name (and "frontend")
@@ -142,6 +144,7 @@ class Launcher:
         if names:  # (a head whose stages all join from other hosts forks none)
             self._start_zygote()
         self._start_triton()
+        self._load_bind_model(names)
         if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
             frontend = self._spawn_frontend()
         for name in names:  # as soon as the zygote has imported what they import
@@ -276,8 +279,15 @@ class Launcher:
             # PyTriton's own calls carry the token; the restriction is the config's above, not PyTriton's (with argv)
             security_config=TritonSecurityConfig(access_token=self.token, restricted_endpoints=[]),
         )
-        with triton_shim.preloaded(triton_shim.build(self.workspace), self.token):
+        with triton_shim.preloaded(triton_shim.build(self.workspace), self.token, self.s.allow_code_upload):
             self.triton.run()
+
+    def _load_bind_model(self, names: list[str]) -> None:
+        """The model every worker binds its stage model through (:mod:`..workers.bind_model`); ``names``: the
+        instance names of this launcher's workers, which no joining worker takes."""
+        install_bind_model(self.model_store, names)
+        with self._client() as client:
+            client.load_model(BIND_MODEL, headers=self.headers)
 
     def worker_settings(self, name: str) -> WorkerSettings:
         """What the worker bound as model ``name`` (``<stage>`` or ``<stage>-<n>``) gets, whole, as JSON."""
@@ -285,7 +295,7 @@ class Launcher:
         vllm = own_side_channel(self.s.vllm, self.s.backend, stage)
         return WorkerSettings(
             stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
-            threads=self.s.threads_per_worker, model_store=str(self.model_store), stats_dir=str(self.stats_dir),
+            threads=self.s.threads_per_worker, same_host=True, stats_dir=str(self.stats_dir),
             transfer=self.s.transfer, vllm=vllm, embedding_cache_bytes=self.s.embedding_cache_mib * MiB,
             max_inflight=self.s.max_inflight,
         )
@@ -294,7 +304,7 @@ class Launcher:
         """The process the workers are forked from (:mod:`.zygote`), importing while Triton starts; its environment,
         taken now, is theirs (the stage directory's included). A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton python-backend stub cannot
         take): the zygote runs the workers' Python."""
-        env = dict(os.environ, TRIDENT_ACCESS_TOKEN=self.token, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
         quiet(env, self.s.vllm.log_level)
         self._zygote = Zygote(self.s.worker_python or sys.executable, env, self.s.backend, str(self.model_path))
 
@@ -316,7 +326,7 @@ class Launcher:
         )
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
         # it calls the entry models, as any client: no secret of the deployment's
-        env = {k: v for k, v in os.environ.items() if k not in (signing.ENV, "TRIDENT_ACCESS_TOKEN")}
+        env = {k: v for k, v in os.environ.items() if k != signing.ENV}
         self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"),
                                                             start_new_session=True)
         self._restarts.started("frontend")

@@ -6,9 +6,14 @@
  *    kernel shows keeps the placeholder) and drops the token from the environment the stubs inherit.
  * 2. The python backend sets its /dev/shm regions (every prompt, media item and output) to 0644 with fchmod,
  *    whatever the umask; on /dev/shm this keeps them the user's alone (0600).
+ * 3. A repository `load` with model files (`file:<path>` parameters: HTTP, gRPC or a BLS's load) runs the code it
+ *    uploads as the service's user. Triton 2.51 has no switch for them; this refuses every load carrying one
+ *    unless TRIDENT_ALLOW_CODE_UPLOAD=1 (the config's allow_code_upload). Trident binds no model that way.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,4 +54,79 @@ int fchmod(int fd, mode_t mode) {
     ssize_t n = readlink(link, path, sizeof path - 1);
     if (n >= 9 && strncmp(path, "/dev/shm/", 9) == 0) mode &= 0700;
     return real_fchmod(fd, mode);
+}
+
+/* -- 3. model-file uploads --------------------------------------------------------------------------------------- */
+typedef struct TRITONSERVER_Parameter TRITONSERVER_Parameter;
+typedef struct TRITONSERVER_Error TRITONSERVER_Error;
+typedef struct TRITONSERVER_Server TRITONSERVER_Server;
+enum { TRITONSERVER_ERROR_UNSUPPORTED = 5 }; /* tritonserver.h: HTTP 501, gRPC UNIMPLEMENTED */
+
+static const char REFUSED[] =
+    "model-file uploads (load parameters 'file:...') are off on this Trident server: they would run the uploaded code "
+    "as the server's user. The operator can turn them on with allow_code_upload: true in the config file";
+
+static pthread_mutex_t uploads_lock = PTHREAD_MUTEX_INITIALIZER;
+static const void **uploads; /* the live parameters that carry a model file */
+static size_t n_uploads, cap_uploads;
+
+static int uploads_allowed(void) {
+    const char *allow = getenv("TRIDENT_ALLOW_CODE_UPLOAD");
+    return allow != NULL && strcmp(allow, "1") == 0;
+}
+
+TRITONSERVER_Parameter *TRITONSERVER_ParameterBytesNew(const char *name, const void *byte_ptr, uint64_t size) {
+    static TRITONSERVER_Parameter *(*real)(const char *, const void *, uint64_t);
+    if (real == NULL) real = (TRITONSERVER_Parameter * (*)(const char *, const void *, uint64_t))
+                                 dlsym(RTLD_NEXT, "TRITONSERVER_ParameterBytesNew");
+    TRITONSERVER_Parameter *param = real(name, byte_ptr, size);
+    if (param != NULL && name != NULL && strncmp(name, "file:", 5) == 0) {
+        pthread_mutex_lock(&uploads_lock);
+        if (n_uploads == cap_uploads) {
+            size_t cap = cap_uploads ? 2 * cap_uploads : 16;
+            const void **grown = realloc(uploads, cap * sizeof *uploads);
+            if (grown == NULL) _exit(71); /* (never let one through untracked) */
+            uploads = grown;
+            cap_uploads = cap;
+        }
+        uploads[n_uploads++] = param;
+        pthread_mutex_unlock(&uploads_lock);
+    }
+    return param;
+}
+
+void TRITONSERVER_ParameterDelete(TRITONSERVER_Parameter *parameter) {
+    static void (*real)(TRITONSERVER_Parameter *);
+    if (real == NULL) real = (void (*)(TRITONSERVER_Parameter *))dlsym(RTLD_NEXT, "TRITONSERVER_ParameterDelete");
+    pthread_mutex_lock(&uploads_lock);
+    for (size_t i = 0; i < n_uploads; i++) {
+        if (uploads[i] == parameter) {
+            uploads[i] = uploads[--n_uploads];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&uploads_lock);
+    real(parameter);
+}
+
+TRITONSERVER_Error *TRITONSERVER_ServerLoadModelWithParameters(TRITONSERVER_Server *server, const char *model_name,
+                                                               const TRITONSERVER_Parameter **parameters,
+                                                               const uint64_t parameter_count) {
+    static TRITONSERVER_Error *(*real)(TRITONSERVER_Server *, const char *, const TRITONSERVER_Parameter **,
+                                       const uint64_t);
+    static TRITONSERVER_Error *(*error_new)(int, const char *);
+    if (real == NULL) {
+        real = (TRITONSERVER_Error * (*)(TRITONSERVER_Server *, const char *, const TRITONSERVER_Parameter **,
+                                         const uint64_t))dlsym(RTLD_NEXT, "TRITONSERVER_ServerLoadModelWithParameters");
+        error_new = (TRITONSERVER_Error * (*)(int, const char *))dlsym(RTLD_NEXT, "TRITONSERVER_ErrorNew");
+    }
+    if (!uploads_allowed()) {
+        int upload = 0;
+        pthread_mutex_lock(&uploads_lock);
+        for (uint64_t p = 0; p < parameter_count && !upload; p++)
+            for (size_t i = 0; i < n_uploads && !upload; i++) upload = uploads[i] == (const void *)parameters[p];
+        pthread_mutex_unlock(&uploads_lock);
+        if (upload) return error_new(TRITONSERVER_ERROR_UNSUPPORTED, REFUSED);
+    }
+    return real(server, model_name, parameters, parameter_count);
 }

@@ -1,5 +1,6 @@
 """The library ``tritonserver`` runs with (``triton_shim.c``, by LD_PRELOAD): its repository-API token out of its
-command line, and the python backend's /dev/shm regions its user's alone.
+command line, the python backend's /dev/shm regions its user's alone, and no model files uploaded through the
+repository API (unless the operator allows them).
 
 Triton 2.51 takes the token only on its command line, where any local user reads it from /proc/<pid>/cmdline; the
 launcher writes :data:`PLACEHOLDER` there and hands the token over by environment (readable by the same user alone),
@@ -18,6 +19,7 @@ from .startup import StartupError
 
 PLACEHOLDER = "@TRIDENT_ACCESS_TOKEN@"
 TOKEN_ENV = "TRIDENT_ACCESS_TOKEN"
+UPLOAD_ENV = "TRIDENT_ALLOW_CODE_UPLOAD"
 SOURCE = Path(__file__).with_name("triton_shim.c")
 
 
@@ -41,11 +43,13 @@ def restriction(endpoints: list[str], header: str) -> str:
 
 
 @contextlib.contextmanager
-def preloaded(library: Path, token: str):
-    """Within it, the processes started (Triton) get the library and the token by environment."""
-    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV)}
+def preloaded(library: Path, token: str, allow_code_upload: bool = False):
+    """Within it, the processes started (Triton) get the library and the token by environment, and with
+    ``allow_code_upload`` may load models with files uploaded through the repository API."""
+    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV, UPLOAD_ENV)}
     os.environ["LD_PRELOAD"] = " ".join(filter(None, [str(library), saved["LD_PRELOAD"]]))
     os.environ[TOKEN_ENV] = token
+    os.environ[UPLOAD_ENV] = "1" if allow_code_upload else "0"
     try:
         yield
     finally:

@@ -155,7 +155,10 @@ def preload(backend: str, model: str) -> None:
     import transformers
 
     from ..families import family_of
-    from ..workers import bind  # noqa: F401  (PyTriton, the stage-call server)
+    import tritonclient.http  # noqa: F401  (the bind model's client)
+
+    from ..workers import bind, infer  # noqa: F401
+    from .. import stagecall  # noqa: F401
     from ..engines import hf  # noqa: F401
     from ..transfer import data_plane  # noqa: F401  (NIXL)
 

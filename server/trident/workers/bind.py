@@ -11,14 +11,18 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 
+import msgspec
+import numpy as np
+
+from .. import auth
 from ..config import WorkerSettings
-from ..protocol import NAME_TAKEN_EXIT, STAGES, WORKER_FILE, instance_name
+from ..errors import NameTaken, Unavailable, from_message
+from ..protocol import BIND_MODEL, NAME_TAKEN_EXIT, STAGES, Bind
 from .health import Health
 
 log = logging.getLogger("trident.worker")
@@ -45,45 +49,6 @@ def _write_stats(stats, path: Path, stop: threading.Event) -> None:
                 last, failing = now, False
         if stop.wait(0.2):
             return
-
-
-def _install_proxy_model(server) -> None:
-    """PyTriton 0.7 limitation: it offers no way to choose the python-backend ``model.py`` of a model it binds.
-    It puts its own proxy beside the stage model's config, written into the server's repository folder
-    (``--model-store``) or uploaded with the load request (a worker that joins from elsewhere); either way Trident's
-    stub (:mod:`.proxy_model`) replaces it, with the worker file that tells the stub and the schedulers where
-    ``server`` (this worker's :class:`~trident.stagecall.StageServer`) listens. PyTriton's tensor store (a manager
-    process per stage model) is switched off by PyTriton's own setting, ``PYTRITON_NO_TENSORSTORE``, set here and
-    in Triton's environment. ``tests/unit/test_pytriton_patches.py`` fails when the patched methods change."""
-    from pytriton.models.model import Model
-
-    os.environ["PYTRITON_NO_TENSORSTORE"] = "1"
-    _serving["server"] = server
-    if getattr(Model.generate_model, "_trident", False):
-        return
-    original, original_files = Model.generate_model, Model.get_proxy_model_files
-
-    def generate_model(self, model_repository: Path) -> None:
-        original(self, model_repository)
-        version_dir = Path(model_repository) / self.model_name / str(self.model_version)
-        shutil.copy(_PROXY_MODEL, version_dir / "model.py")
-        info = _serving["server"].worker_file(os.getpid(), self.model_name)
-        (version_dir / WORKER_FILE).write_text(json.dumps(info))
-
-    def get_proxy_model_files(self) -> dict[str, bytes]:
-        # the server may be on another host, where this pid and Unix socket mean nothing: only the TCP stage socket
-        files = original_files(self)
-        files[f"file:{self.model_version}/model.py"] = _PROXY_MODEL.read_bytes()
-        info = _serving["server"].worker_file(None, self.model_name)
-        files[f"file:{self.model_version}/{WORKER_FILE}"] = json.dumps(info).encode()
-        return files
-
-    generate_model._trident = True
-    Model.generate_model = generate_model
-    Model.get_proxy_model_files = get_proxy_model_files
-
-
-_serving: dict = {}  # {"server": this worker's StageServer}, for the patched methods
 
 
 def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
@@ -118,42 +83,6 @@ def bind_when_live() -> None:
         importlib.import_module(name).wait_for_server_ready = _wait_for_server_live
 
 
-def _remote_triton(url: str, access_token: str | None, model_store: str | None):
-    """PyTriton's RemoteTriton; with ``model_store`` (the server's repository folder, on this host) the
-    stage model's files are written there and loaded by name instead of uploaded as an override.
-
-    PyTriton 0.7 limitation: a RemoteTriton always uploads the model's files with the load request, and Triton
-    resolves an ensemble's steps in its repository only, so entry models would not load over stage models bound
-    that way. Its model manager's ``_model_store_path`` (set only for a local Triton) makes it write them there.
-    ``tests/unit/test_pytriton_patches.py`` fails when the attribute goes.
-    """
-    from pytriton.triton import RemoteTriton
-
-    triton = RemoteTriton(url=url, access_token=access_token)
-    if model_store:
-        triton._model_manager._model_store_path = Path(model_store)  # pytriton 0.7: where bind() writes
-    return triton
-
-
-def _not_through_pytriton(*_):
-    raise RuntimeError("a stage's calls come over Trident's stage socket (trident.stagecall), not PyTriton's transport")
-
-
-def _block_bytecode(model_store: str, stage: str) -> None:
-    """Keep the python-backend stub from writing ``__pycache__`` next to the proxy files.
-
-    Triton watches the stage model's folder: a change after loading makes it reload the stage whenever an
-    entry model that uses it is loaded, and a second proxy instance cannot attach to this worker. The stub's
-    embedded interpreter ignores PYTHONDONTWRITEBYTECODE, so a plain file takes the folder's name.
-    """
-    version_dir = Path(model_store) / stage / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-    blocker = version_dir / "__pycache__"
-    if blocker.is_dir():
-        shutil.rmtree(blocker)
-    blocker.touch()
-
-
 def _wait_for_server(url: str) -> None:
     """Until the Triton at ``url`` answers as live, for as long as it takes (one log line if it does not at once)."""
     import tritonclient.http as httpclient
@@ -169,10 +98,10 @@ def _wait_for_server(url: str) -> None:
         client.close()
 
 
-def _watch_server(url: str, name: str, misses: int = 3) -> None:
-    """Return once the server at ``url`` has not shown stage model ``name`` ready ``misses`` times in a row, a
-    second apart (it is gone, or restarted without it). Each look is a connection of its own, closed at once: a
-    stopping Triton waits for its open HTTP connections."""
+def _watch_server(url: str, name: str | None, misses: int = 3) -> None:
+    """Return once the server at ``url`` has not shown stage model ``name`` ready (None: has not answered as live)
+    ``misses`` times in a row, a second apart (it is gone, or restarted without it). Each look is a connection of
+    its own, closed at once: a stopping Triton waits for its open HTTP connections."""
     import urllib.error
     import urllib.request
 
@@ -181,58 +110,72 @@ def _watch_server(url: str, name: str, misses: int = 3) -> None:
     while missed < misses:
         time.sleep(1.0)
         try:
-            with urllib.request.urlopen(f"{base}/v2/models/{name}/ready", timeout=5) as reply:
+            path = f"v2/models/{name}/ready" if name else "v2/health/live"
+            with urllib.request.urlopen(f"{base}/{path}", timeout=5) as reply:
                 ready = reply.status == 200
         except (urllib.error.URLError, OSError):  # (HTTPError: not ready; the others: not reachable)
             ready = False
         missed = 0 if ready else missed + 1
 
 
-CLAIM_S = 300.0  # how long a worker asks the server's model index before it gives up binding
+BIND_S = 300.0  # how long a worker asks the head's bind model before it gives up binding
 
 
-def _claim_name(settings: WorkerSettings, access_token: str | None) -> str | None:
-    """The instance name to bind as, checked against the server just before binding; None when another
-    worker serves it or is loading it.
-
-    A joining worker takes the first ``<stage>-<n>`` (n >= 2) that is neither ready nor in the server's
-    repository: a name with files there belongs to the worker that wrote them (the workers ``trident serve``
-    supervises write theirs there), so a worker that joins while a supervised one is down does not take the
-    name the supervisor is about to start it again under.
-    """
+def _ask(url: str, request: Bind, timeout_s: float) -> str:
+    """One call of the head's bind model: the name it answers."""
     import tritonclient.http as httpclient
 
-    client = httpclient.InferenceServerClient(settings.url.split("://", 1)[-1], network_timeout=10)
-    headers = {"triton-access-token": access_token} if access_token else None
-    deadline = time.monotonic() + CLAIM_S
-    while True:  # Triton answers the index only between model loads: on a busy host that can take a while
+    client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=timeout_s)
+    try:
+        given = httpclient.InferInput("bind", [1], "BYTES")
+        given.set_data_from_numpy(np.array([msgspec.json.encode(request)], dtype=np.object_))
+        answer = client.infer(BIND_MODEL, [given], parameters={auth.CREDENTIAL: auth.credential()})
+        return answer.as_numpy("name").reshape(-1)[0].decode()
+    finally:
+        client.close()
+
+
+def bind(url: str, request: Bind) -> str | None:
+    """Ask the head's bind model (:mod:`.bind_model`, at the server ``url``) to bind ``request``: the instance name it
+    bound, or None when another live worker serves the name asked for. While the bind model is not there yet (the
+    head starting) or cannot bind now, asks again (a line each time) for up to :data:`BIND_S`; raises its refusal."""
+    from tritonclient.utils import InferenceServerException
+
+    deadline = time.monotonic() + BIND_S
+    while True:
         try:
-            index = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=headers)}
-            break
-        except (TimeoutError, OSError):
-            if time.monotonic() > deadline:
-                raise
-            log.info("worker %s: the server's model index did not answer within 10 s; asking again", settings.model_name)
-    if not settings.free_name:
-        name = settings.model_name
-        held = index.get(name) == "LOADING" or client.is_model_ready(name)
-        return None if held else name
-    n = 2
-    while instance_name(settings.stage, n) in index or client.is_model_ready(instance_name(settings.stage, n)):
-        n += 1
-    return instance_name(settings.stage, n)
+            return _ask(url, request, BIND_S)
+        except InferenceServerException as e:
+            error = from_message(str(e))
+            if isinstance(error, NameTaken):
+                return None
+            if error is not None and not isinstance(error, Unavailable):
+                raise error from None
+            why = error.message if error is not None else str(e)  # (not loaded yet: the head is starting)
+        except OSError as e:  # not reachable, or no answer in time
+            why = str(e) or type(e).__name__
+        if time.monotonic() > deadline:
+            raise Unavailable(f"the server at {url} did not bind {request.stage} within {BIND_S:.0f} s: {why}")
+        log.info("worker %s: the server at %s has not bound it yet (%s); asking again", request.stage, url, why)
+        time.sleep(1.0)
 
 
-def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
-    from pytriton.model_config import ModelConfig
+def unbind(url: str, request: Bind) -> None:
+    """Ask the head's bind model to unload the stage model bound for this worker (best effort, 5 s: a head that is
+    gone unloads it itself)."""
+    try:
+        _ask(url, msgspec.structs.replace(request, leave=True), 5.0)
+    except Exception as e:  # noqa: BLE001
+        log.info("worker %s: unbinding failed (%s)", request.name, e)
 
+
+def run_worker(settings: WorkerSettings) -> int:
     from .. import tracing
     from ..engines import build_engine
     from ..stagecall import StageServer
     from ..stagecall.server import at_most, unix_folder
     from .infer import make_handler
 
-    bind_when_live()
     health = Health(settings.transfer.data_address, settings.health_port) if settings.health_port else None
     if settings.free_name:  # a worker that joins may start before its server (pods of a cluster start together)
         _wait_for_server(settings.url)
@@ -243,71 +186,66 @@ def run_worker(settings: WorkerSettings, access_token: str | None) -> int:
         # when the worker stops (the server removes it when the worker was killed)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", unix_folder())
     engine = build_engine(settings)
-    name = _claim_name(settings, access_token)
-    if name is None:
-        if health:
-            health.state = "not bound"
-        log.error("worker %s: another worker already serves stage model %s; not binding",
-                  settings.model_name, settings.model_name)
-        engine.close()
-        return NAME_TAKEN_EXIT
-    tracing.start(name)
     handler = make_handler(spec, engine, settings.max_inflight)
     infer = handler.infer if spec.decoupled else at_most(handler.infer, engine.calls_at_once, handler.entry)
     server = StageServer(infer, handler.control, settings.transfer.data_address)
     server.start()
-    if (serving_at := getattr(engine, "serving_at", None)) is not None:  # a vllm KV producer's consumers claim there
-        serving_at(server.worker_file(os.getpid(), name))
-    _install_proxy_model(server)
+    pid = os.getpid() if settings.same_host else None  # (a pid and a Unix socket mean something on its host only)
+    request = Bind(stage=settings.stage, tcp=tuple(server.address), instances=engine.calls_at_once,
+                   name=None if settings.free_name else settings.model_name, pid=pid,
+                   direct=server.path if settings.same_host else None)
+    serving_at = getattr(engine, "serving_at", None)  # a vllm KV producer: its consumers claim there
+    if serving_at is not None:
+        serving_at(request.worker_file(settings.model_name))  # (its name once bound, below)
     stop = threading.Event()
-    if settings.stats_dir:
-        Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
-        threading.Thread(
-            target=_write_stats, args=(handler.stats, Path(settings.stats_dir) / f"{name}.json", stop),
-            daemon=True
-        ).start()
 
     def _on_signal(signum, _frame):
-        log.info("worker %s: signal %d, unbinding and stopping", name, signum)
+        log.info("worker %s: signal %d, unbinding and stopping", settings.model_name, signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
-    if settings.model_store:
-        _block_bytecode(settings.model_store, name)
+    name, first = None, True
     try:
         while True:
-            with _remote_triton(settings.url, access_token, settings.model_store) as triton:
-                triton.bind(
-                    model_name=name,
-                    infer_func=[_not_through_pytriton] * engine.calls_at_once,  # (how many instances Triton runs)
-                    inputs=list(spec.inputs),
-                    outputs=list(spec.outputs),
-                    config=ModelConfig(batching=False, decoupled=spec.decoupled),
-                    strict=False,
-                )
-                # a worker `trident serve` started: its server says when the stage model is ready; one joined by
-                # hand says it
-                (log.info if settings.model_store else log.warning)(
-                    "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
+            name = bind(settings.url, request)
+            if name is None:
                 if health:
-                    health.state = "serving"
-                if not settings.free_name:  # (`trident serve` stops its workers when its Triton goes)
-                    triton.serve()
-                    break
-                _watch_server(settings.url, name)
+                    health.state = "not bound"
+                log.error("worker %s: another worker already serves stage model %s; not binding",
+                          settings.model_name, settings.model_name)
+                return NAME_TAKEN_EXIT
+            if serving_at is not None:
+                serving_at(request.worker_file(name))
+            if first:  # (its traces and stats file keep the first name it bound as)
+                first = False
+                tracing.start(name)
+                if settings.stats_dir:
+                    Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
+                    threading.Thread(target=_write_stats, daemon=True,
+                                     args=(handler.stats, Path(settings.stats_dir) / f"{name}.json", stop)).start()
+            # a worker `trident serve` started: its server says when the stage model is ready; one joined says it
+            (log.warning if settings.free_name else log.info)(
+                "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
+            if health:
+                health.state = "serving"
+            if not settings.free_name:  # `trident serve` stops its workers; they stop too when its Triton goes
+                _watch_server(settings.url, None)
+                break
+            _watch_server(settings.url, name)
             # its server went away (a restart) or no longer serves its stage model: bind again once it is back
             if health:
                 health.state = "lost its server"
             log.warning("worker %s: the server at %s no longer serves %s; binding again once it answers",
                         name, settings.url, name)
             _wait_for_server(settings.url)
-            name = _claim_name(settings, access_token)
     except KeyboardInterrupt:
         pass
     finally:
         if health:
             health.state = "stopping"
-        server.stop()  # the stage model is unbound: the calls taken finish, later ones are answered Gone
+        if settings.free_name and name is not None:  # (serve unloads its own workers' stage models)
+            unbind(settings.url, msgspec.structs.replace(request, name=name))
+        server.stop()  # the calls taken finish, later ones are answered Gone
         stop.set()
         engine.close()
     return 0

@@ -1,16 +1,12 @@
 """A stage model's python-backend side: Triton's requests to the stage, as stage-protocol calls to its worker.
 
-:mod:`trident.workers.bind` puts this file in place of PyTriton's proxy ``model.py`` in the stage model's folder;
-the python-backend stub runs it inside Triton. It is a caller of the stage worker like any other
-(:class:`~trident.stagecall.StageLink`: the worker's :class:`~trident.stagecall.StageServer`, found through the
-worker file beside this file, over its Unix socket on this host or TCP from another): each Triton request becomes one
-:class:`~trident.protocol.Call`, and each answer a Triton response. A failed call's
+The head's bind model (:mod:`.bind_model`) writes the stage model's folder, with a ``model.py`` importing this
+module and the worker file that says where the worker's :class:`~trident.stagecall.StageServer` listens; the
+python-backend stub runs it inside Triton. It is a caller of the stage worker like any other
+(:class:`~trident.stagecall.StageLink`, over the worker's Unix socket on this host or TCP from another): each Triton
+request becomes one :class:`~trident.protocol.Call`, and each answer a Triton response. A failed call's
 :class:`~trident.protocol.Failure` leaves as a ``TritonError`` with its class's code (INVALID_ARG -> HTTP 400,
 UNAVAILABLE -> 503, ...) and the message ``"<ClassName>: <message>"``.
-
-PyTriton still binds the model: its worker side reads a config from a hand-shake socket that the model's first
-instance serves once loaded. This file serves it with PyTriton's own classes, so the binding completes; nothing
-else of PyTriton's proxy runs here (its tensor store and transport are not used).
 
 While the model is loaded, its first instance enters the worker file in the stage directory
 (:mod:`trident.stagecall.directory`), where the schedulers find the worker to call it straight.
@@ -75,23 +71,15 @@ class TritonPythonModel:
     ``TRIDENT_TRACE_DIR`` set it times each ``execute`` call."""
 
     def initialize(self, args):
-        from pytriton.proxy.communication import HandshakeServer
-        from pytriton.proxy.model import TritonInferenceHandlerConfigGenerator
-
         name = args["model_name"]
         config = json.loads(args["model_config"])
         self._name = name
         self._inputs = [i["name"] for i in config["input"]]
         self._outputs = {o["name"]: pb_utils.triton_string_to_numpy(o["data_type"]) for o in config["output"]}
         self._decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
-        self._handshake = self._entry = self._metrics = None
+        self._entry = self._metrics = None
         worker_file = Path(args["model_repository"]) / args["model_version"] / WORKER_FILE
         if args["model_instance_name"].rsplit("_", 1)[-1] == "0":  # once per model
-            workspace = Path(config["parameters"]["workspace-path"]["string_value"])  # PyTriton's worker side
-            self._handshake = HandshakeServer(  # reads its config from here
-                workspace / f"{name}-config.sock",
-                TritonInferenceHandlerConfigGenerator(workspace / f"{name}-data.sock").get_config())
-            self._handshake.start()
             self._entry = json.loads(worker_file.read_text())
             directory.enter(name, self._entry)
         self._link = StageLink(name, worker_file)
@@ -127,8 +115,6 @@ class TritonPythonModel:
         if self._entry is not None:
             directory.remove(self._name, self._entry)
         self._link.close()
-        if self._handshake is not None:
-            self._handshake.close()
 
     def _call(self, triton_request) -> Call | Failure:
         """The request as a :class:`Call`; a :class:`Failure` when it does not carry the stage credential."""

@@ -32,12 +32,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "trident.fullname" .)) -}}
 {{- end -}}
 
-{{/* The secrets every process of the deployment takes from its environment (never from argv). */}}
+{{/* The secret every process of the deployment takes from its environment (never from argv). Stage workers bind
+     through the head's bind model with it: only the head gets the repository-API token (trident.tokenEnv). */}}
 {{- define "trident.secretEnv" -}}
 - name: TRIDENT_TRANSFER_SECRET
   valueFrom: {secretKeyRef: {name: {{ include "trident.secretName" . }}, key: transfer-secret}}
-- name: TRIDENT_ACCESS_TOKEN
-  valueFrom: {secretKeyRef: {name: {{ include "trident.secretName" . }}, key: access-token}}
 - name: HF_HUB_OFFLINE
   value: "1"
+{{- end -}}
+
+{{- define "trident.tokenEnv" -}}
+- name: TRIDENT_ACCESS_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ include "trident.secretName" . }}, key: access-token}}
 {{- end -}}
