@@ -405,7 +405,6 @@ class Launcher:
         said, missing = time.monotonic(), set(stages)
         while missing:
             self._check_workers_up(self.workers)
-            # (a joined worker's stage model is not in this repository: its files came with its load request)
             with self._client(network_timeout=5) as client:
                 for name in [instance_name(stage, n) for stage in sorted(missing) for n in range(1, 5)]:
                     try:

@@ -4,8 +4,8 @@ worker handing its record on): one worker file per instance, ``<instance>.json``
 
 The stage model's python-backend stub publishes its worker file there when Triton loads the model and takes it
 back when Triton unloads it, so an entry is there exactly while the instance is loaded, whether its worker runs on
-this host (the file names its Unix socket and its TCP address) or joined from another (its TCP address only, from
-the files it uploaded with the load request). A caller that finds no entry, or an entry whose worker does not
+this host (the file names its Unix socket and its TCP address) or joined from another (its TCP address only, as
+the head's bind model wrote it). A caller that finds no entry, or an entry whose worker does not
 answer, treats the instance as gone.
 
 An entry is only an address: every connection proves the deployment secret both ways (:mod:`trident.auth`), so
