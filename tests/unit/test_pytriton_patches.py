@@ -15,7 +15,7 @@ def _params(fn) -> list[str]:
 def test_wait_for_server_ready_is_what_bind_when_live_replaces():
     from pytriton.client.utils import wait_for_server_ready
 
-    from trident.workers.bind import WAITS_FOR_READY
+    from trident.launcher.pytriton_patch import WAITS_FOR_READY
 
     assert _params(wait_for_server_ready) == ["client", "timeout_s", "headers"]
     for name in WAITS_FOR_READY:  # each imports it by name: each is patched

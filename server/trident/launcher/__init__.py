@@ -257,7 +257,7 @@ class Launcher:
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
         )
-        from ..workers.bind import bind_when_live
+        from .pytriton_patch import bind_when_live
 
         bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
         close_gate(self.model_store)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -51,71 +50,36 @@ def _write_stats(stats, path: Path, stop: threading.Event) -> None:
             return
 
 
-def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
-    """Until Triton answers as live (``client``: a tritonclient client), at most ``timeout_s``."""
-    from pytriton.client.exceptions import PyTritonClientTimeoutError
-
-    deadline = time.monotonic() + (timeout_s if timeout_s is not None else 120.0)
-    while True:
-        try:
-            if client.is_server_live(headers=headers):
-                return
-        except Exception:  # noqa: BLE001 - not up yet (tritonclient raises its own and socket errors)
-            pass
-        if time.monotonic() > deadline:
-            raise PyTritonClientTimeoutError("Waiting for the server to be live timed out.")
-        time.sleep(0.1)
-
-
-WAITS_FOR_READY = ("pytriton.triton", "pytriton.models.manager", "pytriton.client.client")
-"""PyTriton's modules that call ``pytriton.client.utils.wait_for_server_ready`` (imported by name)."""
-
-
-def bind_when_live() -> None:
-    """PyTriton 0.7 limitation: it waits for the whole server to be READY before it starts, connects or binds a
-    model (``Triton.connect``, its log-level check, ``ModelManager.clean``, ``ModelClient.wait_for_server``). A
-    Trident server is not READY until start-up is over (the launcher's start-up gate, and entry models LOADING
-    until a route of their plan has live stage instances), so the launcher and the workers wait for it to be live.
-    ``tests/unit/test_pytriton_patches.py`` fails when the patched function changes."""
-    import importlib
-
-    for name in WAITS_FOR_READY:
-        importlib.import_module(name).wait_for_server_ready = _wait_for_server_live
-
-
-def _wait_for_server(url: str) -> None:
-    """Until the Triton at ``url`` answers as live, for as long as it takes (one log line if it does not at once)."""
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=5)
-    try:
-        try:
-            _wait_for_server_live(client, timeout_s=0)
-        except Exception:  # noqa: BLE001 - not up yet, or not reachable yet
-            log.warning("waiting for the server at %s to answer", url)
-            _wait_for_server_live(client, timeout_s=math.inf)
-    finally:
-        client.close()
-
-
-def _watch_server(url: str, name: str | None, misses: int = 3) -> None:
-    """Return once the server at ``url`` has not shown stage model ``name`` ready (None: has not answered as live)
-    ``misses`` times in a row, a second apart (it is gone, or restarted without it). Each look is a connection of
-    its own, closed at once: a stopping Triton waits for its open HTTP connections."""
+def _answers(url: str, name: str | None = None) -> bool:
+    """Whether the server at ``url`` shows stage model ``name`` ready (None: answers as live). A connection of its
+    own, closed at once: a stopping Triton waits for its open HTTP connections."""
     import urllib.error
     import urllib.request
 
     base = url if "://" in url else f"http://{url}"
+    path = f"v2/models/{name}/ready" if name else "v2/health/live"
+    try:
+        with urllib.request.urlopen(f"{base}/{path}", timeout=5) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):  # (HTTPError: not ready; the others: not reachable)
+        return False
+
+
+def _wait_for_server(url: str) -> None:
+    """Until the server at ``url`` answers as live, for as long as it takes (one log line if it does not at once)."""
+    if not _answers(url):
+        log.warning("waiting for the server at %s to answer", url)
+        while not _answers(url):
+            time.sleep(0.5)
+
+
+def _watch_server(url: str, name: str | None, misses: int = 3) -> None:
+    """Return once the server at ``url`` has not shown stage model ``name`` ready (None: has not answered as live)
+    ``misses`` times in a row, a second apart (it is gone, or restarted without it)."""
     missed = 0
     while missed < misses:
         time.sleep(1.0)
-        try:
-            path = f"v2/models/{name}/ready" if name else "v2/health/live"
-            with urllib.request.urlopen(f"{base}/{path}", timeout=5) as reply:
-                ready = reply.status == 200
-        except (urllib.error.URLError, OSError):  # (HTTPError: not ready; the others: not reachable)
-            ready = False
-        missed = 0 if ready else missed + 1
+        missed = 0 if _answers(url, name) else missed + 1
 
 
 BIND_S = 300.0  # how long a worker asks the head's bind model before it gives up binding
