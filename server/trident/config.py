@@ -23,6 +23,10 @@ BACKENDS: tuple[str, ...] = get_args(Backend)
 MODEL_ENV = "TRIDENT_MODEL"
 """The checkpoint's folder, for the BLS schedulers (their tokenizer, to measure prompts for local prefill): set by
 ``trident serve`` for Triton, and so for its python-backend stubs (not in a model config, which clients can read)."""
+SCHEDULING_ENV = "TRIDENT_SCHEDULING"
+"""The BLS schedulers' settings (:class:`SchedulerConfig` as JSON), set by ``trident serve`` for Triton like
+:data:`MODEL_ENV`; an entry model's config parameter ``scheduler`` (an operator's config override) overrides fields
+of it for that model."""
 INTERNAL = {"internal": True}
 """``json_schema_extra`` of a field that is no user's choice (side-by-side benchmarks, tests): a config file may set
 it, the reference (docs/configuration.md) leaves it out."""
@@ -155,7 +159,9 @@ ROUTINGS: tuple[str, ...] = get_args(Routing)
 
 
 class SchedulerConfig(_Settings):
-    """The BLS entry models' decisions (``scheduler: bls``); handed to them as model-config parameters."""
+    """The BLS entry models' decisions (``scheduler: bls``); handed to them by environment, not in their model configs
+    (which clients may read). A config override of an entry model with a parameter ``scheduler`` (JSON of the fields
+    to change) changes them for that model while serving."""
 
     routing: Routing = Field(
         "affinity", description="how a stage instance is chosen: round_robin, least_loaded (fewest requests in "

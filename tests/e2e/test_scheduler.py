@@ -383,15 +383,15 @@ def test_distinct_images_never_share_an_entry_and_eviction_keeps_the_cap(server,
 
 
 def _reload(server, mode: str = "e_p_d", **scheduling) -> None:
-    """Change an entry model's scheduler settings while serving (Triton's config override)."""
+    """Change an entry model's scheduler settings while serving (Triton's config override: a ``scheduler`` parameter
+    naming the fields to change; its config as served names none)."""
     import tritonclient.http as httpclient
 
     admin = httpclient.InferenceServerClient(server.http)
     try:
         config = admin.get_model_config(mode)
-        settings = json.loads(config["parameters"]["scheduler"]["string_value"])
-        settings.update(scheduling)
-        config["parameters"]["scheduler"]["string_value"] = json.dumps(settings)
+        assert set(config["parameters"]) <= {"mode", "scheduler"}
+        config["parameters"]["scheduler"] = {"string_value": json.dumps(scheduling)}
         admin.load_model(mode, config=json.dumps(config), headers={"triton-access-token": server.token})
     finally:
         admin.close()

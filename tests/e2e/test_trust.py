@@ -277,6 +277,24 @@ def test_a_load_that_uploads_model_files_is_refused_even_with_the_token(server, 
     assert text
 
 
+def test_model_configs_show_nothing_of_the_host_or_the_scheduler(server):
+    """What any client reads of every model's config: no path of the host (the workspace, the checkpoint), no
+    scheduler setting; an entry model's parameters are its mode, a stage model's none."""
+    import requests
+
+    base = f"http://{server.http}/v2"
+    index = requests.post(f"{base}/repository/index", json={"ready": True},
+                          headers={"triton-access-token": server.token}, timeout=10).json()
+    names = {m["name"] for m in index}
+    assert {"e_p_d", "encode", "prefill", "decode", "trident_bind"} <= names, names
+    for name in names:
+        text = requests.get(f"{base}/models/{name}/config", timeout=10).text
+        assert str(server.workspace) not in text and server.model_path not in text and "/tmp" not in text, name
+        parameters = json.loads(text).get("parameters", {})
+        assert set(parameters) == ({"mode"} if name in ("epd", "e_pd", "e_p_d", "ep_d") else
+                                   {"supervised"} if name == "trident_bind" else set()), (name, parameters)
+
+
 def _bind(server, request: dict, credential: bool = True):
     """Call the head's bind model as a client would (the deployment's credential or none): (name, error)."""
     import numpy as np

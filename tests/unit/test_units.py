@@ -167,7 +167,7 @@ def test_ensembles_chain_records_and_bls_models_are_decoupled_python():
     bls = bls_config("e_p_d")
     assert bls.backend == "python" and bls.model_transaction_policy.decoupled
     assert bls.parameters["mode"].string_value == "e_p_d"
-    assert set(bls.parameters) == {"mode", "scheduler"}  # nothing of the host's (the checkpoint's folder) for clients
+    assert set(bls.parameters) == {"mode"}  # clients read it: no path of the host's, no scheduler settings
     assert [i.name for i in bls.input] == [i.name for i in ensemble_config("e_p_d").input]
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from .. import drain, signing, tracing
-from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
+from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, SCHEDULING_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
 from ..netutil import listen_ports, port_taken
 from ..protocol import BIND_MODEL, MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
 from ..repository import install_bind_model, install_entry_model
@@ -156,7 +156,7 @@ class Launcher:
         for mode in MODES:
             install_entry_model(
                 mode, self.model_store, Path(self.s.repository) if self.s.repository else None,
-                scheduler=self.s.scheduler, scheduling=self.s.scheduling,
+                scheduler=self.s.scheduler,
             )
         load = self.s.load if self.s.load is not None else self.s.modes
         if names:
@@ -226,6 +226,7 @@ class Launcher:
         """What Triton, its stubs, the workers and the frontend inherit."""
         _server_environment()
         os.environ[MODEL_ENV] = str(self.model_path)  # the schedulers' tokenizer (not in a config a client can read)
+        os.environ[SCHEDULING_ENV] = self.s.scheduling.model_dump_json()  # (nor are the schedulers' settings)
         os.environ[signing.ENV] = self.transfer_secret
         os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
         tracing_settings = self.s.tracing

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import drain, tracing
-from ..config import MODEL_ENV, SchedulerConfig
+from ..config import MODEL_ENV, SCHEDULING_ENV, SchedulerConfig
 from ..errors import InvalidRequest, TridentError, Unavailable, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
@@ -104,7 +104,9 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.mode: str = params["mode"]
         tracing.start(f"bls-{self.mode}")
-        self.cfg = SchedulerConfig.model_validate_json(params.get("scheduler") or "{}")
+        # the server's settings, with the fields an operator's config override names
+        self.cfg = SchedulerConfig.model_validate(
+            json.loads(os.environ.get(SCHEDULING_ENV) or "{}") | json.loads(params.get("scheduler") or "{}"))
         self.model_path = os.environ.get(MODEL_ENV) or None
         self.store = Path(args["model_repository"]).parent  # the server's model store
         self.router = Router(self.cfg.routing, self.cfg.affinity_slack)
