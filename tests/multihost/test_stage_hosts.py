@@ -3,8 +3,9 @@ processes in PID and mount namespaces of its own with a private /tmp and /dev/sh
 nothing reaches it but TCP. The head is the LLaVA server test_supervision.py goes on with
 (:func:`support.bridged_llava_server`: Triton, the BLS and a worker of each stage of its own, its ports and data
 plane on the bridge); a prefill, a decode, a prefill_decode and a generate worker join it, each from a host of its
-own, by URL (``trident worker --join``), the checkpoint a copy of their own, the secrets from the environment. (EP/D
-across hosts: test_head_alone.py; the vLLM engine across hosts: test_head_alone_vllm.py.)"""
+own, by URL (``trident worker --join``), the checkpoint a copy of their own, the deployment secret from the
+environment (no repository-API token: the head's bind model binds them). (EP/D across hosts: test_head_alone.py; the
+vLLM engine across hosts: test_head_alone_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -109,6 +110,49 @@ E/P/D's requests encoded, come from the encode worker's embedding cache."""
         time.sleep(0.2)
     assert all(peers.get(k) == v for k, v in wanted.items()) and peers.get(("decode-2", "tcp"), 0) >= 1, peers
 
+
+
+def _routing(cluster, routing: str | None) -> None:
+    """E/P/D's scheduler routes by ``routing`` from now on (Triton's config override, by the operator's token);
+    None: by the server's own setting again."""
+    import tritonclient.http as httpclient
+
+    admin = httpclient.InferenceServerClient(cluster.http)
+    try:
+        config = admin.get_model_config("e_p_d")
+        parameters = config.setdefault("parameters", {})
+        parameters.pop("scheduler", None)
+        if routing is not None:
+            parameters["scheduler"] = {"string_value": json.dumps({"routing": routing})}
+        admin.load_model("e_p_d", config=json.dumps(config), headers={"triton-access-token": cluster.token})
+    finally:
+        admin.close()
+
+
+def test_affinity_sends_a_prompt_back_to_the_host_that_prefilled_it(cluster, ref):
+    """With affinity routing, each prompt's first prefill goes to the least-loaded instance (turn by turn when idle:
+    the head's or the other host's), and the same prompt again goes back there, to the instance on the other host
+    too; every answer is the reference."""
+    _routing(cluster, "affinity")
+    try:
+        first = {}
+        for name, case in ref.items():
+            before = {n: _routed(cluster, n) for n in ("prefill", "prefill-2")}
+            assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
+                == case["expected"]
+            time.sleep(0.5)  # (the scheduler's metric updates)
+            went = [n for n in before if _routed(cluster, n) > before[n]]
+            assert len(went) == 1, went
+            first[name] = went[0]
+        assert set(first.values()) == {"prefill", "prefill-2"}, first  # (both hosts took prompts)
+        for name, case in [*ref.items(), *ref.items()]:
+            before = _routed(cluster, first[name])
+            assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
+                == case["expected"]
+            time.sleep(0.5)
+            assert _routed(cluster, first[name]) == before + 1, (name, first[name])
+    finally:
+        _routing(cluster, None)
 
 
 def test_a_host_cut_off_fails_its_calls_within_seconds_and_serves_again_when_its_link_is_back(cluster, ref):
