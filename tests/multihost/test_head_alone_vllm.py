@@ -1,9 +1,10 @@
-"""The vLLM engine across hosts: E/P/D with each stage on a host of its own (:mod:`support.hosts`: nothing crosses
-but TCP) and a head with no worker (Triton, the BLS). Each host runs the command the Helm chart's stage containers run
-(:func:`support.roles.worker_argv` with ``--backend vllm``, from the vLLM environment): the embeddings go from the
-encode host to the prefill host over Trident's NIXL, the KV from the prefill host to the decode host over vLLM's
-NixlConnector (its side channel on the prefill host's data address), both over UCX's TCP. Every answer is
-model.generate()'s (for LLaVA, vLLM's one-engine output is the same: test_vllm_serving.py)."""
+"""The vLLM engine across hosts: E/P/D and EP/D with each stage on a host of its own (:mod:`support.hosts`: nothing
+crosses but TCP) and a head with no worker (Triton, the BLS). Each host runs the command the Helm chart's stage
+containers run (:func:`support.roles.worker_argv` with ``--backend vllm``, from the vLLM environment): the embeddings
+go from the encode host to the prefill host over Trident's NIXL, the KV from the prefill host (or the encode_prefill
+host) to the decode host, which serves both modes, over vLLM's NixlConnector (its side channel on the producer's data
+address), all over UCX's TCP. Every answer is model.generate()'s (for LLaVA, vLLM's one-engine output is the same:
+test_vllm_serving.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from support.roles import head_settings, worker_argv
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
 
-MODES = ["e_p_d"]
-STAGES = ("encode", "prefill", "decode")
+MODES = ["e_p_d", "ep_d"]
+STAGES = ("encode", "prefill", "decode", "encode_prefill")
 GREEDY = {"max_tokens": 8, "temperature": 0}
 CASES = {"text": [], "image": [(224, 224, 900)]}
 CHECKOUT = str(Path(__file__).resolve().parents[2])
@@ -28,7 +29,7 @@ CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 @pytest.fixture(scope="module")
 def head(demo_models, tmp_path_factory, shared_servers):
-    """The head (from the pool of shared servers: whatever ran before stops first) and its three stage hosts."""
+    """The head (from the pool of shared servers: whatever ran before stops first) and its four stage hosts."""
     model, python = demo_models["llava"], vllm_python()
 
     def start(hosts, made) -> Server:
@@ -70,6 +71,22 @@ def test_each_stage_on_its_own_host_gives_the_reference_tokens(head, ref):
         time.sleep(0.2)
     assert peers.get(("trident_transfer_peers_tcp", "prefill-2")) == 1, peers
     assert peers.get(("trident_transfer_peers_not_tcp", "prefill-2")) == 0, peers
+
+
+def test_ep_d_across_hosts_gives_the_reference_tokens(head, ref):
+    """EP/D: the encode_prefill host encodes and prefills, the decode host (E/P/D's too) claims the KV at the
+    encode_prefill host and reads it over TCP; streamed and not, every answer is model.generate()'s."""
+    def routed() -> float:
+        return sum(v for (name, labels), v in head.metrics().items()
+                   if name == "trident_routed_total" and ("instance", "encode_prefill-2") in labels)
+
+    before = routed()
+    for case in ref.values():
+        for stream in (True, False):
+            assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=stream).text \
+                == case["expected"], (case, stream)
+    time.sleep(0.5)  # (the scheduler's metric updates)
+    assert routed() - before == 2 * len(ref)
 
 
 def test_a_stream_cancelled_across_hosts_frees_the_decode_host_s_blocks(head, ref):

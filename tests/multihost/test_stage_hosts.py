@@ -46,7 +46,8 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
         for stage in JOINED:
             host = server.hosts[stage]
             settings = {"stage": stage, "free_name": True, "model": server.model_path,
-                        "url": f"http://{head}:{server.http_port}", "transfer": {"data_address": host.address}}
+                        "url": f"http://{head}:{server.http_port}", "transfer": {"data_address": host.address},
+                        "max_inflight": 1 if stage == "generate" else 64}
             workers[stage] = host.popen([sys.executable, "-m", "trident.cli", "worker", "--settings",
                                          json.dumps(settings)], env=env, copies=(server.model_path, CHECKOUT))
         admin = httpclient.InferenceServerClient(server.http)
@@ -153,6 +154,36 @@ def test_affinity_sends_a_prompt_back_to_the_host_that_prefilled_it(cluster, ref
             assert _routed(cluster, first[name]) == before + 1, (name, first[name])
     finally:
         _routing(cluster, None)
+
+
+def test_a_full_instance_on_another_host_refuses_at_once_with_503(cluster, ref):
+    """The generate host's worker takes one request at a time (``max_inflight`` 1): while a stream runs there, a
+    second call to it (through its stage model, as a caller with the stage credential) is refused at once across
+    the network (UNAVAILABLE, naming its limit), not queued; the running stream ends whole and the instance then
+    serves the reference."""
+    import threading
+
+    from support import credential
+
+    case = next(iter(ref.values()))
+    long = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    done: dict = {}
+    stream = threading.Thread(target=lambda: done.update(result=grpc_generate(
+        cluster.grpc, "generate-2", case["text"], case["images"], long, stream=True, parameters=credential())))
+    stream.start()
+    deadline = time.monotonic() + 30
+    while not cluster.metrics("vllm:").get(("vllm:num_requests_running", (("model", "generate-2"), ("version", "1"))), 0):
+        assert time.monotonic() < deadline and stream.is_alive(), "the stream did not start on generate-2"
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="Unavailable: the generate stage has 1 requests in flight, its limit"):
+        grpc_generate(cluster.grpc, "generate-2", case["text"], case["images"], GREEDY, stream=True,
+                      parameters=credential())
+    assert time.monotonic() - t0 < 5
+    stream.join(120)
+    assert done["result"].finish_reason == "length" and done["result"].num_output_tokens > 0, done
+    assert grpc_generate(cluster.grpc, "generate-2", case["text"], case["images"], GREEDY, stream=True,
+                         parameters=credential()).text == case["expected"]
 
 
 def test_a_host_cut_off_fails_its_calls_within_seconds_and_serves_again_when_its_link_is_back(cluster, ref):
