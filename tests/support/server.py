@@ -39,13 +39,17 @@ def vllm_metrics(server: Server, models) -> dict[str, dict[str, float]]:
 
 def settled_vllm_metrics(server: Server, before: dict, answered: dict[str, int], timeout: float = 5.0) -> dict:
     """:func:`vllm_metrics` once each entry model has counted ``answered[model]`` more requests than in ``before``
-    (an entry model counts a request just after its last response)."""
+    (an entry model counts a request just after its last response). A scrape is not one moment: one that shows the
+    last family of a request's counts may show an earlier family before its count, so a scrape after that one is
+    what is returned."""
     deadline = time.monotonic() + timeout
     while True:
         now = vllm_metrics(server, answered)
         done = all(now[m].get("vllm:request_params_n_count", 0) - before[m].get("vllm:request_params_n_count", 0) >= n
                    for m, n in answered.items())
-        if done or time.monotonic() > deadline:
+        if done:
+            return vllm_metrics(server, answered)
+        if time.monotonic() > deadline:
             return now
         time.sleep(0.05)
 
