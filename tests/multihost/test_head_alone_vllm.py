@@ -1,9 +1,9 @@
-"""The vLLM engine across hosts: E/P/D and EP/D with each stage on a host of its own (:mod:`support.hosts`: nothing
+"""The vLLM engine across hosts: every mode with each stage on a host of its own (:mod:`support.hosts`: nothing
 crosses but TCP) and a head with no worker (Triton, the BLS). Each host runs the command the Helm chart's stage
 containers run (:func:`support.roles.worker_argv` with ``--backend vllm``, from the vLLM environment): the embeddings
-go from the encode host to the prefill host over Trident's NIXL, the KV from the prefill host (or the encode_prefill
-host) to the decode host, which serves both modes, over vLLM's NixlConnector (its side channel on the producer's data
-address), all over UCX's TCP. Every answer is model.generate()'s (for LLaVA, vLLM's one-engine output is the same:
+go from the encode host to the prefill and prefill_decode hosts over Trident's NIXL, the KV from the prefill host (or
+the encode_prefill host) to the decode host, which serves both E/P/D and EP/D, over vLLM's NixlConnector (its side
+channel on the producer's data address), all over UCX's TCP. Every answer is model.generate()'s (for LLaVA, vLLM's one-engine output is the same:
 test_vllm_serving.py)."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from support.roles import head_settings, worker_argv
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"no hosts can be made here: {WHY}")]
 
-MODES = ["e_p_d", "ep_d"]
-STAGES = ("encode", "prefill", "decode", "encode_prefill")
+MODES = ["e_p_d", "ep_d", "e_pd", "epd"]
+STAGES = ("encode", "prefill", "decode", "encode_prefill", "prefill_decode", "generate")
+MODE_STAGES = {"ep_d": ("encode_prefill", "decode"), "e_pd": ("encode", "prefill_decode"), "epd": ("generate",)}
 GREEDY = {"max_tokens": 8, "temperature": 0}
 CASES = {"text": [], "image": [(224, 224, 900)]}
 CHECKOUT = str(Path(__file__).resolve().parents[2])
@@ -29,7 +30,7 @@ CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 @pytest.fixture(scope="module")
 def head(demo_models, tmp_path_factory, shared_servers):
-    """The head (from the pool of shared servers: whatever ran before stops first) and its four stage hosts."""
+    """The head (from the pool of shared servers: whatever ran before stops first) and its six stage hosts."""
     model, python = demo_models["llava"], vllm_python()
 
     def start(hosts, made) -> Server:
@@ -73,20 +74,25 @@ def test_each_stage_on_its_own_host_gives_the_reference_tokens(head, ref):
     assert peers.get(("trident_transfer_peers_not_tcp", "prefill-2")) == 0, peers
 
 
-def test_ep_d_across_hosts_gives_the_reference_tokens(head, ref):
-    """EP/D: the encode_prefill host encodes and prefills, the decode host (E/P/D's too) claims the KV at the
-    encode_prefill host and reads it over TCP; streamed and not, every answer is model.generate()'s."""
-    def routed() -> float:
-        return sum(v for (name, labels), v in head.metrics().items()
-                   if name == "trident_routed_total" and ("instance", "encode_prefill-2") in labels)
+@pytest.mark.parametrize("mode", ["ep_d", "e_pd", "epd"])
+def test_the_other_modes_across_hosts_give_the_reference_tokens(head, ref, mode):
+    """EP/D (the encode_prefill host encodes and prefills; the decode host, E/P/D's too, claims the KV there and
+    reads it over TCP), E/PD (the encode host's embeddings to the prefill_decode host) and EPD (the generate host
+    alone): streamed and not, every answer is model.generate()'s, each served by its stages' hosts."""
+    joined = [f"{stage}-2" for stage in MODE_STAGES[mode]]
+
+    def routed() -> dict[str, float]:
+        return {name: sum(v for (metric, labels), v in head.metrics().items()
+                          if metric == "trident_routed_total" and ("instance", name) in labels) for name in joined}
 
     before = routed()
     for case in ref.values():
         for stream in (True, False):
-            assert grpc_generate(head.grpc, "ep_d", case["text"], case["images"], GREEDY, stream=stream).text \
+            assert grpc_generate(head.grpc, mode, case["text"], case["images"], GREEDY, stream=stream).text \
                 == case["expected"], (case, stream)
     time.sleep(0.5)  # (the scheduler's metric updates)
-    assert routed() - before == 2 * len(ref)
+    after = routed()
+    assert all(after[name] - before[name] == 2 * len(ref) for name in joined), (before, after)
 
 
 def test_a_stream_cancelled_across_hosts_frees_the_decode_host_s_blocks(head, ref):

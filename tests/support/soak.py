@@ -234,6 +234,11 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
+def _triton_rss(serve_pid: int) -> float:
+    """tritonserver's RSS (MiB) now; 0 when it is not found."""
+    return next((rss for label, (_pid, rss) in memory(serve_pid).items() if label == "tritonserver"), 0.0)
+
+
 def memory(serve_pid: int) -> dict[str, tuple[int, float]]:
     """``{label: (pid, RSS MiB)}`` of the server's processes (children of a worker are added to it)."""
     out: dict[str, tuple[int, float]] = {}
@@ -266,6 +271,7 @@ class Report:
     held_after: dict[str, dict] = field(default_factory=dict)
     rss_before: dict[str, tuple[int, float]] = field(default_factory=dict)
     rss_after: dict[str, tuple[int, float]] = field(default_factory=dict)
+    triton_rss: list[tuple[int, float]] = field(default_factory=list)  # (requests finished, tritonserver's RSS MiB)
     final_check: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reference: dict[str, str] = field(default_factory=dict)  # each case's text (the calm pass)
@@ -383,6 +389,7 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
                     report.rss_before = memory(server.proc.pid)
                 if finished % max(1, requests // 10) == 0:
                     say(f"[soak] {finished}/{requests} done, {sum(x.error is not None for x in report.outcomes)} errors")
+                    report.triton_rss.append((finished, _triton_rss(server.proc.pid)))
                 if kill and report.killed_at is None and finished >= kill_at * requests:
                     report.killed_pid = server.worker_pid(kill)
                     os.kill(report.killed_pid, signal.SIGKILL)
@@ -554,6 +561,9 @@ def table(r: Report) -> list[str]:
         shown = "restarted (new process)" if g is None else f"{g * 100:+.1f}%"
         lines.append(f"| {label} | {before:.0f} | {after[1]:.0f} | {shown} |" if after else
                      f"| {label} | {before:.0f} | gone | {shown} |")
+    if r.triton_rss:
+        lines += ["", "tritonserver's RSS (MiB) as the requests finished (every tenth): "
+                  + ", ".join(f"{n}: {rss:.0f}" for n, rss in r.triton_rss) + "."]
     for o in r.unexpected[:10]:
         when = f" (from {o.start - r.killed_at:+.1f} to {o.end - r.killed_at:+.1f} s of the kill)" if r.killed_at else ""
         lines.append(f"\nunexpected: {o.mode} {o.case} over {o.path}{when}: {o.error}")

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import auth
 from ..config import WorkerSettings
-from ..errors import NameTaken, Unavailable, from_message
+from ..errors import NameTaken, TridentError, Unavailable, from_message
 from ..protocol import BIND_MODEL, NAME_TAKEN_EXIT, STAGES, Bind
 from .health import Health
 
@@ -171,7 +171,11 @@ def run_worker(settings: WorkerSettings) -> int:
     name, first = None, True
     try:
         while True:
-            name = bind(settings.url, request)
+            try:
+                name = bind(settings.url, request)
+            except TridentError as e:  # refused, or no answer for BIND_S: one line, exit 1 (a supervisor starts it again)
+                log.error("worker %s: the server at %s did not bind it: %s", settings.model_name, settings.url, e)
+                return 1
             if name is None:
                 if health:
                     health.state = "not bound"
