@@ -359,7 +359,7 @@ def _add_node(sub) -> None:
     n.add_argument("--embedding-cache-mib", type=int, default=ServeSettings().embedding_cache_mib,
                    help=f"encode stage: embedding cache, MiB (default: {ServeSettings().embedding_cache_mib})")
     n.add_argument("--transfer-secret-file", metavar="PATH",
-                   help=f"file holding the server's record-signing key (env {signing.ENV})")
+                   help=f"file holding the deployment secret, which the workers bind with (env {signing.ENV})")
     n.set_defaults(func=_node)
 
 
@@ -374,7 +374,7 @@ def _add_worker(sub) -> None:
     _opt(w, "--name", WorkerSettings, "name", shown=None)
     _opt(w, "--health-port", WorkerSettings, "health_port", type=int, shown=None)
     w.add_argument("--transfer-secret-file", metavar="PATH",
-                   help=f"file holding the server's record-signing key (env {signing.ENV}; a worker joining a "
+                   help=f"file holding the deployment secret, which it binds with (env {signing.ENV}; a worker joining a "
                    "server on another host needs the secret that server was started with)")
     _opt(w, "--backend", WorkerSettings, "backend", choices=BACKENDS)
     _opt(w, "--threads", WorkerSettings, "threads", type=int)

@@ -56,11 +56,6 @@ def _server_environment() -> None:
     bindir = str(Path(sys.executable).parent)
     if not os.environ.get("PATH", "").startswith(bindir):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    # the stage stubs and workers speak Trident's stage protocol: PyTriton's tensor store (a manager process per
-    # stage model, started by its stub) is never used (PyTriton's own setting; the workers set it too)
-    os.environ["PYTRITON_NO_TENSORSTORE"] = "1"
-
-
 
 
 def own_side_channel(vllm: VLLMConfig, backend: str, stage: str) -> VLLMConfig:

@@ -97,5 +97,8 @@ class TritonPythonModel:
             bound = None
         if not isinstance(bound, dict) or bound.get("tcp") != list(bind.tcp):
             raise NameTaken(f"{bind.name} is not bound to the worker at {list(bind.tcp)}")
-        pb_utils.unload_model(bind.name)
+        try:
+            pb_utils.unload_model(bind.name)
+        except Exception as e:  # noqa: BLE001 - the unload's own message
+            raise Unavailable(f"unloading {bind.name} failed: {e}") from None
         return bind.name
