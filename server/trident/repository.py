@@ -29,6 +29,7 @@ from .protocol import BIND_MODEL, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TEN
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 _INTERNAL = set(RECORD_TENSOR.values())  # tensors that exist only between steps
+BIND_INSTANCES = 4  # binds at once (a load holds its instance of the bind model; Triton loads 4 models at once)
 BLS_MODEL_PY = '''"""Entry model of a Trident mode: the BLS scheduler. Its code is trident/scheduler/model.py."""
 
 from trident.scheduler.model import TritonPythonModel  # noqa: F401
@@ -112,7 +113,7 @@ def bind_config(supervised: list[str]) -> pb.ModelConfig:
     config = pb.ModelConfig(name=BIND_MODEL, backend="python", max_batch_size=0)
     config.input.add(name="bind", data_type=pb.TYPE_STRING, dims=[1])
     config.output.add(name="name", data_type=pb.TYPE_STRING, dims=[1])
-    config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.Kind.KIND_CPU)  # one bind at a time
+    config.instance_group.add(count=BIND_INSTANCES, kind=pb.ModelInstanceGroup.Kind.KIND_CPU)
     config.parameters["supervised"].string_value = json.dumps(sorted(supervised))
     return config
 

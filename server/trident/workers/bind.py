@@ -121,7 +121,7 @@ def bind(url: str, request: Bind) -> str | None:
         if time.monotonic() > deadline:
             raise Unavailable(f"the server at {url} did not bind {request.stage} within {BIND_S:.0f} s: {why}")
         log.info("worker %s: the server at %s has not bound it yet (%s); asking again", request.stage, url, why)
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 def unbind(url: str, request: Bind) -> None:

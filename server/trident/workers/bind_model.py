@@ -8,10 +8,15 @@ file saying where the worker listens) and loads it by name. So workers need neit
 token, and nothing of a stage model's code travels with a load request: Triton refuses any model-file upload
 (``launcher/triton_shim.c``) unless the operator turns it on.
 
-It runs inside Triton's python-backend stub, one instance: binds happen one at a time.
+It runs inside Triton's python-backend stub, in :data:`~trident.repository.BIND_INSTANCES` instances (processes): a load through one holds
+its instance until the stage model is loaded, and the workers of a server start together. Binds of one name go one
+at a time, and joining workers choose their names one at a time (file locks in the server's workspace).
 """
 
+import contextlib
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -26,6 +31,7 @@ from trident.workers.proxy_model import triton_error
 
 MAX_BIND_BYTES = 4096
 MAX_JOINED = 1024  # <stage>-<n> names a joining worker may take, per stage
+JOINING = ".joining"  # the lock joining workers choose their names under
 
 
 def _ready(name: str) -> bool:
@@ -40,6 +46,23 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self._store = Path(args["model_repository"]).parent
         self._supervised = set(json.loads(config["parameters"]["supervised"]["string_value"]))
+        self._locks = self._store.parent / "binding"  # (beside the model store: Triton watches the model folders)
+        self._locks.mkdir(mode=0o700, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _holding(self, name: str, wait: bool = True):
+        """Hold the lock of ``name`` across this model's instances; yields False when ``wait`` is off and another
+        instance holds it."""
+        fd = os.open(self._locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
     def execute(self, requests):
         return [self._answer(request) for request in requests]
@@ -70,7 +93,22 @@ class TritonPythonModel:
         return self._leave(bind) if bind.leave else self._bind(bind)
 
     def _bind(self, bind: Bind) -> str:
-        name = bind.name or self._free_name(bind.stage)
+        if bind.name is not None:
+            with self._holding(bind.name):
+                return self._load(bind, bind.name)
+        with contextlib.ExitStack() as held:
+            with self._holding(JOINING):  # the first <stage>-<n> no live worker serves and no other bind holds
+                for n in range(2, MAX_JOINED + 2):
+                    name = instance_name(bind.stage, n)
+                    if name not in self._supervised and not _ready(name) and held.enter_context(
+                            self._holding(name, wait=False)):
+                        break
+                else:
+                    raise Unavailable(f"{MAX_JOINED} instances of {bind.stage} serve already")
+            return self._load(bind, name)
+
+    def _load(self, bind: Bind, name: str) -> str:
+        """Write ``name``'s folder and load it (its lock held)."""
         if _ready(name):
             raise NameTaken(f"another worker serves {name}")
         install_stage_model(self._store, name, bind.stage, bind.instances, bind.worker_file(name))
@@ -80,17 +118,14 @@ class TritonPythonModel:
             raise Unavailable(f"loading {name} failed: {e}") from None
         return name
 
-    def _free_name(self, stage: str) -> str:
-        for n in range(2, MAX_JOINED + 2):
-            name = instance_name(stage, n)
-            if name not in self._supervised and not _ready(name):
-                return name
-        raise Unavailable(f"{MAX_JOINED} instances of {stage} serve already")
-
     def _leave(self, bind: Bind) -> str:
         """Unload ``bind.name`` when it is still the asking worker's (after a head restart a name may be another's)."""
         if bind.name is None:
             raise InvalidRequest("leave: which name")
+        with self._holding(bind.name):
+            return self._unload(bind)
+
+    def _unload(self, bind: Bind) -> str:
         try:
             bound = json.loads((self._store / bind.name / "1" / WORKER_FILE).read_text())
         except (OSError, ValueError):
