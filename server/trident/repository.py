@@ -29,7 +29,8 @@ from .protocol import BIND_MODEL, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TEN
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 _INTERNAL = set(RECORD_TENSOR.values())  # tensors that exist only between steps
-BIND_INSTANCES = 4  # binds at once (a load holds its instance of the bind model; Triton loads 4 models at once)
+BIND_INSTANCES = 1  # binds at once (a load holds its instance of the bind model). Four made a server of six workers
+# bound 2-5 s sooner, but a stopping Triton then did not stop their stubs within a 5 s drain (seen once in the suite)
 BLS_MODEL_PY = '''"""Entry model of a Trident mode: the BLS scheduler. Its code is trident/scheduler/model.py."""
 
 from trident.scheduler.model import TritonPythonModel  # noqa: F401

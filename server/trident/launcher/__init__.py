@@ -139,11 +139,11 @@ class Launcher:
         if names:  # (a head whose stages all join from other hosts forks none)
             self._start_zygote()
         self._start_triton()
+        self._load_bind_model(names)  # (before the workers start: they bind through it)
         if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
             frontend = self._spawn_frontend()
         for name in names:  # as soon as the zygote has imported what they import
             self._start_worker(name)
-        self._load_bind_model(names)  # (while the workers load their engines; they ask it until it answers)
         # Every entry model goes into the repository, so any mode whose stages run can be loaded later
         # through the repository API; the chosen ones are loaded now. A BLS scheduler finds its stage
         # instances as they come (it answers 503 until then), so it loads while the workers start; an

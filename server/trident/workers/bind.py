@@ -102,10 +102,12 @@ def _ask(url: str, request: Bind, timeout_s: float) -> str:
 def bind(url: str, request: Bind) -> str | None:
     """Ask the head's bind model (:mod:`.bind_model`, at the server ``url``) to bind ``request``: the instance name it
     bound, or None when another live worker serves the name asked for. While the bind model is not there yet (the
-    head starting) or cannot bind now, asks again (a line each time) for up to :data:`BIND_S`; raises its refusal."""
+    head starting) or cannot bind now, asks again (one line after 30 s) for up to :data:`BIND_S`; raises its
+    refusal."""
     from tritonclient.utils import InferenceServerException
 
-    deadline = time.monotonic() + BIND_S
+    started = time.monotonic()
+    deadline, said = started + BIND_S, False
     while True:
         try:
             return _ask(url, request, BIND_S)
@@ -120,8 +122,11 @@ def bind(url: str, request: Bind) -> str | None:
             why = str(e) or type(e).__name__
         if time.monotonic() > deadline:
             raise Unavailable(f"the server at {url} did not bind {request.stage} within {BIND_S:.0f} s: {why}")
-        log.info("worker %s: the server at %s has not bound it yet (%s); asking again", request.stage, url, why)
-        time.sleep(0.25)
+        if not said and time.monotonic() - started > 30:  # (one line: a head starting takes a while)
+            log.warning("worker %s: the server at %s has not bound it yet (%s); asking until it does", request.stage,
+                        url, why)
+            said = True
+        time.sleep(1.0)
 
 
 def unbind(url: str, request: Bind) -> None:

@@ -8,9 +8,9 @@ file saying where the worker listens) and loads it by name. So workers need neit
 token, and nothing of a stage model's code travels with a load request: Triton refuses any model-file upload
 (``launcher/triton_shim.c``) unless the operator turns it on.
 
-It runs inside Triton's python-backend stub, in :data:`~trident.repository.BIND_INSTANCES` instances (processes): a load through one holds
-its instance until the stage model is loaded, and the workers of a server start together. Binds of one name go one
-at a time, and joining workers choose their names one at a time (file locks in the server's workspace).
+It runs inside Triton's python-backend stub, in :data:`~trident.repository.BIND_INSTANCES` instances (processes):
+a load through one holds its instance until the stage model is loaded. Binds of one name go one at a time, and
+joining workers choose their names one at a time (file locks in the server's workspace, across instances).
 """
 
 import contextlib
