@@ -25,7 +25,6 @@ from ..protocol import BIND_MODEL, NAME_TAKEN_EXIT, STAGES, Bind
 from .health import Health
 
 log = logging.getLogger("trident.worker")
-_PROXY_MODEL = Path(__file__).with_name("proxy_model.py")  # runs inside the stub, not here
 
 
 def _write_stats(stats, path: Path, stop: threading.Event) -> None:
