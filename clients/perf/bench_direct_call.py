@@ -186,9 +186,9 @@ def main() -> int:
 
     import os
 
-    from trident import signing
+    from trident import auth
 
-    os.environ.setdefault(signing.ENV, signing.new_secret())  # both processes are of one deployment
+    os.environ.setdefault(auth.ENV, auth.new_secret())  # both processes are of one deployment
     steps, total = direct_calls(args.calls)
     _, over_tcp = direct_calls(args.calls, tcp=True)
     bare = statistics.median(_ping_pong(args.calls))

@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from report import DEMO_NAMES, write_section
-from trident import auth, signing
+from trident import auth
 from trident.netutil import free_ports
 
-signing.secret()  # made here when unset: the servers this bench starts inherit it, so its ensemble calls prove it
+auth.secret()  # made here when unset: the servers this bench starts inherit it, so its ensemble calls prove it
 
 MODES = ["e_pd", "e_p_d"]
 PROMPT = "Describe the picture in detail, please."

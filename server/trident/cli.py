@@ -34,7 +34,7 @@ from pydantic.fields import FieldInfo
 
 from .config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, TransferConfig, WorkerSettings
 from .netutil import route_address
-from . import signing
+from . import auth
 from .protocol import MODES, STAGES
 
 
@@ -70,7 +70,7 @@ SERVE_FLAGS: dict[str, str] = {  # flag: the settings key it sets (a path into S
 SERVE_ENV = {"worker_python": "TRIDENT_WORKER_PYTHON"}  # settings an environment variable may set (below the flags)
 SECRET_FILES = {  # flag: (the secret's settings key, its environment variable)
     "--access-token-file": ("access_token", "TRIDENT_ACCESS_TOKEN"),
-    "--transfer-secret-file": ("transfer_secret", signing.ENV),
+    "--transfer-secret-file": ("transfer_secret", auth.ENV),
 }
 
 
@@ -233,7 +233,7 @@ def _add_serve(sub) -> None:
     _serve_flag(sec, "--api-key-file", metavar="PATH", shown="none: the OpenAI API is open")
     sec.add_argument("--transfer-secret-file", metavar="PATH",
                      help="file holding the deployment's key for signing the records stages hand on; workers on "
-                     f"other hosts need the same (env {signing.ENV}; default: generated at each start)")
+                     f"other hosts need the same (env {auth.ENV}; default: generated at each start)")
     sv.set_defaults(func=_serve)
 
 
@@ -286,7 +286,7 @@ def _worker(args: argparse.Namespace) -> int:
     from .workers.bind import run_worker
 
     if args.transfer_secret_file:
-        os.environ[signing.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
+        os.environ[auth.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
     if args.settings:
         settings = WorkerSettings.model_validate_json(args.settings)
     else:
@@ -329,7 +329,7 @@ def _node(args: argparse.Namespace) -> int:
     quiet(env)
     env.pop("TRIDENT_ACCESS_TOKEN", None)  # (workers bind through the server's bind model: no token of its)
     if args.transfer_secret_file:
-        env[signing.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
+        env[auth.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
     address = route_address(args.join)  # the data plane of each: the address this host reaches the head from
     workers = {
         f"{stage}#{i}": WorkerSettings(
@@ -359,7 +359,7 @@ def _add_node(sub) -> None:
     n.add_argument("--embedding-cache-mib", type=int, default=ServeSettings().embedding_cache_mib,
                    help=f"encode stage: embedding cache, MiB (default: {ServeSettings().embedding_cache_mib})")
     n.add_argument("--transfer-secret-file", metavar="PATH",
-                   help=f"file holding the deployment secret, which the workers bind with (env {signing.ENV})")
+                   help=f"file holding the deployment secret, which the workers bind with (env {auth.ENV})")
     n.set_defaults(func=_node)
 
 
@@ -374,7 +374,7 @@ def _add_worker(sub) -> None:
     _opt(w, "--name", WorkerSettings, "name", shown=None)
     _opt(w, "--health-port", WorkerSettings, "health_port", type=int, shown=None)
     w.add_argument("--transfer-secret-file", metavar="PATH",
-                   help=f"file holding the deployment secret, which it binds with (env {signing.ENV}; a worker joining a "
+                   help=f"file holding the deployment secret, which it binds with (env {auth.ENV}; a worker joining a "
                    "server on another host needs the secret that server was started with)")
     _opt(w, "--backend", WorkerSettings, "backend", choices=BACKENDS)
     _opt(w, "--threads", WorkerSettings, "threads", type=int)

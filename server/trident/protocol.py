@@ -8,7 +8,7 @@
   union (:data:`Record`) encoded with msgpack as positional arrays, so a record stays well under 1 KiB.
   A record says where a producer's tensors are (:class:`Transfer`: NIXL agent, regions inside its
   registered pool, dtype/shape, lease) and what the next stage needs to continue; none of the tensor values
-  are in it. Each record is sealed with the deployment's key (:mod:`trident.signing`) and opened before
+  are in it. Each record is sealed with the deployment's key (:mod:`trident.auth`) and opened before
   it is decoded.
 """
 
@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 from pytriton.model_config import Tensor
 
-from . import signing
+from . import auth
 from .errors import ERRORS, ForgedRecord, InvalidRequest, MalformedRecord, TridentError, as_trident_error
 
 # -- the entry interface (Triton's vLLM backend's) ------------------------------------------------------
@@ -460,7 +460,7 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
 class _Record(msgspec.Struct, array_like=True, frozen=True, tag=True):
     def encode(self) -> bytes:
         """The record's wire bytes: msgpack, then the deployment's MAC over them."""
-        return signing.sign(_encoder.encode(self))
+        return auth.sign(_encoder.encode(self))
 
     def validate(self) -> None:
         pass
@@ -600,7 +600,7 @@ def decode_record(data: Any, expect: type | tuple[type, ...] = RECORD_TYPES) -> 
         raise MalformedRecord(f"transfer record must be bytes, got {type(data).__name__}")
     if not data:
         raise MalformedRecord("transfer record is empty")
-    data = signing.verify(data)
+    data = auth.verify(data)
     try:
         head = msgspec.msgpack.decode(data)
     except msgspec.DecodeError as e:

@@ -297,16 +297,16 @@ def _resigned(data: bytes, **changes) -> bytes:
 def _other_deployment(data: bytes) -> bytes:
     import os
 
-    from trident import signing
+    from trident import auth
     from trident.protocol import decode_record
 
     record = decode_record(data)
-    saved = os.environ[signing.ENV]
-    os.environ[signing.ENV] = "another deployment's secret"
+    saved = os.environ[auth.ENV]
+    os.environ[auth.ENV] = "another deployment's secret"
     try:
         return record.encode()
     finally:
-        os.environ[signing.ENV] = saved
+        os.environ[auth.ENV] = saved
 
 
 def _replayed(server) -> Got:

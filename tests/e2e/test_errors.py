@@ -145,7 +145,7 @@ def _early_texts(server) -> float:
 
 
 def test_garbage_records_are_400(server, client):
-    from trident.signing import sign
+    from trident.auth import sign
 
     http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=b"\x93not a record")
     assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
@@ -270,7 +270,7 @@ def _read_ok(server, embedding_meta: bytes) -> None:
 def test_forged_records_are_refused_before_any_read(server, client, monkeypatch):
     import msgspec
 
-    from trident import signing
+    from trident import auth
     from trident.protocol import decode_record
 
     good = _embedding_meta(server)
@@ -278,14 +278,14 @@ def test_forged_records_are_refused_before_any_read(server, client, monkeypatch)
     flipped = bytearray(good)
     flipped[40] ^= 0x01  # one byte of the agent metadata or regions changed
     record = decode_record(good)
-    monkeypatch.setenv(signing.ENV, "another deployment's secret")
+    monkeypatch.setenv(auth.ENV, "another deployment's secret")
     other_key = record.encode()
     monkeypatch.undo()
     forged = "ForgedRecord: transfer record is not sealed with this deployment's key"
     cases = [
         (bytes(flipped), forged),
         (other_key, forged),
-        (good[: -signing.MAC_BYTES], forged),  # without its tag
+        (good[: -auth.MAC_BYTES], forged),  # without its tag
         (msgspec.msgpack.encode(["embeddings/3", []]) + b"\0" * 40, "MalformedRecord: transfer record of 55 bytes is "
                                                                      "not a sealed record"),  # hand-made msgpack
     ]

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from trident import auth, signing
+from trident import auth
 
 
 def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
@@ -18,15 +18,15 @@ def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
 
     # one process, one environment: each side's handshake key is derived first, then handed to it by thread
     with monkeypatch.context() as m:
-        m.setenv(signing.ENV, accept_secret)
-        acc_key = signing.derive(b"trident-stage-hs")
+        m.setenv(auth.ENV, accept_secret)
+        acc_key = auth.derive(b"trident-stage-hs")
     with monkeypatch.context() as m:
-        m.setenv(signing.ENV, connect_secret)
-        con_key = signing.derive(b"trident-stage-hs")
+        m.setenv(auth.ENV, connect_secret)
+        con_key = auth.derive(b"trident-stage-hs")
     keys = {"accept": acc_key, "connect": con_key}
     local = threading.local()
-    real = signing.derive
-    monkeypatch.setattr(signing, "derive", lambda label, value=None: keys[local.side] if label == b"trident-stage-hs" else real(label, value))
+    real = auth.derive
+    monkeypatch.setattr(auth, "derive", lambda label, value=None: keys[local.side] if label == b"trident-stage-hs" else real(label, value))
 
     def run(name, fn, sock):
         local.side = name
@@ -64,26 +64,26 @@ def test_a_connector_that_is_not_a_stage_socket_is_refused():
 
 
 def test_the_credential_is_derived_one_way_and_checked_exactly(monkeypatch):
-    monkeypatch.setenv(signing.ENV, "the deployment's secret")
+    monkeypatch.setenv(auth.ENV, "the deployment's secret")
     value = auth.credential()
     assert auth.check_credential(value)
     assert "the deployment's secret" not in value and len(value) == 64
     assert not auth.check_credential(value[:-1] + ("0" if value[-1] != "0" else "1"))
     assert not auth.check_credential(None) and not auth.check_credential(b"bytes") and not auth.check_credential("")
-    monkeypatch.setenv(signing.ENV, "another deployment's secret")
+    monkeypatch.setenv(auth.ENV, "another deployment's secret")
     assert not auth.check_credential(value)
 
 
 def test_rotation_opens_records_of_the_previous_key(monkeypatch):
     """The secret may list several keys, one per line: the first seals, each opens (a key id picks it)."""
-    monkeypatch.setenv(signing.ENV, "old")
-    old = signing.sign(b"payload")
-    monkeypatch.setenv(signing.ENV, "new\nold")
-    assert signing.verify(old) == b"payload"
-    new = signing.sign(b"payload")
-    assert new[1:1 + signing.KEY_ID_BYTES] != old[1:1 + signing.KEY_ID_BYTES]
-    monkeypatch.setenv(signing.ENV, "new")
+    monkeypatch.setenv(auth.ENV, "old")
+    old = auth.sign(b"payload")
+    monkeypatch.setenv(auth.ENV, "new\nold")
+    assert auth.verify(old) == b"payload"
+    new = auth.sign(b"payload")
+    assert new[1:1 + auth.KEY_ID_BYTES] != old[1:1 + auth.KEY_ID_BYTES]
+    monkeypatch.setenv(auth.ENV, "new")
     from trident.errors import ForgedRecord
     with pytest.raises(ForgedRecord):
-        signing.verify(old)
-    assert signing.verify(new) == b"payload"
+        auth.verify(old)
+    assert auth.verify(new) == b"payload"

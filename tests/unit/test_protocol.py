@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from trident import errors, signing
+from trident import auth, errors
 from trident.errors import (
     ERRORS, ForgedRecord, InvalidRequest, LeaseExpired, MalformedRecord, NotFound, PeerUnavailable, PoolExhausted,
     ReplayedRecord, TransferTimeout, TridentError, Unavailable,
@@ -49,7 +49,7 @@ def test_records_round_trip_small_and_typed(record):
     assert len(data) <= 1024
     assert decode_record(data) == record
     assert decode_record(data, type(record)) == record
-    assert msgspec.msgpack.decode(signing.verify(data))[0] == f"{type(record).__struct_config__.tag}"
+    assert msgspec.msgpack.decode(auth.verify(data))[0] == f"{type(record).__struct_config__.tag}"
     assert record.transfer.agent_meta not in data and record.transfer.lease_id.encode() not in data  # sealed
     assert type(record).__struct_config__.tag.endswith(f"/{RECORD_VERSION}")
 
@@ -66,10 +66,10 @@ def test_a_record_of_the_wrong_kind_is_refused_by_name():
     [
         (b"", "empty"),
         (b"\xc1garbage", "not a sealed record"),
-        (signing.sign(b"\xc1garbage"), "not valid msgpack"),
-        (signing.sign(msgspec.msgpack.encode(["embeddings/1", []])), r"'embeddings/1' is not supported here"),
-        (signing.sign(msgspec.msgpack.encode({"version": 1})), "kind and format version"),
-        (signing.sign(msgspec.msgpack.encode([f"hf_kv/{RECORD_VERSION}", 7])), "malformed"),
+        (auth.sign(b"\xc1garbage"), "not valid msgpack"),
+        (auth.sign(msgspec.msgpack.encode(["embeddings/1", []])), r"'embeddings/1' is not supported here"),
+        (auth.sign(msgspec.msgpack.encode({"version": 1})), "kind and format version"),
+        (auth.sign(msgspec.msgpack.encode([f"hf_kv/{RECORD_VERSION}", 7])), "malformed"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (196, 512)),))).encode(), "16 bytes"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("complex", (4,)),))).encode(), "dtype"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)),))).encode(), "do not hold 196 rows"),
@@ -95,10 +95,10 @@ def test_records_are_signed_with_the_deployment_key(monkeypatch):
     with pytest.raises(ForgedRecord, match="not sealed with this deployment's key"):
         decode_record(bytes(flipped))
     with pytest.raises(ForgedRecord):  # no seal at all: msgpack as an attacker would write it, in a sealed frame
-        decode_record(data[: -signing.MAC_BYTES] + b"\0" * signing.MAC_BYTES)
+        decode_record(data[: -auth.MAC_BYTES] + b"\0" * auth.MAC_BYTES)
     with pytest.raises(MalformedRecord, match="not a sealed record"):
         decode_record(msgspec.msgpack.encode(["hf_kv/7"]) + b"\0" * 40)
-    monkeypatch.setenv(signing.ENV, "another deployment's secret")
+    monkeypatch.setenv(auth.ENV, "another deployment's secret")
     with pytest.raises(ForgedRecord):
         decode_record(data)
     assert decode_record(_kv().encode()) == _kv()  # that deployment reads its own records
@@ -115,7 +115,7 @@ def test_regions_outside_the_producers_pool_are_refused():
 
 
 def test_single_use_refuses_a_replay_and_forgets_expired_records():
-    used = signing.SingleUse(limit=4)
+    used = auth.SingleUse(limit=4)
     used.claim("a", until=2e9, what="record a")
     with pytest.raises(ReplayedRecord, match="record a was already used"):
         used.claim("a", until=2e9, what="record a")

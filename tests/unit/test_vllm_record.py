@@ -9,7 +9,7 @@ from trident.engines.vllm import VLLMStageEngine, prompt_digest
 from trident.errors import InvalidRequest, MalformedRecord
 from trident.processor import Processor
 from trident.protocol import VLLMKVRecord, decode_record
-from trident.signing import sign
+from trident.auth import sign
 
 
 def _record_id(value):

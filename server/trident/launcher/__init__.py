@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from .. import drain, signing, tracing
+from .. import auth, drain, tracing
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, SCHEDULING_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
 from ..netutil import listen_ports, port_taken
 from ..protocol import BIND_MODEL, MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
@@ -77,7 +77,7 @@ class Launcher:
         from_env = os.environ.pop("TRIDENT_ACCESS_TOKEN", None)
         self.token = settings.access_token or from_env or secrets.token_urlsafe(24)
         # the key every record is signed with: Triton (the schedulers) and every worker get it by environment
-        self.transfer_secret = settings.transfer_secret or os.environ.get(signing.ENV) or signing.new_secret()
+        self.transfer_secret = settings.transfer_secret or os.environ.get(auth.ENV) or auth.new_secret()
         self.workers: dict[str, subprocess.Popen | Forked] = {}  # by Triton model name (and "frontend")
         self._zygote: Zygote | None = None
         self._joined: JoinedWatch | None = None
@@ -222,7 +222,7 @@ class Launcher:
         _server_environment()
         os.environ[MODEL_ENV] = str(self.model_path)  # the schedulers' tokenizer (not in a config a client can read)
         os.environ[SCHEDULING_ENV] = self.s.scheduling.model_dump_json()  # (nor are the schedulers' settings)
-        os.environ[signing.ENV] = self.transfer_secret
+        os.environ[auth.ENV] = self.transfer_secret
         os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
         tracing_settings = self.s.tracing
         if tracing_settings.exporter is not None:  # Triton's stubs, the workers and the frontend inherit them
@@ -322,7 +322,7 @@ class Launcher:
         )
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
         # it calls the entry models, as any client: no secret of the deployment's
-        env = {k: v for k, v in os.environ.items() if k != signing.ENV}
+        env = {k: v for k, v in os.environ.items() if k != auth.ENV}
         self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"),
                                                             start_new_session=True)
         self._restarts.started("frontend")

@@ -10,7 +10,7 @@ import torch
 
 from ..config import TransferConfig
 from ..errors import LeaseExpired, ReplayedRecord, TransferTimeout
-from ..signing import SingleUse
+from ..auth import SingleUse
 from ..protocol import STAMP_BYTES, Transfer
 from .agent import NixlAgent
 from .pool import MemoryPool, Region
@@ -75,7 +75,7 @@ class TransferReceiver:
         """READ the record's regions into a fresh region of the receive pool, then the lease's stamp; the
         producer is notified with the second READ.
 
-        A record is used once per consumer (:class:`~trident.signing.SingleUse`), but another consumer may hold
+        A record is used once per consumer (:class:`~trident.auth.SingleUse`), but another consumer may hold
         it too (a replay to a second instance of the stage). Its READ could then come after the first one's
         release, when the producer has put another request's data in the regions. The producer clears a
         lease's stamp before it frees the regions, so a stamp that no longer holds the lease id, read after
