@@ -16,7 +16,7 @@ import torch
 from trident.config import MiB, TransferConfig
 from trident.protocol import Transfer
 from trident.transfer import TransferEndpoint
-from trident.transfer.receiver import Received
+from trident.transfer import Received
 
 CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002)
 
