@@ -10,8 +10,7 @@ import torch
 
 from trident.engines.embedding_cache import EmbeddingCache
 from trident.errors import InvalidRequest
-from trident.scheduler.plan import needs_prompt_length, plan, with_local_prefill
-from trident.scheduler.routing import AffinityIndex, Router, prefix_keys
+from trident.scheduler.routing import AffinityIndex, Router, needs_prompt_length, plan, prefix_keys, with_local_prefill
 from trident.transfer import MemoryPool
 from trident.workers.infer import Streams
 

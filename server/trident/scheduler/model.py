@@ -46,10 +46,11 @@ from ..stagecall import StageClient, responses_of
 from .instances import Instances
 from .engine_metrics import Answered, EngineMetrics
 from .metrics import SchedulerMetrics
-from .plan import FALLBACK, LOCAL_ENCODE, Plan, needs_prompt_length, plan, with_local_prefill
 from .prompt_length import PromptLength, context_length, text_bytes_limit
 from .request import EntryRequest
-from .routing import Router, prefix_keys
+from .routing import (
+    FALLBACK, LOCAL_ENCODE, Plan, Router, needs_prompt_length, plan, prefix_keys, with_local_prefill,
+)
 
 _ENTRY_INPUT_NAMES = tuple(t.name for t in ENTRY_INPUTS)
 _ENTRY_OUTPUT_NAMES = [t.name for t in ENTRY_OUTPUTS]
