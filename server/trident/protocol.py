@@ -92,7 +92,7 @@ class HandTo(msgspec.Struct, array_like=True, frozen=True):
     """Of an encode :class:`Call`: hand the record straight to prefill instance ``instance``'s worker (a
     :class:`Deliver` message), for its call waiting on ``token``, when the items' embedding rows number more than
     ``above`` (fewer: the prompt is short enough for the decode worker to prefill). See
-    :mod:`trident.workers.record_handoff`."""
+    the record hand-off in :mod:`trident.workers.infer`."""
 
     instance: str
     token: str

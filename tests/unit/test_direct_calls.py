@@ -347,7 +347,7 @@ def test_control_messages_reach_the_stage_hooks(worker):
     from trident.protocol import STAGES, Failure, Reply
     from trident.stagecall.frames import recv_message
     from trident.workers.infer import StageHandler
-    from trident.workers.record_handoff import Inbox
+    from trident.workers.infer import Inbox
 
     freed: list[bytes] = []
     handler = StageHandler(STAGES["prefill"], infer=None, inbox=Inbox(freed.append))

@@ -9,9 +9,9 @@ import pytest
 
 from trident.errors import InvalidRequest, Unavailable
 from trident.protocol import EmbeddingsRecord, TensorSpec, Transfer
-from trident.workers import record_handoff
+from trident.workers import infer
 from trident.protocol import HandTo
-from trident.workers.record_handoff import Inbox, check_hand_to, hand_on
+from trident.workers.infer import Inbox, check_hand_to, hand_on
 
 
 def _inbox() -> tuple[Inbox, list[bytes]]:
@@ -63,7 +63,7 @@ def test_a_withdrawn_call_fails_at_once_and_its_record_is_freed():
 
 
 def test_a_record_nobody_takes_is_freed_when_it_expires(monkeypatch):
-    monkeypatch.setattr(record_handoff, "EARLY_S", 0.05)
+    monkeypatch.setattr(infer, "EARLY_S", 0.05)
 
     async def main():
         inbox, discarded = _inbox()
@@ -77,7 +77,7 @@ def test_a_record_nobody_takes_is_freed_when_it_expires(monkeypatch):
 
 
 def test_a_full_inbox_pushes_out_its_oldest_record(monkeypatch):
-    monkeypatch.setattr(record_handoff, "MAX_EARLY", 2)
+    monkeypatch.setattr(infer, "MAX_EARLY", 2)
 
     async def main():
         inbox, discarded = _inbox()

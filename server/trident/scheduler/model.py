@@ -67,7 +67,7 @@ _ALWAYS_ASKED = {"return_finish_reason": "finish_reason", "return_num_input_toke
 @dataclass
 class _Posted:
     """A prefill call posted beside the encode call, waiting for the record the encode worker hands it
-    (:mod:`trident.workers.record_handoff`)."""
+    (the record hand-off in :mod:`trident.workers.infer`)."""
 
     instance: str
     token: str

@@ -1,10 +1,11 @@
-"""A stage model's inference function: a :class:`~trident.protocol.Call` -> engine call -> its outputs.
+"""A stage's handler: a :class:`~trident.protocol.Call` -> engine call -> its outputs, and what the handler keeps
+per stage (its streams, its admission bound, the prefill's inbox of records handed on by the encode worker).
 
 What a stage does follows from what it hands on (:attr:`~trident.protocol.StageSpec.hands_on`):
 ``embeddings`` -> :meth:`encode`, ``kv`` -> :meth:`prefill`, ``tokens`` -> :meth:`generate` (streamed);
 its inputs say which of ``text_input``, the media (``image``, ``video``, ``audio``), ``embedding_meta`` and
-``kv_meta`` it reads. The decode
-stage takes ``kv_meta``, or a short prompt with its ``embedding_meta`` that it prefills itself.
+``kv_meta`` it reads. The decode stage takes ``kv_meta``, or a short prompt with its ``embedding_meta`` that it
+prefills itself.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ import contextlib
 import json
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .. import tracing
-from ..errors import InvalidRequest, Unavailable
+from ..errors import InvalidRequest, TridentError, Unavailable
 from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import (
-    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Claim, Control, Deliver, StageSpec, Stats, Withdraw,
+    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Claim, Control, Deliver, EmbeddingsRecord, HandTo,
+    StageSpec, Stats, Withdraw, decode_record, parse_instance,
 )
-from . import record_handoff
 
 
 
@@ -155,12 +157,151 @@ class Admission:
         self.inflight -= 1
 
 
-async def _await_record(inbox: record_handoff.Inbox, call: Call) -> None:
+# -- the record hand-off: E/P/D's embeddings record, from the encode worker straight to the prefill worker ---------
+# Without it the record goes encode worker -> scheduler -> prefill worker: the encode's answer, the scheduler's turn
+# and the prefill call's way in, each a process hand-off (`make bench-hops`). With it the scheduler posts the prefill
+# call beside the encode call (its `Call.await_record`: a token instead of the record) and tells the encode worker
+# where the record goes (the encode call's `hand_to`). The encode worker writes the record to that prefill worker's
+# stage socket (a `Deliver` message) before it answers the scheduler, and the prefill call, waiting for it before it
+# takes its slot, then runs as if it had brought the record itself.
+#
+# Who frees what: a delivered record belongs to the prefill worker's `Inbox`, which reads it (the call waiting for
+# it) or discards it (its producer frees it at once): a record whose call does not come within `EARLY_S`, one pushed
+# out of a full inbox, or one whose token was withdrawn. The scheduler withdraws (a `Withdraw` message) every posted
+# call whose record will not come: the encode failed, or did not hand the record on (a prompt short enough for the
+# decode worker to prefill, or no socket to write to). A call whose token was withdrawn or whose record was
+# discarded fails at once (503); one that waits longer than `WAIT_S` fails too, a backstop only.
+#
+# The two fields are honoured only on a worker's stage socket: the stub's connection, which carries the calls of
+# Triton's clients, clears them, so no client can make a prefill call wait or an encode worker hand its record
+# elsewhere; they are still checked (a token's length, a target that is a prefill instance).
+EARLY_S = 30.0  # how long a record waits for its call (the two come on different sockets, in either order)
+WAIT_S = 300.0  # how long a call waits for its record at most (the scheduler withdraws it before, as a rule)
+MAX_EARLY = 64  # records waiting for their calls; one more pushes the oldest out
+MAX_TOKEN = 64  # characters of a token
+
+
+def check_hand_to(hand: HandTo) -> HandTo:
+    """An encode call's :class:`~trident.protocol.HandTo`, checked: a prefill instance's name and a token."""
+    parsed = parse_instance(hand.instance)
+    if parsed is None or parsed[0] != "prefill":
+        raise InvalidRequest(f"hand_to names {hand.instance!r}, not a prefill stage instance")
+    check_token(hand.token)
+    return hand
+
+
+def check_token(token: str) -> str:
+    if not token or len(token) > MAX_TOKEN:
+        raise InvalidRequest(f"a record token must be 1-{MAX_TOKEN} characters")
+    return token
+
+
+async def hand_on(calls, hand: HandTo, record: bytes) -> bool:
+    """The encode worker's side: write ``record`` to ``hand.instance``'s worker (``calls``: a
+    :class:`~trident.stagecall.StageClient`) when the prompt is long enough for a prefill worker. True
+    when written: the prefill worker's inbox has it from then on (its answer is not waited for: that worker's
+    event loop may be in a prefill for the next 100 ms, and this encode worker has the next image to encode)."""
+    if sum(decode_record(record, EmbeddingsRecord).token_counts) <= hand.above:
+        return False
+    return await calls.deliver(hand.instance, hand.token, record)
+
+
+class Inbox:
+    """The prefill worker's side: records delivered for posted calls, and the calls waiting for them, by token.
+    ``discard(record)`` frees a record no call will read. Runs on one event loop."""
+
+    def __init__(self, discard: Callable[[bytes], None]) -> None:
+        self._discard = discard
+        self._calls: dict[str, asyncio.Future] = {}
+        self._records: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # token -> (record, when it goes)
+        self._refused: dict[str, float] = {}  # token -> when it goes: withdrawn, or its record freed unread
+        self.delivered = self.withdrawn = self.discarded = 0
+
+    def deliver(self, token: str, record: bytes) -> None:
+        """A record for ``token``'s call: to the call if it waits, else kept for it (the inbox owns it either way)."""
+        self._expire()
+        self.delivered += 1
+        call = self._calls.pop(check_token(token), None)
+        if call is not None and not call.done():
+            call.set_result(record)
+            return
+        if token in self._records or token in self._refused:  # a second record under one token, or a refused one
+            self._drop(record)
+            return
+        if len(self._records) >= MAX_EARLY:  # push the oldest out
+            oldest, (dropped, _) = self._records.popitem(last=False)
+            self._drop(dropped)
+            self._refuse(oldest)
+        self._records[token] = (record, time.monotonic() + EARLY_S)
+        asyncio.get_running_loop().call_later(EARLY_S + 0.1, self._expire)  # even if nothing else comes
+
+    def withdraw(self, token: str) -> None:
+        """``token``'s call gets no record: it fails at once, or when it comes."""
+        self._expire()
+        self.withdrawn += 1
+        call = self._calls.pop(check_token(token), None)
+        if call is not None and not call.done():
+            call.set_exception(Unavailable("the record this prefill call waited for will not come (withdrawn)"))
+            return
+        if token in self._records:
+            self._drop(self._records.pop(token)[0])
+        self._refuse(token)
+
+    async def take(self, token: str, wait_s: float = WAIT_S) -> bytes:
+        """``token``'s record, once delivered."""
+        self._expire()
+        if check_token(token) in self._records:
+            return self._records.pop(token)[0]
+        if self._refused.pop(token, None) is not None:
+            raise Unavailable("the record this prefill call waits for will not come (withdrawn, or pushed out "
+                              "of a full inbox)")
+        if token in self._calls:
+            raise InvalidRequest("another prefill call waits on this record token")
+        call = self._calls[token] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), wait_s)
+        except asyncio.TimeoutError:
+            self._refuse(token)  # a record that comes now is freed at once
+            raise Unavailable(f"no record came for this prefill call within {wait_s:.0f} s") from None
+        except asyncio.CancelledError:  # the call went away (its connection closed, the worker stops)
+            if call.done() and not call.cancelled() and call.exception() is None:
+                self._drop(call.result())  # delivered as it went: nobody will read it
+            else:
+                self._refuse(token)
+            raise
+        finally:
+            if self._calls.get(token) is call:
+                del self._calls[token]
+
+    def stats(self) -> dict:
+        return {"delivered": self.delivered, "withdrawn": self.withdrawn, "discarded": self.discarded,
+                "waiting_calls": len(self._calls), "early_records": len(self._records)}
+
+    def _refuse(self, token: str) -> None:
+        self._refused[token] = time.monotonic() + EARLY_S
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for token in [t for t, (_, deadline) in self._records.items() if deadline <= now]:
+            self._drop(self._records.pop(token)[0])
+        for token in [t for t, deadline in self._refused.items() if deadline <= now]:
+            del self._refused[token]
+
+    def _drop(self, record: bytes) -> None:
+        self.discarded += 1
+        try:
+            self._discard(record)
+        except TridentError:  # not a record of ours to free: nothing to give back
+            pass
+
+
+# -- the stage handler ---------------------------------------------------------------------------------------------
+async def _await_record(inbox: Inbox, call: Call) -> None:
     """Before a prefill call posted ahead of its record takes its slot: its record, from ``inbox`` once the encode
     worker has delivered it."""
     embeddings = RECORD_TENSOR["embeddings"]
     if call.await_record is not None:
-        token = record_handoff.check_token(call.await_record)
+        token = check_token(call.await_record)
         if record_input(call, embeddings) is not None:
             raise InvalidRequest(f"a prefill call waiting for its record (await_record) brings no {embeddings}")
         with tracing.step("await_record"):
@@ -178,7 +319,7 @@ class StageHandler:
     infer: Callable
     admission: Callable[[Call], None] | None = None  # a one-answer stage's: counts a call in, or refuses it
     leave: Callable[[], None] | None = None  # ... and out
-    inbox: record_handoff.Inbox | None = None  # a prefill stage's records delivered by the encode worker
+    inbox: Inbox | None = None  # a prefill stage's records delivered by the encode worker
     streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
     counters: Callable[[], dict] | None = None  # the engine's (``StageEngine.stats``)
     claims: Callable[[str], None] | None = None  # a KV producer's that consumers claim its KV at (the vllm engine's)
@@ -231,7 +372,7 @@ class StageHandler:
 
 def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandler:
     """The :class:`StageHandler` of ``spec`` over ``engine``. The encode stage finds the prefill worker it hands a
-    record to in the stage directory (:mod:`trident.stagecall.directory`, :mod:`.record_handoff`)."""
+    record to in the stage directory (:mod:`trident.stagecall.directory`, the record hand-off above)."""
     names = spec.input_names
     admission = Admission(spec.name, max_inflight)
     record_names = [RECORD_TENSOR[kind] for kind in (spec.takes, spec.also_takes) if kind is not None]
@@ -281,7 +422,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             nonlocal calls
             t0 = time.monotonic_ns()
             _, _, kwargs = await read(request)
-            hand = record_handoff.check_hand_to(request.hand_to) if request.hand_to is not None else None
+            hand = check_hand_to(request.hand_to) if request.hand_to is not None else None
             items = kwargs["media"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
             encoded = await engine.encode(items) if items else None
@@ -293,7 +434,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
 
                     calls = calls or StageClient()
                     with tracing.step("hand_on"):
-                        handed = await record_handoff.hand_on(calls, hand, encoded.record)
+                        handed = await hand_on(calls, hand, encoded.record)
                 report["handed"] = handed
             outputs = record_output(spec, encoded.record if encoded else None)
             outputs[ENCODE_REPORT] = np.array([json.dumps(report).encode()], dtype=np.object_)
@@ -310,7 +451,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             tracing.mark("infer", t0)
             return outputs
 
-        inbox = record_handoff.Inbox(engine.discard) if spec.takes == "embeddings" else None
+        inbox = Inbox(engine.discard) if spec.takes == "embeddings" else None
         return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox, counters=engine.stats,
                             claims=getattr(engine, "take_claim", None))
 
