@@ -336,6 +336,30 @@ def test_the_bind_model_binds_nothing_for_a_stranger_or_a_wrong_request(server):
     assert server.ready("prefill")
 
 
+def test_a_name_whose_worker_has_gone_is_bound_again(server):
+    """A name whose stage model is still loaded is refused while its worker listens (NameTaken), and taken over once
+    nothing listens there: a restarted worker binds while Triton is still unloading its predecessor's model (an
+    unload finishes in the background; under load the launcher's restart came first, and the worker stayed down)."""
+    import socket
+
+    old, new = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    at = {w: ["127.0.0.1", w.getsockname()[1]] for w in (old, new)}
+    stage = {"stage": "prefill", "name": "prefill-9"}
+    try:
+        name, error = _bind(server, {**stage, "tcp": at[old]})
+        assert (name, error) == ("prefill-9", None) and server.ready("prefill-9")
+        name, error = _bind(server, {**stage, "tcp": at[new]})
+        assert name is None and "another worker serves prefill-9" in str(error), error
+        old.close()  # its worker dies; its model is still loaded
+        name, error = _bind(server, {**stage, "tcp": at[new]})
+        assert (name, error) == ("prefill-9", None) and server.ready("prefill-9")
+        name, error = _bind(server, {**stage, "tcp": at[old], "leave": True})
+        assert name is None and "is not bound to the worker at" in str(error), error  # the name is the new one's
+    finally:
+        _bind(server, {**stage, "tcp": at[new], "leave": True})
+        new.close()
+
+
 class _Gdb:
     """gdb attached to a process in batch mode (``script``); its output is collected by a thread."""
 

@@ -445,7 +445,7 @@ class Launcher:
         each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down. A worker that joined
         from elsewhere and has gone has its stage model unloaded too (:mod:`.joined`)."""
         stop = {"signal": None}
-        self._joined = JoinedWatch(lambda: set(self.workers) | set(self._restarts.due_at), self._unload, self.out)
+        self._joined = JoinedWatch(lambda: set(self.workers) | set(self._restarts.due_at), self._unbind_gone, self.out)
         self._joined.start()
 
         def _handler(signum, _frame):
@@ -492,6 +492,24 @@ class Launcher:
     def _unload(self, name: str) -> None:
         with self._client(network_timeout=10) as client:
             client.unload_model(name, headers=self.headers)
+
+    def _unbind_gone(self, name: str, worker: dict) -> bool:
+        """Unload joined instance ``name`` through the bind model, as its worker's leave would: True when done, False
+        when the name is no longer bound to ``worker`` (another worker bound it since)."""
+        from tritonclient.utils import InferenceServerException
+
+        from ..errors import NameTaken, from_message
+        from ..protocol import Bind
+        from ..workers.bind import ask
+
+        request = Bind(stage=parse_instance(name)[0], tcp=tuple(worker["tcp"]), name=name, leave=True)
+        try:
+            ask(self.http_url, request, 10.0)
+        except InferenceServerException as e:
+            if isinstance(from_message(str(e)), NameTaken):
+                return False
+            raise
+        return True
 
     def _restart_due(self) -> None:
         """Start the workers whose backoff is over; say when a restarted one serves again."""

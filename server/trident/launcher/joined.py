@@ -3,7 +3,9 @@ started by their exit, but a joined worker's process is on another host. Its sta
 after its worker has died, since Triton's stub for it lives on. Every second each joined instance in the stage
 directory is connected to (the deployment's handshake, as a scheduler's call would); one whose host answers that
 nothing listens there any more (the connection refused, twice in a row) has its stage model unloaded, so that
-readiness tells the truth and no scheduler routes to it. A host that does not answer at all (its link cut) is left
+readiness tells the truth and no scheduler routes to it. The unload goes through the bind model, as the worker's own
+leave would (``unbind(name, worker)``): it is done only while the name is still that worker's, so a worker that bound
+the name again meanwhile (restarted on its host) keeps it. A host that does not answer at all (its link cut) is left
 loaded: the schedulers route around it call by call, and it serves again when its link is back.
 """
 
@@ -23,12 +25,13 @@ REFUSALS = 2  # refused connections in a row after which its stage model is unlo
 
 
 class JoinedWatch:
-    """A thread that unloads the stage model of each joined worker that has gone (``unload(name)``); ``owned()``
-    names the instances the launcher started itself (supervised by their exit instead)."""
+    """A thread that unloads the stage model of each joined worker that has gone (``unbind(name, worker)``: True when
+    unloaded, False when the name has another worker now); ``owned()`` names the instances the launcher started itself
+    (supervised by their exit instead)."""
 
-    def __init__(self, owned: Callable[[], set[str]], unload: Callable[[str], None], out) -> None:
+    def __init__(self, owned: Callable[[], set[str]], unbind: Callable[[str, dict], bool], out) -> None:
         self._owned = owned
-        self._unload = unload
+        self._unbind = unbind
         self.out = out
         self._refused: dict[str, int] = {}
         self._stop = threading.Event()
@@ -68,12 +71,13 @@ class JoinedWatch:
                 continue
             if self._refused[name] >= REFUSALS and not self._stop.is_set():
                 where = ":".join(str(part) for part in info.get("tcp") or ()) or "?"
-                self.out(f"[trident] joined worker {name} ({where}) is gone: its host refuses connections; "
-                         f"unloading its stage model")
                 try:
-                    self._unload(name)
+                    unbound = self._unbind(name, info)
                 except Exception as e:  # Triton going away too: tried again next round
                     self.out(f"[trident] could not unload {name}: {e}")
                     continue
-                directory.remove(name, info)  # (its stub takes it back as it unloads; a dead one cannot)
                 del self._refused[name]
+                if unbound:
+                    self.out(f"[trident] joined worker {name} ({where}) is gone: its host refuses connections; "
+                             f"unloaded its stage model")
+                    directory.remove(name, info)  # (its stub takes it back as it unloads; a dead one cannot)

@@ -84,7 +84,7 @@ def _watch_server(url: str, name: str | None, misses: int = 3) -> None:
 BIND_S = 300.0  # how long a worker asks the head's bind model before it gives up binding
 
 
-def _ask(url: str, request: Bind, timeout_s: float) -> str:
+def ask(url: str, request: Bind, timeout_s: float) -> str:
     """One call of the head's bind model: the name it answers."""
     import tritonclient.http as httpclient
 
@@ -109,7 +109,7 @@ def bind(url: str, request: Bind) -> str | None:
     deadline, said = started + BIND_S, False
     while True:
         try:
-            return _ask(url, request, BIND_S)
+            return ask(url, request, BIND_S)
         except InferenceServerException as e:
             error = from_message(str(e))
             if isinstance(error, NameTaken):
@@ -132,7 +132,7 @@ def unbind(url: str, request: Bind) -> None:
     """Ask the head's bind model to unload the stage model bound for this worker (best effort, 5 s: a head that is
     gone unloads it itself)."""
     try:
-        _ask(url, msgspec.structs.replace(request, leave=True), 5.0)
+        ask(url, msgspec.structs.replace(request, leave=True), 5.0)
     except Exception as e:  # noqa: BLE001
         log.info("worker %s: unbinding failed (%s)", request.name, e)
 

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 from pathlib import Path
 
 import msgspec
@@ -32,6 +33,7 @@ from trident.workers.proxy_model import triton_error
 MAX_BIND_BYTES = 4096
 MAX_JOINED = 1024  # <stage>-<n> names a joining worker may take, per stage
 JOINING = ".joining"  # the lock joining workers choose their names under
+ANSWER_S = 2.0  # how long a bound worker has to answer before its name is taken from it
 
 
 def _ready(name: str) -> bool:
@@ -39,6 +41,33 @@ def _ready(name: str) -> bool:
         return bool(pb_utils.is_model_ready(name))
     except Exception:  # noqa: BLE001 - a name the server does not know
         return False
+
+
+def _answers(worker) -> bool:
+    """Whether the worker a stage model's worker file names still listens: its stage socket (the Unix one on this
+    host, else TCP) takes a connection. A worker that cannot be reached in time counts as listening (a network cut is
+    not a death: :mod:`trident.launcher.joined` unloads a joined worker that stays gone)."""
+    if not isinstance(worker, dict):
+        return False
+    try:
+        if isinstance(worker.get("direct"), str):
+            sock, address = socket.socket(socket.AF_UNIX), worker["direct"]
+        else:
+            host, port = str(worker["tcp"][0]), int(worker["tcp"][1])
+            sock, address = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET), (host, port)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return False
+    with sock:
+        sock.settimeout(ANSWER_S)
+        try:
+            sock.connect(address)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+        with contextlib.suppress(auth.NotAuthenticated):  # (proving the secret spares the worker a warning)
+            auth.connect(sock, ANSWER_S)
+    return True
 
 
 class TritonPythonModel:
@@ -107,9 +136,16 @@ class TritonPythonModel:
                     raise Unavailable(f"{MAX_JOINED} instances of {bind.stage} serve already")
             return self._load(bind, name)
 
+    def _bound_worker(self, name: str):
+        try:
+            return json.loads((self._store / name / "1" / WORKER_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
     def _load(self, bind: Bind, name: str) -> str:
-        """Write ``name``'s folder and load it (its lock held)."""
-        if _ready(name):
+        """Write ``name``'s folder and load it (its lock held). A name whose stage model is still loaded is taken over
+        when its worker has gone (a restarted worker binding while its predecessor's model is being unloaded)."""
+        if _ready(name) and _answers(self._bound_worker(name)):
             raise NameTaken(f"another worker serves {name}")
         install_stage_model(self._store, name, bind.stage, bind.instances, bind.worker_file(name))
         try:
@@ -126,10 +162,7 @@ class TritonPythonModel:
             return self._unload(bind)
 
     def _unload(self, bind: Bind) -> str:
-        try:
-            bound = json.loads((self._store / bind.name / "1" / WORKER_FILE).read_text())
-        except (OSError, ValueError):
-            bound = None
+        bound = self._bound_worker(bind.name)
         if not isinstance(bound, dict) or bound.get("tcp") != list(bind.tcp):
             raise NameTaken(f"{bind.name} is not bound to the worker at {list(bind.tcp)}")
         try:
