@@ -15,7 +15,7 @@ def build_reference(model_path: str, specs_by_case: dict, new_tokens: int, promp
     text is ``prompts[case]``, or :data:`PROMPT`)."""
     from transformers import AutoProcessor
 
-    from trident.engines.hf.model import load_model
+    from trident.engines.hf.stage import load_model
 
     model, processor = load_model(model_path), AutoProcessor.from_pretrained(model_path)
     cases = {}
@@ -57,7 +57,7 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
     from transformers import AutoProcessor
 
     from trident.families.qwen2vl import video_patches
-    from trident.engines.hf.model import load_model
+    from trident.engines.hf.stage import load_model
     from trident.processor import Processor
 
     model, processor, ours = load_model(model_path), AutoProcessor.from_pretrained(model_path), Processor(model_path)

@@ -10,7 +10,7 @@ import pytest
 from support import chat_prompt, make_image
 from trident.engines.base import DecodeRequest
 from trident.engines.hf.decoder import HFDecoder
-from trident.engines.hf.model import HFEncoder, HFModel, HFPrefiller
+from trident.engines.hf.stage import HFEncoder, HFModel, HFPrefiller
 from trident.errors import InvalidRequest, MalformedRecord
 from trident.processor import SamplingParams
 from trident.protocol import HFKVRecord, TensorSpec, Transfer

@@ -187,7 +187,7 @@ def test_qwen2_5vl_positions_follow_the_clip_s_time(demo_models):
     the staged prefill, given the seconds the encoder measured, continues as model.generate() given them."""
     import torch
 
-    from trident.engines.hf.model import HFEncoder, HFModel, HFPrefiller
+    from trident.engines.hf.stage import HFEncoder, HFModel, HFPrefiller
     from trident.processor import SamplingParams
 
     m = HFModel(demo_models["qwen2_5vl"])

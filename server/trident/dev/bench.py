@@ -149,7 +149,7 @@ def run_decode_bench(model_path: str, concurrency=(1, 4, 8, 16), new_tokens: int
     """Output tokens/s of the hf engine's batched decode at each concurrency; prints a table."""
     from ..engines.base import DecodeRequest
     from ..engines.hf.decoder import HFDecoder
-    from ..engines.hf.model import HFModel, HFPrefiller
+    from ..engines.hf.stage import HFModel, HFPrefiller
     from ..processor import SamplingParams
 
     model = HFModel(model_path)

@@ -1,7 +1,7 @@
 """The reference engine: transformers model classes on PyTorch (CPU, fp32).
 
-- :mod:`.model`: the checkpoint and its encode and prefill roles
+- :mod:`.stage`: the checkpoint and its encode and prefill roles, and :class:`~.stage.HFStageEngine` over them, what
+  a stage worker serves
 - :mod:`.decoder`: continuous-batching decode
 - :mod:`.sampling`: token sampling
-- :mod:`.stage`: :class:`~.stage.HFStageEngine`, what a stage worker serves
 """

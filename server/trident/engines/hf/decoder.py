@@ -12,15 +12,17 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 import torch
 
 from ... import tracing
 from ...output import DecodeEvent, RequestOutput
 from ..base import DecodeRequest
-from .model import HFModel
 from .sampling import candidates, sample
+
+if TYPE_CHECKING:
+    from .stage import HFModel
 
 log = logging.getLogger(__name__)
 
