@@ -144,7 +144,7 @@ def test_openai_media_urls_equal_data_urls(server, reference, tmp_path):
 
     from trident.config import FrontendSettings, MediaPolicy
     from trident.frontend.app import create_app
-    from trident.frontend.engine import TritonEngine
+    from trident.frontend.app import TritonEngine
 
     case, c = _cases(server, reference)[0]
     items = CASES[server.arch][case]

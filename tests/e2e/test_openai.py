@@ -331,7 +331,7 @@ def test_triton_down_is_503(demo_models):
 
     from trident.config import FrontendSettings
     from trident.frontend.app import create_app
-    from trident.frontend.engine import TritonEngine
+    from trident.frontend.app import TritonEngine
     from trident.netutil import free_ports
 
     app = create_app(FrontendSettings(model_name=NAME, model_path=demo_models["llava"]),
@@ -352,7 +352,7 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
 
     from trident.config import FrontendSettings, MediaPolicy
     from trident.frontend.app import create_app
-    from trident.frontend.engine import TritonEngine
+    from trident.frontend.app import TritonEngine
 
     (tmp_path / "cat.png").write_bytes(image_png)
     (tmp_path / "big.bin").write_bytes(b"\0" * (2 << 20))
@@ -394,7 +394,7 @@ def test_with_an_api_key_file_every_v1_request_needs_a_key(server, tmp_path):
     from trident.cli import UsageError
     from trident.config import FrontendSettings
     from trident.frontend.app import create_app
-    from trident.frontend.engine import TritonEngine
+    from trident.frontend.app import TritonEngine
 
     keys = tmp_path / "keys"
     keys.write_text("first-key\nsecond-key\n")

@@ -12,9 +12,9 @@ def test_protocol_imports_without_torch():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-def test_errors_and_frontend_engine_import_without_torch():
-    """The python-backend stub's proxy imports trident.errors; the frontend's engine needs no torch."""
-    code = ("import trident.errors, trident.frontend.engine, trident.config, sys; "
+def test_errors_and_the_frontend_import_without_torch():
+    """The python-backend stub's proxy imports trident.errors; the OpenAI frontend needs no torch."""
+    code = ("import trident.errors, trident.frontend.app, trident.config, sys; "
             "assert 'torch' not in sys.modules")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -8,7 +8,19 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import TridentError
-from .engine import Chunk
+
+@dataclass
+class Chunk:
+    """One streamed piece of a generation; the last one has ``finish_reason``. ``num_output_tokens``: the tokens
+    generated so far; ``logprobs``: the entries of this piece's tokens, when the request asked for them (each
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, the sampled token's first)."""
+
+    text: str
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    logprobs: list[dict] | None = None
+
 
 _ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 504: "timeout"}
 
