@@ -9,6 +9,7 @@
  * 3. A repository `load` with model files (`file:<path>` parameters: HTTP, gRPC or a BLS's load) runs the code it
  *    uploads as the service's user. Triton 2.51 has no switch for them; this refuses every load carrying one
  *    unless TRIDENT_ALLOW_CODE_UPLOAD=1 (the config's allow_code_upload). Trident binds no model that way.
+ * 4. Model-config auto-completion off (below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -129,4 +130,16 @@ TRITONSERVER_Error *TRITONSERVER_ServerLoadModelWithParameters(TRITONSERVER_Serv
         if (upload) return error_new(TRITONSERVER_ERROR_UNSUPPORTED, REFUSED);
     }
     return real(server, model_name, parameters, parameter_count);
+}
+
+/* 4. At each model load the python backend starts a stub process only to let the model complete its config, unless
+ *    auto-completion is off (tritonserver's --disable-auto-complete-config, which PyTriton's Triton cannot pass: it
+ *    writes every flag with a value). Trident writes every config whole, so this turns it off for every backend: one
+ *    Python start-up less per model load (the stage models, the entry models, the bind model). */
+typedef struct TRITONBACKEND_Model TRITONBACKEND_Model;
+
+TRITONSERVER_Error *TRITONBACKEND_ModelAutoCompleteConfig(TRITONBACKEND_Model *model, _Bool *auto_complete_config) {
+    (void)model;
+    *auto_complete_config = 0;
+    return NULL;
 }
