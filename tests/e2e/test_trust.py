@@ -277,6 +277,51 @@ def test_a_load_that_uploads_model_files_is_refused_even_with_the_token(server, 
     assert text
 
 
+AUTO_COMPLETING = """
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        Path(%r).write_text("auto-completed")
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", np.array([b"ok"], np.object_))]) for _ in requests]
+"""
+
+
+def test_no_model_load_starts_a_python_process_to_complete_its_config(server, tmp_path):
+    """Trident writes every model config whole, and the shim turns Triton's auto-completion off: the python backend
+    no longer starts a stub process at each load only to call the model's ``auto_complete_config`` (half of a stage
+    model's load time). A model whose ``auto_complete_config`` would leave a mark loads and serves without leaving it."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    marker = tmp_path / "auto-completed"
+    folder = server.workspace / "triton" / "model-store" / "auto_completing"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(AUTO_COMPLETING % str(marker))
+    (folder / "config.pbtxt").write_text('backend: "python"\ninput [{ name: "x", data_type: TYPE_STRING, dims: [1] }]\n'
+                                         'output [{ name: "y", data_type: TYPE_STRING, dims: [1] }]\n')
+    client = httpclient.InferenceServerClient(server.http)
+    headers = {"triton-access-token": server.token}
+    try:
+        client.load_model("auto_completing", headers=headers)
+        given = httpclient.InferInput("x", [1], "BYTES")
+        given.set_data_from_numpy(np.array([b"hi"], np.object_))
+        assert client.infer("auto_completing", [given]).as_numpy("y").tolist() == [b"ok"]
+        assert not marker.exists()
+    finally:
+        client.unload_model("auto_completing", headers=headers)
+        client.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_model_configs_show_nothing_of_the_host_or_the_scheduler(server):
     """What any client reads of every model's config: no path of the host (the workspace, the checkpoint), no
     scheduler setting; an entry model's parameters are its mode, a stage model's none."""
