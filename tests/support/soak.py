@@ -239,15 +239,6 @@ def _triton_rss(serve_pid: int) -> float:
     return next((rss for label, (_pid, rss) in memory(serve_pid).items() if label == "tritonserver"), 0.0)
 
 
-def rss_parts(pid: int) -> dict[str, float]:
-    """A process's RSS in its parts (MiB): anonymous, file-backed, shared memory (``/proc/<pid>/status``)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile", "RssShmem"):
-            out[key[3:].lower()] = int(value.split()[0]) / 1024
-    return out
-
 
 def memory(serve_pid: int) -> dict[str, tuple[int, float]]:
     """``{label: (pid, RSS MiB)}`` of the server's processes (children of a worker are added to it)."""
@@ -400,9 +391,6 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
                 if finished % max(1, requests // 10) == 0:
                     say(f"[soak] {finished}/{requests} done, {sum(x.error is not None for x in report.outcomes)} errors")
                     report.triton_rss.append((finished, _triton_rss(server.proc.pid)))
-                    tpid = memory(server.proc.pid).get("tritonserver", (0, 0))[0]
-                    if tpid:
-                        say(f"[soak] tritonserver {rss_parts(tpid)}")
                 if kill and report.killed_at is None and finished >= kill_at * requests:
                     report.killed_pid = server.worker_pid(kill)
                     os.kill(report.killed_pid, signal.SIGKILL)
@@ -434,9 +422,6 @@ async def soak(server: Server, *, requests: int = 1000, concurrency: int = 64, c
                     report.final_check.append(f"{mode} {case.name}: {o.error or repr(o.text)}")
         await asyncio.sleep(1.0)
         report.rss_after = memory(server.proc.pid)
-        tpid = report.rss_after.get("tritonserver", (0, 0))[0]
-        if tpid:
-            say(f"[soak] tritonserver after {rss_parts(tpid)}")
     finally:
         await client.close()
     return report
