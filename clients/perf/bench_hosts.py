@@ -63,7 +63,7 @@ def _recv_msg(sock: socket.socket):
     return pickle.loads(_recv_exact(sock, n))
 
 
-def producer(address: str, poll_ms: float) -> None:
+def producer(address: str, read_window: bool) -> None:
     """Publishes a tensor of each size asked for (its record back over a TCP control socket), and sends the
     same number of bytes over a plain socket to whoever connects to the plain port."""
     import threading
@@ -71,12 +71,14 @@ def producer(address: str, poll_ms: float) -> None:
     import torch
 
     from trident.config import TransferConfig
-    from trident.transfer import TransferEndpoint, data_plane
+    from trident.transfer import TransferEndpoint, data_plane, endpoint
 
     data_plane.bind(address)  # (as a worker does: UCX on the interface holding its data address)
     biggest = max(s for s, _, _ in SIZES)
+    if not read_window:
+        endpoint.READ_WINDOW_S = 0.0
     ep = TransferEndpoint(TransferConfig(send_pool_bytes=2 * biggest + MiB, recv_pool_bytes=MiB,
-                                         data_address=address, poll_interval_s=poll_ms / 1e3))
+                                         data_address=address))
     tensors = {size: torch.randint(0, 255, (size,), dtype=torch.uint8) for size, _, _ in SIZES}
     payload = bytes(biggest)
 
@@ -142,18 +144,19 @@ def consumer(address: str, peer: str) -> None:
     print(json.dumps(rows), flush=True)
 
 
-# (what differs from Trident's defaults, the producer's poll interval, the environment of both ends)
-VARIANTS = [("Trident's defaults", 5.0, {}),
-            ("the producer polling every 0.5 ms", 0.5, {}),
-            ("UCX's own TCP segments (8 KiB out, 64 KiB in)", 5.0, {"UCX_TCP_TX_SEG_SIZE": "8k",
-                                                                  "UCX_TCP_RX_SEG_SIZE": "64k"})]
+# (what differs from Trident's defaults, whether the producer polls fast just after a lease opens, the environment of
+# both ends)
+VARIANTS = [("Trident's defaults", True, {}),
+            ("no fast polling after a lease opens (every 5 ms)", False, {}),
+            ("UCX's own TCP segments (8 KiB out, 64 KiB in)", True, {"UCX_TCP_TX_SEG_SIZE": "8k",
+                                                                   "UCX_TCP_RX_SEG_SIZE": "64k"})]
 
 
-def bench_transfers(hosts, env, poll_ms: float) -> dict:
+def bench_transfers(hosts, env, read_window: bool) -> dict:
     a, b = hosts["h1"], hosts["h2"]
     here = [sys.executable, str(Path(__file__).resolve())]
-    prod = a.popen([*here, "--producer", a.address, "--poll-ms", str(poll_ms)], env=env, stdout=subprocess.PIPE,
-                   text=True)
+    prod = a.popen([*here, "--producer", a.address, *([] if read_window else ["--no-read-window"])], env=env,
+                   stdout=subprocess.PIPE, text=True)
     try:
         while (line := prod.stdout.readline()) and line.strip() != "ready":  # (past any log line)
             pass
@@ -256,8 +259,9 @@ def table(serving: dict, transfers: dict, args) -> list[str]:
         "published, against the same bytes sent over a plain TCP socket between the same hosts (`sendall` into "
         "`recv_into`, TCP_NODELAY); medians. With Trident's defaults, and with one thing changed: over TCP a READ "
         "is not one-sided, the producer's UCX worker must progress to serve it, and a Trident producer progresses "
-        "it as it polls for release notifications (`transfer.poll_interval_s`, 5 ms; NIXL's own progress thread "
-        "spins a core); and UCX's own TCP segment sizes, which Trident raises to 256 KiB "
+        "it as it polls for release notifications: every 0.5 ms for 0.25 s after it opens a lease when other hosts "
+        "can reach it, else every `transfer.poll_interval_s` (5 ms; `transfer/endpoint.py`, `READ_POLL_S`; NIXL's "
+        "own progress thread spins a core); and UCX's own TCP segment sizes, which Trident raises to 256 KiB "
         "(`transfer/data_plane.py`).", "",
         "| size | with | READ ms | READ GB/s | plain socket ms | plain GB/s | READ / plain bandwidth | target | n |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -275,7 +279,7 @@ def main() -> int:
     ap.add_argument("--producer", metavar="ADDRESS", help=argparse.SUPPRESS)
     ap.add_argument("--consumer", metavar="ADDRESS", help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
-    ap.add_argument("--poll-ms", type=float, default=5.0, help=argparse.SUPPRESS)
+    ap.add_argument("--no-read-window", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--transfers-only", action="store_true", help="measure the transfers only")
     ap.add_argument("--modes", nargs="+", default=list(STAGES_OF), choices=list(STAGES_OF))
     ap.add_argument("--rounds", type=int, default=3)
@@ -285,7 +289,7 @@ def main() -> int:
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
     args = ap.parse_args()
     if args.producer:
-        producer(args.producer, args.poll_ms)
+        producer(args.producer, not args.no_read_window)
         return 0
     if args.consumer:
         consumer(args.consumer, args.peer)
@@ -303,7 +307,7 @@ def main() -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", UCX_TLS="tcp", NIXL_LOG_LEVEL="WARN",
                PYTHONPATH=os.pathsep.join(sys.path[:2]))
     with Hosts(["h1", "h2", "h3"]) as hosts:
-        transfers = {what: bench_transfers(hosts, dict(env, **more), poll) for what, poll, more in VARIANTS}
+        transfers = {what: bench_transfers(hosts, dict(env, **more), window) for what, window, more in VARIANTS}
         serving = {} if args.transfers_only else bench_serving(hosts, env, model, text, args)
     lines = table(serving, transfers, args)
     print("\n".join(lines))

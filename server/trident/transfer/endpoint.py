@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hmac
+import ipaddress
 import logging
 import math
 import os
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 # -- the producer --------------------------------------------------------------------------------------------------
 STAMP_SLOTS = 1 << 16  # open leases a producer can keep at once
+# Over TCP a READ is not one-sided: the producer's UCX worker serves it only while it is progressed, which the lease
+# reaper does each time it polls. A producer that other hosts can reach polls every READ_POLL_S for READ_WINDOW_S
+# after it opens a lease (its READ comes then, as a rule), else every transfer.poll_interval_s; on one host (a
+# loopback data address) shared memory and cma need no progress from the producer.
+READ_POLL_S = 0.0005
+READ_WINDOW_S = 0.25
 
 
 @dataclass
@@ -100,6 +107,8 @@ class TransferSender:
         self.published = self.released = self.expired = 0
         self._stop = threading.Event()
         self._leased = threading.Event()  # set by lease(): wakes the reaper
+        self._reachable = _reachable(config.data_address)
+        self._read_until = 0.0  # (monotonic) polling every READ_POLL_S until then
         self._thread = threading.Thread(target=self._reap_loop, name="trident-lease-reaper", daemon=True)
         self._thread.start()
 
@@ -135,6 +144,8 @@ class TransferSender:
             release_key = os.urandom(RELEASE_KEY_BYTES)  # never in registered memory (the stamp table is)
             self._leases[lease_id] = _Lease(on_release, nbytes, expires_at, slot, release_key)
             self.published += 1
+        if self._reachable:
+            self._read_until = time.monotonic() + READ_WINDOW_S
         self._leased.set()
         return Transfer(
             agent=self.agent.name,
@@ -212,7 +223,8 @@ class TransferSender:
                 self._leased.wait()
                 self._leased.clear()
                 continue
-            if self._stop.wait(self.config.poll_interval_s):
+            soon = time.monotonic() < self._read_until
+            if self._stop.wait(READ_POLL_S if soon else self.config.poll_interval_s):
                 return
             try:
                 self.poll()
@@ -223,6 +235,14 @@ class TransferSender:
         self._stop.set()
         self._leased.set()
         self._thread.join(timeout=1.0)
+
+
+def _reachable(address: str) -> bool:
+    """Whether other hosts can READ from a producer whose UCX listens on ``address``."""
+    try:
+        return not ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return True
 
 
 # -- the consumer --------------------------------------------------------------------------------------------------
