@@ -12,8 +12,8 @@ import pytest
 from support import (
     ADDITIONAL, LOGPROB_FLAGS, credential,
     BAD_REQUESTS, IMAGE_CASES, MODES, b64, bad_request, build_reference, drain_kv, grpc_generate,
-    http_generate, make_image, png_bytes, settled_vllm_metrics, shared_llava_server, shared_media_server, stage_output,
-    strings, vllm_metrics, wait_drained,
+    http_generate, make_image, png_bytes, quiet_vllm_metrics, settled_vllm_metrics, shared_llava_server, shared_media_server,
+    stage_output, strings, wait_drained,
 )
 from trident.protocol import HFKVRecord, decode_record
 
@@ -207,7 +207,7 @@ def test_vllm_backend_metrics_count_each_answered_request(server, reference):
     from trident.scheduler.engine_metrics import LATENCY_BUCKETS, N_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 
     c = reference["one-image"]
-    before = vllm_metrics(server, ("e_p_d", "epd"))
+    before = quiet_vllm_metrics(server, ("e_p_d", "epd"))
     streamed = grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True)
     status, whole = http_generate(server.http, "epd", c["text"], c["images"], GREEDY)
     assert status == 200 and streamed.text == whole["text_output"] == c["expected"]

@@ -17,8 +17,8 @@ import pytest
 from support import (
     ADDITIONAL, LOGPROB_FLAGS, credential,
     MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, decode_kv, descendants, drain_kv,
-    grpc_generate, http_generate, make_frames, make_wave, media_prompt, settled_vllm_metrics, stage_output, strings,
-    video_bytes, vllm_metrics, vllm_server, wait_drained,
+    grpc_generate, http_generate, make_frames, make_wave, media_prompt, quiet_vllm_metrics, settled_vllm_metrics,
+    stage_output, strings, video_bytes, vllm_server, wait_drained,
 )
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def reference(server):
 @pytest.mark.parametrize("mode", MODES)
 def test_modes_equal_generate(server, reference, mode, case):
     c = reference[case]
-    before = vllm_metrics(server, [mode])
+    before = quiet_vllm_metrics(server, [mode])
     streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
     assert streamed.text == c["expected"]
     assert streamed.responses > 1

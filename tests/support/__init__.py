@@ -16,8 +16,8 @@ from .reference import build_media_reference, build_reference
 
 MEDIA_CASES = media_cases()
 from .server import (
-    OneServerAtATime, Server, bridged_llava_server, descendants, hosted_head, serving, settled_vllm_metrics, shared_llava_server, shared_media_server,
-    vllm_metrics, vllm_python, vllm_server, wait_drained,
+    OneServerAtATime, Server, bridged_llava_server, descendants, hosted_head, quiet_vllm_metrics, serving,
+    settled_vllm_metrics, shared_llava_server, shared_media_server, vllm_metrics, vllm_python, vllm_server, wait_drained,
 )
 
 from .server import MODES

@@ -37,6 +37,19 @@ def vllm_metrics(server: Server, models) -> dict[str, dict[str, float]]:
     return out
 
 
+def quiet_vllm_metrics(server: Server, models, quiet_s: float = 0.3, timeout: float = 5.0) -> dict:
+    """:func:`vllm_metrics` once two scrapes ``quiet_s`` apart agree: a request answered just before (an earlier
+    test's) is counted by then, not in what a test measures from here."""
+    deadline = time.monotonic() + timeout
+    last = vllm_metrics(server, models)
+    while True:
+        time.sleep(quiet_s)
+        now = vllm_metrics(server, models)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def settled_vllm_metrics(server: Server, before: dict, answered: dict[str, int], timeout: float = 5.0) -> dict:
     """:func:`vllm_metrics` once each entry model has counted ``answered[model]`` more requests than in ``before``
     (an entry model counts a request just after its last response). A scrape is not one moment: one that shows the

@@ -11,9 +11,11 @@
  *    unless TRIDENT_ALLOW_CODE_UPLOAD=1 (the config's allow_code_upload). Trident binds no model that way.
  * 4. Model-config auto-completion off (below).
  * 5. Freed large buffers go back to the system (below).
+ * 6. Triton in a process group of its own (below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -151,3 +153,12 @@ TRITONSERVER_Error *TRITONBACKEND_ModelAutoCompleteConfig(TRITONBACKEND_Model *m
  *    grew by 10-15% and did not come back. A fixed threshold keeps buffers of 64 KiB and more mapped, and unmapped
  *    when freed: the RSS follows the load down again (docs/reliability.md, the soak). */
 __attribute__((constructor)) static void give_freed_buffers_back(void) { mallopt(M_MMAP_THRESHOLD, 64 * 1024); }
+
+/* 6. A terminal's Ctrl-C (SIGINT to its foreground process group) is the launcher's to handle: it withdraws readiness,
+ *    answers new requests 503, lets the streams in flight finish, then stops Triton. PyTriton starts tritonserver in
+ *    the launcher's group, where it took the SIGINT too and stopped at once, its endpoints first. So tritonserver (and
+ *    with it the stubs it starts) runs in a process group of its own; its parent's death still ends it (PyTriton's
+ *    PR_SET_PDEATHSIG). */
+__attribute__((constructor)) static void own_process_group(void) {
+    if (strcmp(program_invocation_short_name, "tritonserver") == 0) setpgid(0, 0);
+}

@@ -213,6 +213,7 @@ def run_worker(settings: WorkerSettings) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: a second signal would cut it short
         if health:
             health.state = "stopping"
         if settings.free_name and name is not None:  # (serve unloads its own workers' stage models)
