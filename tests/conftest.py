@@ -78,13 +78,21 @@ def lane(nodeid: str) -> str:
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler with each :func:`lane` as one unit of work: a lane runs whole, in its order, in one
-    process. (xdist's own ``--dist loadgroup`` marks no group under pytest 9.2, whose node ids it can no longer
-    rewrite.)"""
+    process; with no server's test collected (the unit and integration tests alone) each module is one. (xdist's own
+    ``--dist loadgroup`` marks no group under pytest 9.2, whose node ids it can no longer rewrite.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
+            if self._no_servers():  # the unit and integration tests alone (make test-fast): module by module
+                return nodeid.split("::", 1)[0]
             return lane(nodeid)
+
+        def _no_servers(self) -> bool:
+            if not hasattr(self, "_fast"):
+                self._fast = all(n.split("::", 1)[0].rpartition("/")[0].endswith(("/unit", "/integration"))
+                                 for n in self.collection)
+            return self._fast
 
     return Lanes(config, log)
 
