@@ -346,6 +346,9 @@ def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace, modes:
         assert code == 0, "\n".join(srv.log[-30:])
         stopping = srv.log[before:]
         assert not [line for line in stopping if "Traceback" in line or "EngineDeadError" in line], "\n".join(stopping)
+        # Ctrl-C is the launcher's alone: it drains through Triton (which would otherwise have stopped at once)
+        assert any("draining: not READY" in line for line in stopping), "\n".join(stopping)
+        assert not [line for line in stopping if "could not withdraw readiness" in line], "\n".join(stopping)
         # (a worker's own output may share the line: it writes to the same pipe)
         assert any(line.endswith("[trident] stopped") for line in srv.log), "\n".join(srv.log[-30:])
         deadline = time.monotonic() + 20  # vLLM's engine and resource-tracker processes exit just after
