@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 from pathlib import Path
 
 import msgspec
@@ -28,12 +27,12 @@ from trident import auth
 from trident.errors import InvalidRequest, NameTaken, TridentError, Unauthenticated, Unavailable
 from trident.protocol import WORKER_FILE, Bind, instance_name
 from trident.repository import install_stage_model
+from trident.stagecall.client import open_stage_socket
 from trident.workers.proxy_model import triton_error
 
 MAX_BIND_BYTES = 4096
 MAX_JOINED = 1024  # <stage>-<n> names a joining worker may take, per stage
 JOINING = ".joining"  # the lock joining workers choose their names under
-ANSWER_S = 2.0  # how long a bound worker has to answer before its name is taken from it
 
 
 def _ready(name: str) -> bool:
@@ -44,29 +43,18 @@ def _ready(name: str) -> bool:
 
 
 def _answers(worker) -> bool:
-    """Whether the worker a stage model's worker file names still listens: its stage socket (the Unix one on this
-    host, else TCP) takes a connection. A worker that cannot be reached in time counts as listening (a network cut is
-    not a death: :mod:`trident.launcher.joined` unloads a joined worker that stays gone)."""
+    """Whether the worker a stage model's worker file names still listens (:func:`open_stage_socket`, as the joined
+    workers' watch asks it). Only a refused connection means it has gone; one that is not answered in time, or not
+    with the deployment secret, counts as listening (a network cut is not a death: :mod:`trident.launcher.joined`
+    unloads a joined worker that stays gone)."""
     if not isinstance(worker, dict):
         return False
     try:
-        if isinstance(worker.get("direct"), str):
-            sock, address = socket.socket(socket.AF_UNIX), worker["direct"]
-        else:
-            host, port = str(worker["tcp"][0]), int(worker["tcp"][1])
-            sock, address = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET), (host, port)
-    except (KeyError, IndexError, TypeError, ValueError):
+        open_stage_socket(worker).close()
+    except ConnectionRefusedError:
         return False
-    with sock:
-        sock.settimeout(ANSWER_S)
-        try:
-            sock.connect(address)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except OSError:
-            return True
-        with contextlib.suppress(auth.NotAuthenticated):  # (proving the secret spares the worker a warning)
-            auth.connect(sock, ANSWER_S)
+    except Exception:  # noqa: BLE001 - no answer in time, or no proof of the secret: not gone
+        return True
     return True
 
 
