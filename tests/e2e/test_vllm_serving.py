@@ -260,10 +260,11 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
     """Each stage instance's engine on Triton's metrics port, in vLLM's names and labelled with its stage model, asked
     of its worker over the stage link: the prefill's and decode's schedulers (running, waiting, KV-cache usage) and
     prefix caches (the prompts above were looked up), the encode worker's embedding cache as vLLM's multimodal
-    cache, and the records' NIXL READs (the embeddings the prefill read)."""
+    cache, the records' NIXL READs (the embeddings the prefill read), and the decode engine's own KV READs."""
     import time
 
     c = reference["one-image"]  # through each stage: encode, prefill (it READs the embeddings), decode
+    kv_before = server.stats()["decode"]["kv_read_bytes"]
     emb = stage_output(server.grpc, "encode", {"image": strings(c["images"][0])})
     kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"]), "embedding_meta": strings(emb)})
     drain_kv(server.grpc, kv, c["text"])
@@ -274,7 +275,8 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
             (name, (("model", model), ("version", "1"))))
 
     want = {("vllm:prefix_cache_queries_total", "prefill"), ("vllm:prefix_cache_queries_total", "decode"),
-            ("vllm:mm_cache_queries_total", "encode"), ("trident_transfer_read_bytes_total", "prefill")}
+            ("vllm:mm_cache_queries_total", "encode"), ("trident_transfer_read_bytes_total", "prefill"),
+            ("trident_transfer_read_bytes_total", "decode")}
     deadline = time.monotonic() + 5  # (each stub asks its worker every second)
     while not all(value(name, model) for name, model in want):
         assert time.monotonic() < deadline, {(name, model): value(name, model) for name, model in want}
@@ -284,6 +286,24 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
                      "vllm:prefix_cache_hits_total"):
             assert value(name, model) is not None, (name, model)
     assert value("trident_transfer_read_seconds_total", "prefill") > 0
+    # the decode engine's own KV READs (vLLM's connector, in its engine process): whole tokens' KV (every layer's K
+    # and V, float32 on CPU), from each KV producer's engine on this host (the warm-up went through every mode), none
+    # over TCP; in the stage metrics with the records'
+    config = json.loads(Path(server.model_path, "config.json").read_text())
+    text = config.get("text_config", config)
+    per_token = text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * 4 \
+        * (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    decode = server.stats()["decode"]
+    read = decode["kv_read_bytes"] - kv_before
+    assert read > 0 and read % per_token == 0, (read, per_token)
+    producers = {"prefill", "encode_prefill"} & _kv_stages(server)
+    assert (decode["kv_peers_tcp"], decode["kv_peers_not_tcp"]) == (0, len(producers)), decode
+    assert value("trident_transfer_peers_tcp", "decode") == 0
+    assert value("trident_transfer_peers_not_tcp", "decode") >= len(producers)
+    deadline = time.monotonic() + 5
+    while value("trident_transfer_read_bytes_total", "decode") < decode["kv_read_bytes"]:
+        assert time.monotonic() < deadline, (value("trident_transfer_read_bytes_total", "decode"), decode)
+        time.sleep(0.5)
 
 
 def test_an_idle_server_leaves_the_cores_free(server, reference):

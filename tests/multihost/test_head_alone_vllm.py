@@ -61,7 +61,7 @@ def _stage_metrics(head, prefix: str) -> dict[tuple[str, str], float]:
 
 def test_each_stage_on_its_own_host_gives_the_reference_tokens(head, ref):
     """Streamed and not, with an image and without, every answer is model.generate()'s; the prefill host READs the
-    embeddings over TCP (the transport its worker saw, in the stage metrics)."""
+    embeddings over TCP, and the decode host's vLLM engine the KV (the transports they saw, in the stage metrics)."""
     for case in ref.values():
         for stream in (True, False):
             assert grpc_generate(head.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=stream).text \
@@ -72,6 +72,14 @@ def test_each_stage_on_its_own_host_gives_the_reference_tokens(head, ref):
         time.sleep(0.2)
     assert peers.get(("trident_transfer_peers_tcp", "prefill-2")) == 1, peers
     assert peers.get(("trident_transfer_peers_not_tcp", "prefill-2")) == 0, peers
+    # the decode host's vLLM engine READ the KV from the prefill host's over TCP too (its connector's transport)
+    deadline = time.monotonic() + 5
+    while (peers := _stage_metrics(head, "trident_transfer_peers")).get(("trident_transfer_peers_tcp", "decode-2"), 0) \
+            < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert peers.get(("trident_transfer_peers_tcp", "decode-2"), 0) >= 1, peers
+    assert peers.get(("trident_transfer_peers_not_tcp", "decode-2")) == 0, peers
+    assert _stage_metrics(head, "trident_transfer_read_bytes").get(("trident_transfer_read_bytes_total", "decode-2"), 0) > 0
 
 
 @pytest.mark.parametrize("mode", ["ep_d", "e_pd", "epd"])

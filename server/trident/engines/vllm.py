@@ -113,9 +113,14 @@ class _EngineStats:
         self.waiting = 0
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens, since the engine started
         self.mm_queries = self.mm_hits = 0  # media items
+        self.kv_read_bytes = 0  # the engine's own KV READs (its NIXL connector), since it started
+        self.kv_read_seconds = 0.0
+        self.kv_peers: dict[str, int] = {}  # the connector's peers by transport (peers_tcp, peers_not_tcp)
 
     def factory(self, vllm_config, engine_index: int = 0):
         from vllm.v1.metrics.loggers import StatLoggerBase
+
+        from .vllm_connector import PEER_KEYS
 
         sink = self
 
@@ -132,6 +137,10 @@ class _EngineStats:
                     if prefix is not None:
                         sink.prefix_queries += prefix.queries
                         sink.prefix_hits += prefix.hits
+                    if kv := scheduler_stats.kv_connector_stats:  # (vllm_connector.KVTransferStats' data)
+                        sink.kv_read_bytes += sum(kv.get("bytes_transferred", ()))
+                        sink.kv_read_seconds += sum(kv.get("transfer_duration", ()))
+                        sink.kv_peers.update({key: kv[key][-1] for key in PEER_KEYS.values() if kv.get(key)})
                 if mm_cache_stats is not None:
                     sink.mm_queries += mm_cache_stats.queries
                     sink.mm_hits += mm_cache_stats.hits
@@ -524,6 +533,13 @@ class VLLMStageEngine:
     def stats(self) -> dict:
         out: dict = dict(self.endpoint.stats()) if self.endpoint is not None else {}
         st = self._stats
+        # the engine's own KV READs (vLLM's connector, in the engine process): apart, and in the transfer counters
+        # with the records' (Trident's agent)
+        tcp, not_tcp = st.kv_peers.get("peers_tcp", 0), st.kv_peers.get("peers_not_tcp", 0)
+        out.update(kv_read_bytes=st.kv_read_bytes, kv_read_seconds=st.kv_read_seconds, kv_peers_tcp=tcp,
+                   kv_peers_not_tcp=not_tcp, fetched_bytes=out.get("fetched_bytes", 0) + st.kv_read_bytes,
+                   fetch_seconds=out.get("fetch_seconds", 0.0) + st.kv_read_seconds,
+                   peers_tcp=out.get("peers_tcp", 0) + tcp, peers_not_tcp=out.get("peers_not_tcp", 0) + not_tcp)
         out.update(
             kv_cache_usage=st.kv_cache_usage, vllm_running=st.running, vllm_waiting=st.waiting,
             prefix_cache_queries=st.prefix_queries, prefix_cache_hits=st.prefix_hits,

@@ -50,13 +50,14 @@ FAMILIES: dict[str, tuple[str, str, Callable[[dict], float | None]]] = {
     "vllm:mm_cache_hits_total": ("COUNTER", "Multi-modal cache hits, in terms of number of cached items.",
                                  _first("mm_cache_hits", "cache_hits")),
     "trident_transfer_read_bytes_total": ("COUNTER", "bytes a stage instance's worker READ over NIXL (records' "
-                                          "embeddings and KV; a vLLM engine's own KV reads aside)",
+                                          "embeddings and KV, and a vLLM engine's own KV READs)",
                                           _first("fetched_bytes")),
     "trident_transfer_read_seconds_total": ("COUNTER", "seconds a stage instance's worker spent in those READs",
                                             _first("fetch_seconds")),
-    "trident_transfer_peers_tcp": ("GAUGE", "NIXL peers a stage instance's worker READs from over TCP (UCX's TCP "
-                                   "transport: a peer on another host without RDMA)", _first("peers_tcp")),
-    "trident_transfer_peers_not_tcp": ("GAUGE", "NIXL peers a stage instance's worker READs from without TCP "
+    "trident_transfer_peers_tcp": ("GAUGE", "NIXL peers a stage instance's worker (or its vLLM engine) READs "
+                                   "from over TCP (UCX's TCP transport: a peer on another host without RDMA)", _first("peers_tcp")),
+    "trident_transfer_peers_not_tcp": ("GAUGE", "NIXL peers a stage instance's worker (or its vLLM engine) READs from "
+                                       "without TCP "
                                        "(shared memory or cma on one host, or RDMA)", _first("peers_not_tcp")),
 }
 
