@@ -126,6 +126,38 @@ def _exporter(name: str, process: str):
     return OTLPSpanExporter()
 
 
+def triton_trace_config() -> list[str]:
+    """Triton's ``--trace-config`` values that make it trace every request with OpenTelemetry and export its spans
+    to the same collector as Trident's (OTLP over HTTP, the one protocol Triton exports); empty when the spans go
+    elsewhere (a file, the console, OTLP over gRPC), where Triton cannot send its own. Triton continues a request's
+    ``traceparent`` (an HTTP header or gRPC metadata) and hands its span's context to the scheduler, whose spans
+    then sit under Triton's."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if exporter_name() != "otlp" or protocol == "grpc":
+        return []
+    url = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if not url:
+        url = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318").rstrip("/") + "/v1/traces"
+    return ["mode=opentelemetry", "rate=1", "level=TIMESTAMPS", "count=-1", f"opentelemetry,url={url}",
+            "opentelemetry,resource=service.name=trident-triton",
+            "opentelemetry,resource=service.namespace=trident"]
+
+
+def triton_context(request) -> str | None:
+    """The ``traceparent`` of Triton's span of ``request`` (a python-backend request), when Triton traces it."""
+    try:
+        context = request.trace().get_context()
+    except (AttributeError, RuntimeError, TypeError):  # (an older Triton; a request Triton does not trace)
+        return None
+    if not context:
+        return None
+    try:
+        value = json.loads(context).get(PARAMETER)
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 class FileSpanExporter:
     """Spans as JSON lines in one file: name, trace and span ids (hex), parent id, start and end (Unix ns), status
     and attributes. A file that cannot be written turns the exporter off, with one warning."""

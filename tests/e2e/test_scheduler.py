@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support import build_reference, cancellable_stream, credential, grpc_generate, http_generate, serving
+from support.otlp import Collector
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +42,19 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def server(demo_models, tmp_path_factory):
-    trace_dir = tmp_path_factory.mktemp("trace")
-    with serving(
-        demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
-        extra=["--instances", "prefill=2"], config={"embedding_cache_mib": CACHE_MIB, "tracing": {"exporter": "file", "folder": str(trace_dir)}},
-    ) as srv:
-        srv.trace_dir = trace_dir
-        yield srv
+    """(Its spans go over OTLP to a collector of the test's: Triton's own and Trident's, batched for 0.1 s.)"""
+    collector = Collector()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint)
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        with serving(
+            demo_models["llava"], tmp_path_factory.mktemp("sched") / "ws", modes=["e_p_d", "e_pd", "epd"],
+            extra=["--instances", "prefill=2"],
+            config={"embedding_cache_mib": CACHE_MIB, "tracing": {"exporter": "otlp"}},
+        ) as srv:
+            srv.collector = collector
+            yield srv
+    collector.close()
 
 
 @pytest.fixture(scope="module")
@@ -109,37 +116,33 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
     assert _generate(server, c) == c["expected"]
 
 
-def _trace(folder, trace_id: str, *until: str, timeout: float = 5.0) -> dict[str, list[dict]]:
-    """The spans of one trace, by ``<process>/<name>`` (the second prefill instance's as ``prefill``'s), once the
-    spans ``until`` are written (a process writes each span as it ends, and the scheduler's ends after its last response)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        spans: dict[str, list[dict]] = {}
-        for path in folder.glob("*.jsonl"):
-            process = "prefill" if path.stem == "prefill-2" else path.stem
-            for line in path.read_text().splitlines():
-                span = json.loads(line)
-                if span["trace_id"] == trace_id:
-                    spans.setdefault(f"{process}/{span['name']}", []).append(span)
-        if all(k in spans for k in until) or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.05)
+def _trace(collector, trace_id: str, *until: str, timeout: float = 10.0) -> dict[str, list[dict]]:
+    """The spans of one trace, by ``<process>/<name>`` (the second prefill instance's as ``prefill``'s; Triton's
+    as ``triton``'s), once the spans ``until`` have come (the scheduler's ends after its last response)."""
+    def by_name(spans: list[dict]) -> dict[str, list[dict]]:
+        named: dict[str, list[dict]] = {}
+        for span in spans:
+            process = span["service"].removeprefix("trident-")
+            named.setdefault(f"{'prefill' if process == 'prefill-2' else process}/{span['name']}", []).append(span)
+        return named
+
+    return by_name(collector.trace(trace_id, lambda spans: all(k in by_name(spans) for k in until), timeout))
 
 
 def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_worker(server, ref):
-    """OpenTelemetry tracing (the file exporter): a request that carries a ``traceparent`` gets one trace whose spans
-    come from the BLS and each stage worker, nested as the calls are, with the steps ``make bench-hops`` reads; the
+    """OpenTelemetry tracing (OTLP to a collector): a request that carries a ``traceparent`` gets one trace whose spans
+    come from Triton itself, the BLS and each stage worker, nested as the calls are, with the steps ``make bench-hops`` reads; the
     stages are called straight at their workers (their stubs see nothing of it). Through the OpenAI API, the
     client's ``traceparent`` header is the parent of the frontend's span, and the trace goes on to the stages."""
     import requests
 
     c = ref["traced"]
-    folder = server.trace_dir.resolve()
-    assert any(line.endswith(f"tracing every request with OpenTelemetry: spans to {folder}") for line in server.log)
+    assert any(line.endswith("tracing every request with OpenTelemetry: spans to otlp") for line in server.log)
     trace_id, caller = os.urandom(16).hex(), os.urandom(8).hex()
-    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True,
-                         parameters={"traceparent": f"00-{trace_id}-{caller}-01"}).text == c["expected"]
-    spans = _trace(folder, trace_id, "bls-e_p_d/request", "decode/infer")
+    header = {"traceparent": f"00-{trace_id}-{caller}-01"}  # (as an OpenTelemetry-instrumented gRPC client sends it)
+    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True, headers=header).text \
+        == c["expected"]
+    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "decode/infer", "triton/InferRequest")
     want = {
         "bls-e_p_d": ["request", "execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
         "encode": ["stage_call", "inputs", "media_decode", "image_preprocess", "vision_tower", "publish",
@@ -148,18 +151,22 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
                     "record_encode", "infer"],
         "decode": ["stage_call", "inputs", "record_decode", "nixl_read", "decode_admit", "decode", "infer_first",
                    "infer"],
+        "triton": ["InferRequest", "e_p_d", "compute"],  # Triton's own: the request, its model, the model's run
     }
     missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in spans]
     assert not missing, f"spans not written: {missing}; written: {sorted(spans)}"
     assert {k.split("/")[0] for k in spans} == set(want), sorted(spans)  # (no stage stub's)
-    # one tree: the scheduler's span continues the client's, each stage call continues the scheduler's call of it
-    request = spans["bls-e_p_d/request"][0]
-    assert request["parent_id"] == caller and request["attributes"] == {"mode": "e_p_d"}
+    # one tree: Triton's span continues the client's, the scheduler's continues Triton's span of its model, each stage
+    # call continues the scheduler's call of it
+    request, triton = spans["bls-e_p_d/request"][0], spans["triton/e_p_d"][0]
+    assert spans["triton/InferRequest"][0]["parent_id"] == caller
+    assert triton["parent_id"] == spans["triton/InferRequest"][0]["span_id"]
+    assert request["parent_id"] == triton["span_id"] and request["attributes"] == {"mode": "e_p_d"}
     for stage in ("encode", "prefill"):
         assert spans[f"{stage}/stage_call"][0]["parent_id"] == spans[f"bls-e_p_d/call:{stage}"][0]["span_id"], stage
     assert spans["decode/stage_call"][0]["parent_id"] == request["span_id"]
     ids = {s["span_id"] for group in spans.values() for s in group}
-    assert all(s["parent_id"] in ids for k, group in spans.items() for s in group if k != "bls-e_p_d/request")
+    assert all(s["parent_id"] in ids for k, group in spans.items() for s in group if k != "triton/InferRequest")
     assert spans["decode/decode"][0]["attributes"] == {"tokens": len(c["ids"])}
     one = {k: (v[0]["start"], v[0]["end"]) for k, v in spans.items()}
     # each stage's work lies inside the BLS's call of it, and the calls follow each other
@@ -185,11 +192,20 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
                       json={"model": f"{os.path.basename(server.model_path)}:e_p_d", "max_tokens": 2,
                             "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 200, r.text
-    spans = _trace(folder, trace_id, "bls-e_p_d/request", "frontend/openai")
+    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "frontend/openai", "triton/InferRequest")
     frontend = spans["frontend/openai"][0]
     assert frontend["parent_id"] == caller and frontend["attributes"] == {"endpoint": "chat", "mode": "e_p_d"}
-    assert spans["bls-e_p_d/request"][0]["parent_id"] == frontend["span_id"]
+    assert spans["triton/InferRequest"][0]["parent_id"] == frontend["span_id"]
+    assert spans["bls-e_p_d/request"][0]["parent_id"] == spans["triton/e_p_d"][0]["span_id"]
     assert "decode/stage_call" in spans, sorted(spans)  # (a prompt this short is prefilled on the decode worker)
+
+    # a Triton client's traceparent parameter (Triton continues headers only): the scheduler continues it
+    trace_id = os.urandom(16).hex()
+    grpc_generate(server.grpc, "e_p_d", "hello", [], {"max_tokens": 2}, stream=False,
+                  parameters={"traceparent": f"00-{trace_id}-{caller}-01"})
+    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "decode/infer")
+    assert spans["bls-e_p_d/request"][0]["parent_id"] == caller
+    assert "triton/InferRequest" not in spans  # (Triton's span of it began a trace of its own)
 
 
 def _first_text(server, c) -> str:

@@ -75,14 +75,14 @@ OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens"
 
 
 def grpc_generate(url: str, model: str, text: str, images, params, stream: bool, timeout: float = 120,
-                  parameters: dict | None = None, flags=ADDITIONAL) -> Result:
+                  parameters: dict | None = None, flags=ADDITIONAL, headers: dict | None = None) -> Result:
     import tritonclient.grpc as grpcclient
 
     inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in
                                        entry_inputs(text, images, params, stream, flags=flags)})
     q: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    client.start_stream(callback=lambda result, error: q.put((result, error)), headers=headers)
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
         parts, outputs = [], []

@@ -95,3 +95,47 @@ def test_a_trace_folder_that_cannot_be_written_turns_tracing_off_and_fails_nothi
     assert unmakeable.stdout.split()[0] == "False" and "tracing is off in this process" in unmakeable.stderr
     unknown = _run(_env(OTEL_TRACES_EXPORTER="jaeger"))
     assert unknown.stdout.split()[0] == "False" and "OTEL_TRACES_EXPORTER=jaeger is not one of" in unknown.stderr
+
+
+def test_triton_traces_with_opentelemetry_only_where_its_spans_can_go(monkeypatch):
+    """Triton exports OTLP over HTTP alone: with ``otlp`` (not over gRPC) it gets the collector's traces URL."""
+    from trident import tracing
+
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "file")
+    assert tracing.triton_trace_config() == []
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    config = tracing.triton_trace_config()
+    assert "mode=opentelemetry" in config and "opentelemetry,url=http://localhost:4318/v1/traces" in config
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")
+    assert "opentelemetry,url=http://collector:4318/v1/traces" in tracing.triton_trace_config()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:9999/in")
+    assert "opentelemetry,url=http://traces:9999/in" in tracing.triton_trace_config()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert tracing.triton_trace_config() == []
+
+
+def test_the_scheduler_continues_triton_s_span_unless_the_parameter_names_another_trace():
+    from trident.scheduler.model import _traceparent
+
+    class Request:
+        def __init__(self, parameter, triton_context):
+            self._parameters = json.dumps({"traceparent": parameter} if parameter else {})
+            self._context = triton_context
+
+        def parameters(self):
+            return self._parameters
+
+        def trace(self):
+            return type("Trace", (), {"get_context": lambda _: self._context})()
+
+    triton = f"00-{TRACE_ID}-1111111111111111-01"
+    other = f"00-{'ab' * 16}-{CALLER}-01"
+    context = json.dumps({"traceparent": triton})
+    assert _traceparent(Request(None, context)) == triton  # (the client's header, continued by Triton)
+    assert _traceparent(Request(f"00-{TRACE_ID}-{CALLER}-01", context)) == triton  # (the frontend's: both)
+    assert _traceparent(Request(other, context)) == other  # (a parameter alone: Triton's span began its own trace)
+    assert _traceparent(Request(other, None)) == other  # (Triton not tracing)
+    assert _traceparent(Request(None, None)) is None

@@ -443,15 +443,17 @@ class TritonEngine:
 
     async def generate(self, mode, prompt, media, sampling, request_id, traceparent=None):
         request = {"model_name": mode, "inputs": self._inputs(prompt, media, sampling), "request_id": request_id}
-        if traceparent is not None:
+        headers = None
+        if traceparent is not None:  # (Triton's own span continues the header; the scheduler's, the parameter)
             request["parameters"] = {tracing.PARAMETER: traceparent}
+            headers = {tracing.PARAMETER: traceparent}
 
         async def requests():
             yield request
 
         generated = 0  # (each response counts its own tokens, as the vLLM backend's do)
         try:
-            async for result, error in self.client.stream_infer(requests()):
+            async for result, error in self.client.stream_infer(requests(), headers=headers):
                 if error is not None:
                     raise await self._error(mode, str(error.message() if hasattr(error, "message") else error))
                 reason = _scalar(result, "finish_reason")

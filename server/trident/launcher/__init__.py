@@ -268,6 +268,7 @@ class Launcher:
             # GPU metrics need NVML; without an NVIDIA driver, asking for them only prints an error at start
             allow_gpu_metrics=None if shutil.which("nvidia-smi") else False,
             http_restricted_api=restriction, grpc_restricted_protocol=restriction,
+            trace_config=tracing.triton_trace_config() or None,  # (Triton's own spans, with OTLP)
         )
         self.triton = Triton(
             config=config,

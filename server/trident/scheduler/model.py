@@ -88,12 +88,19 @@ class StageError(Exception):
 
 
 def _traceparent(request) -> str | None:
-    """The request's ``traceparent`` parameter (a client's, or the OpenAI frontend's), if it has one."""
+    """The parent of the scheduler's span: Triton's span of the request, when Triton traces it (its OpenTelemetry
+    mode) and the request's ``traceparent`` parameter (a client's, or the OpenAI frontend's) names no other trace;
+    else that parameter, if it has one. (Triton continues a ``traceparent`` header, not a parameter: a client that
+    sends only the parameter keeps its trace, Triton's span then being apart.)"""
     try:
         value = json.loads(request.parameters() or "{}").get(tracing.PARAMETER)
     except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
+        value = None
+    asked = value if isinstance(value, str) else None
+    triton = tracing.triton_context(request)
+    if triton is not None and (asked is None or triton.split("-")[1:2] == asked.split("-")[1:2]):
+        return triton
+    return asked
 
 
 class TritonPythonModel:
