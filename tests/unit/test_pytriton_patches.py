@@ -1,4 +1,4 @@
-"""The one remaining patch of PyTriton 0.7's internals (the launcher starts Triton through PyTriton; workers bind
+"""The patches of PyTriton 0.7's internals (the launcher starts Triton through PyTriton; workers bind
 through the head's bind model, without PyTriton) names the limitation it works around where it is made; this test
 fails when the patched function changes shape, so that a PyTriton upgrade is caught here."""
 
@@ -20,3 +20,19 @@ def test_wait_for_server_ready_is_what_bind_when_live_replaces():
     assert _params(wait_for_server_ready) == ["client", "timeout_s", "headers"]
     for name in WAITS_FOR_READY:  # each imports it by name: each is patched
         assert importlib.import_module(name).wait_for_server_ready is wait_for_server_ready
+
+
+def test_triton_s_exporter_errors_are_shown_once_a_minute(capsys):
+    from pytriton.server.triton_server import TritonServer
+
+    from trident.launcher.pytriton_patch import quiet_trace_exporter
+
+    assert _params(TritonServer._record_logs) == ["self", "line"]
+    quiet_trace_exporter()
+    server = TritonServer.__new__(TritonServer)
+    server._verbose, server._tritonserver_logs = True, ""
+    error = "[Error] File: otlp_http_client.cc:200 [OTLP HTTP Client] Session state: connection failed.\n"
+    for chunk in (error, error.encode(), "I1127 model ", "loaded\n", error[:20], error[20:]):
+        server._record_logs(chunk)
+    assert capsys.readouterr().out.splitlines() == [
+        "[trident] Triton's spans not exported: Session state: connection failed.", "I1127 model loaded"]

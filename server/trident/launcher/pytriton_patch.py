@@ -1,9 +1,13 @@
-"""The one patch of PyTriton 0.7's internals: the launcher starts Triton through PyTriton, which waits for the
-server to be READY; a Trident server is not READY until its start-up is over."""
+"""The patches of PyTriton 0.7's internals: the launcher starts Triton through PyTriton, which waits for the
+server to be READY (a Trident server is not READY until its start-up is over), and prints each line Triton writes
+(Triton's trace exporter writes two per batch it cannot send)."""
 
 from __future__ import annotations
 
 import time
+
+EXPORTER_LINE = "[OTLP HTTP Client]"  # what opentelemetry-cpp's OTLP exporter in Triton prefixes its errors with
+EXPORTER_QUIET_S = 60.0
 
 
 def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
@@ -36,3 +40,33 @@ def bind_when_live() -> None:
 
     for name in WAITS_FOR_READY:
         importlib.import_module(name).wait_for_server_ready = _wait_for_server_live
+
+
+def quiet_trace_exporter() -> None:
+    """PyTriton 0.7 prints every line of Triton's output. With tracing to a collector that cannot be reached,
+    Triton's exporter writes two lines for each batch of spans; they are shown once a minute, in one line, as
+    Trident's own exporters say it (``tracing._OnceAMinute``); the other lines are passed on whole (PyTriton
+    reads Triton's output unbuffered, in parts of lines). ``tests/unit/test_pytriton_patches.py`` fails when
+    the patched method changes."""
+    from pytriton.server.triton_server import TritonServer
+
+    record = TritonServer._record_logs
+    if getattr(record, "trident_quiet", False):
+        return
+    last = [-EXPORTER_QUIET_S]
+
+    def _record_logs(self, chunk) -> None:  # (what Triton wrote as it was read: parts of lines)
+        text = getattr(self, "_trident_partial", "") + (
+            chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk)
+        *lines, self._trident_partial = text.split("\n")
+        for line in lines:
+            if EXPORTER_LINE in line:
+                now = time.monotonic()
+                if now - last[0] < EXPORTER_QUIET_S:
+                    continue
+                last[0] = now
+                line = f"[trident] Triton's spans not exported: {line.split(EXPORTER_LINE, 1)[1].strip()}"
+            record(self, line + "\n")
+
+    _record_logs.trident_quiet = True
+    TritonServer._record_logs = _record_logs
