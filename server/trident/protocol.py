@@ -296,10 +296,15 @@ class Bind(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise InvalidRequest("direct must be an absolute path")
 
     def worker_file(self, name: str) -> dict:
-        """The worker file of instance ``name``'s worker (what :meth:`trident.stagecall.StageServer.worker_file`
-        says of its server)."""
-        local = {"pid": self.pid, "direct": self.direct} if self.pid is not None else {}
-        return {"name": name, **local, "tcp": list(self.tcp)}
+        """The worker file of instance ``name``'s worker."""
+        return worker_file(name, self.pid, self.direct, self.tcp)
+
+
+def worker_file(name: str, pid: int | None, direct: str | None, tcp) -> dict:
+    """What a stage model's worker file says of its worker's stage server: its TCP address, and on the head's host
+    (with the worker's ``pid``) its Unix socket ``direct``."""
+    local = {"pid": pid, "direct": direct} if pid is not None else {}
+    return {"name": name, **local, "tcp": list(tcp)}
 
 ENCODE_REPORT = "encode_report"
 """Extra output of the encode stage: JSON counters of its embedding cache for the scheduler's metrics

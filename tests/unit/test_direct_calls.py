@@ -230,6 +230,7 @@ def test_a_one_answer_stage_refuses_past_max_inflight_at_once_instead_of_queuein
 
     class Engine:
         discarded: list[bytes] = []
+        kv_claims = None
 
         async def prefill(self, text, params, **kwargs):
             await asyncio.sleep(0.2)

@@ -163,32 +163,30 @@ def test_kv_record_carries_the_first_token():
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["unix-socket", "tcp"])
-def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local, monkeypatch):
+def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local):
     """Two consumers (two stage clients, as two decode workers) claim one record's KV at its producer's stage
     socket (Unix on one host, TCP from another): the first gets it, every later claim is refused, from either; so
-    are a claim never made and one past the KV's life. The producer here is the vllm engine's claim table behind a
+    are a claim never made and one past the KV's life. The producer here is a vllm KV producer's claims behind a
     real stage server and the prefill handler's control hook (no vLLM)."""
     import asyncio
     import os
-    import threading
 
-    from trident.engines import vllm as vllm_engine
+    from trident.engines.kv_claims import KVClaims
     from trident.errors import ReplayedRecord
     from trident.protocol import STAGES
     from trident.stagecall import StageClient, StageServer
     from trident.workers.infer import StageHandler
 
-    producer = object.__new__(VLLMStageEngine)
-    producer._claims, producer._claims_lock = {}, threading.Lock()
-    handler = StageHandler(STAGES["prefill"], infer=None, claims=producer.take_claim)
+    producer = KVClaims()
+    handler = StageHandler(STAGES["prefill"], infer=None, claims=producer.take)
     server = StageServer(None, handler.control, "127.0.0.1")
     server.start()
     first, second = StageClient(), StageClient()
     try:
         producer.serving_at(server.worker_file(os.getpid() if local else None, "prefill"))
-        at = _record(claim=producer._hold(), claim_at=producer._claim_at)
-        monkeypatch.setattr(vllm_engine, "KV_CLAIM_S", 0.0)
-        expired = producer._hold()
+        at = _record(claim=producer.hold(), claim_at=producer.at)
+        producer.hold_s = 0.0
+        expired = producer.hold()
 
         async def claims() -> None:
             await first.claim(at.claim_at, at.claim)
@@ -197,7 +195,7 @@ def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local, monkeypat
                     await client.claim(at.claim_at, claim)
 
         asyncio.run(claims())
-        assert producer._claims == {}  # nothing held once claimed or expired
+        assert producer.held == 0  # nothing held once claimed or expired
     finally:
         first.close()
         second.close()
@@ -208,17 +206,16 @@ def test_claims_reach_the_producer_named_in_the_record_even_under_a_reused_name(
     """Two producers under one instance name at two addresses (two joined workers that swapped names when their
     head restarted): one consumer's claims go to the worker whose address the record names, each served once."""
     import asyncio
-    import threading
 
+    from trident.engines.kv_claims import KVClaims
     from trident.protocol import STAGES
     from trident.stagecall import StageClient, StageServer
     from trident.workers.infer import StageHandler
 
     producers, servers = [], []
     for _ in range(2):
-        producer = object.__new__(VLLMStageEngine)
-        producer._claims, producer._claims_lock = {}, threading.Lock()
-        server = StageServer(None, StageHandler(STAGES["prefill"], infer=None, claims=producer.take_claim).control,
+        producer = KVClaims()
+        server = StageServer(None, StageHandler(STAGES["prefill"], infer=None, claims=producer.take).control,
                              "127.0.0.1")
         server.start()
         producer.serving_at(server.worker_file(None, "prefill-2"))
@@ -228,10 +225,10 @@ def test_claims_reach_the_producer_named_in_the_record_even_under_a_reused_name(
     try:
         async def claims() -> None:
             for producer in producers + producers[::-1]:
-                await consumer.claim(producer._claim_at, producer._hold())
+                await consumer.claim(producer.at, producer.hold())
 
         asyncio.run(claims())
-        assert [p._claims for p in producers] == [{}, {}]
+        assert [p.held for p in producers] == [0, 0]
     finally:
         consumer.close()
         for server in servers:

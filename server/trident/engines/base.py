@@ -18,6 +18,7 @@ from ..processor import SamplingParams
 
 if TYPE_CHECKING:
     from ..structured import Constraint
+    from .kv_claims import KVClaims
     from ..transfer import Region
 
 __all__ = [
@@ -131,6 +132,7 @@ class StageEngine(Protocol):
     """
 
     calls_at_once: int
+    kv_claims: KVClaims | None  # a vLLM KV producer's claims on its KV (its consumers take them); None elsewhere
 
     async def encode(self, media: list) -> Encoded:
         """A request's media (:class:`~trident.media.MediaItem`) -> ``embedding_meta`` (the embeddings stay

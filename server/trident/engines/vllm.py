@@ -30,7 +30,6 @@ import asyncio
 import hashlib
 import logging
 import os
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +41,7 @@ import torch
 
 from .. import tracing
 from ..config import TransferConfig, VLLMConfig
-from ..errors import InvalidRequest, ReplayedRecord
+from ..errors import InvalidRequest
 from ..media import counts as media_counts
 from ..media.image import image_digest
 from ..output import DecodeEvent, Generation, TokenLogprob, early_text, logprob_entry
@@ -51,10 +50,9 @@ from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from ..stagecall.client import StageClient
 from . import handoff
 from .base import MediaEmbeddings
+from .kv_claims import KVClaims
 
 FIRST_OUTPUT_WAIT_S = 10.0  # how long a cancelled request may wait for vLLM's first output before it is aborted
-KV_CLAIM_S = 25.0  # how long a prefill's KV can be claimed: within vLLM's kv_lease_duration (30 s), after which vLLM
-# frees unread blocks for other requests (the consumer's heartbeats extend it only once its engine has the request)
 
 log = logging.getLogger("trident.vllm")
 
@@ -206,9 +204,7 @@ class VLLMStageEngine:
         text_config = getattr(self.processor.config, "text_config", self.processor.config)
         self.hidden_size: int = text_config.hidden_size
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
-        self._claims: dict[str, float] = {}  # a producer's KV not yet claimed: claim -> until (monotonic)
-        self._claims_lock = threading.Lock()
-        self._claim_at: dict = {}  # where consumers claim it: this worker's stage socket (:meth:`serving_at`)
+        self.kv_claims = KVClaims() if self.kv_role == "kv_producer" else None
         self._producers = StageClient()  # a consumer's connections to the producers it claims KV at
         self._stats = _EngineStats()
         self._first_tokens_sent = 0  # decodes that started from the prefill's token
@@ -382,7 +378,7 @@ class VLLMStageEngine:
         if params.logprobs is not None and first_token is not None and completion.logprobs:
             first_logprobs = [(c.token_id, c.logprob, c.rank) for c, _ in _candidates(completion.logprobs[0], first_token)]
         return VLLMKVRecord(
-            claim=self._hold(), claim_at=self._claim_at,
+            claim=self.kv_claims.hold(), claim_at=self.kv_claims.at,
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
             token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
             kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
@@ -505,26 +501,6 @@ class VLLMStageEngine:
             )
 
     # -- single use of a prefill's KV ----------------------------------------------------------------------
-    def serving_at(self, worker_file: dict) -> None:
-        """Where this worker's stage socket listens: consumers of its KV claim it there."""
-        self._claim_at = dict(worker_file)
-
-    def _hold(self) -> str:
-        """A claim for the KV of a prefill just done: good once, for :data:`KV_CLAIM_S`."""
-        now, claim = time.monotonic(), uuid.uuid4().hex
-        with self._claims_lock:
-            self._claims = {c: until for c, until in self._claims.items() if until > now}
-            self._claims[claim] = now + KV_CLAIM_S
-        return claim
-
-    def take_claim(self, claim: str) -> None:
-        """A consumer takes the KV held under ``claim`` (a :class:`~trident.protocol.Claim` message); refused
-        the second time, from whichever consumer, and after :data:`KV_CLAIM_S`."""
-        with self._claims_lock:
-            until = self._claims.pop(claim, None)
-        if until is None or until <= time.monotonic():
-            raise ReplayedRecord("this kv_meta was already used, or its KV has expired; a record is good for one read")
-
     def discard(self, record: bytes) -> None:
         """An ``embedding_meta`` this stage will not read is freed now (vLLM frees its KV blocks itself)."""
         if self.endpoint is not None:

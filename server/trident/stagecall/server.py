@@ -34,7 +34,7 @@ from typing import Callable, get_args
 from .. import auth, tracing
 from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
 from ..protocol import (
-    Abandon, Call, Control, Gone, Reply, StageMessage, Stats, encode_message, failure,
+    Abandon, Call, Control, Gone, Reply, StageMessage, Stats, encode_message, failure, worker_file,
 )
 from .frames import read_message
 
@@ -102,8 +102,7 @@ class StageServer:
 
     def worker_file(self, pid: int | None, name: str) -> dict:
         """What the worker file says of this server: the Unix socket (with the pid: on this host only) and TCP."""
-        local = {"pid": pid, "direct": self.path} if pid is not None else {}
-        return {"name": name, **local, "tcp": list(self.address)}
+        return worker_file(name, pid, self.path, self.address)
 
     def start(self) -> None:
         """Serve both sockets from now on."""

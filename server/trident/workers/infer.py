@@ -453,7 +453,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
 
         inbox = Inbox(engine.discard) if spec.takes == "embeddings" else None
         return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox, counters=engine.stats,
-                            claims=getattr(engine, "take_claim", None))
+                            claims=engine.kv_claims.take if engine.kv_claims is not None else None)
 
     streams = Streams()
 

@@ -212,6 +212,7 @@ class HFStageEngine:
     loop itself."""
 
     calls_at_once = 1  # one compute thread: requests would only queue there instead of in Triton
+    kv_claims = None  # (a READ of its KV is claimed through the transfer lease itself)
 
     def __init__(
         self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None, embedding_cache_bytes: int = 0
