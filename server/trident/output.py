@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -43,6 +44,7 @@ class DecodeEvent:
     extra: dict = field(default_factory=dict)
     logprobs: list[dict[int, dict]] | None = None
     cumulative_logprob: float | None = None
+    index: int = 0  # the choice it belongs to (0 .. n-1: ``sampling_parameters.n``)
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -157,8 +159,9 @@ class TextStream:
 class RequestOutput:
     """The output side of one decode request: each sampled token in, a :class:`DecodeEvent` out."""
 
-    def __init__(self, processor, params) -> None:
+    def __init__(self, processor, params, index: int = 0) -> None:
         self.params = params
+        self.index = index  # the choice (of ``params.n``) its events belong to
         self.text = TextStream(processor.tokenizer, params.stop)
         self._eos = processor.eos_token_ids
         self._max_len = processor.max_model_len
@@ -184,10 +187,11 @@ class RequestOutput:
         if reason is not None and not self.text.stopped:
             text += self.text.flush()
         return DecodeEvent([token], text, reason, self.generated, logprobs=entries,
-                           cumulative_logprob=self.cumulative_logprob)
+                           cumulative_logprob=self.cumulative_logprob, index=self.index)
 
     def abort(self) -> DecodeEvent:
-        return DecodeEvent([], "", "abort", self.generated, cumulative_logprob=self.cumulative_logprob)
+        return DecodeEvent([], "", "abort", self.generated, cumulative_logprob=self.cumulative_logprob,
+                           index=self.index)
 
 
 def early_text(first: DecodeEvent | None) -> str | None:
@@ -217,48 +221,109 @@ def string_tensor(value: str | bytes) -> np.ndarray:
     return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
 
 
-def _response(events: list[DecodeEvent], opts: OutputOptions, num_input_tokens: int, text: str) -> dict:
-    """One response covering ``events`` (those not sent yet), in the vLLM backend's shape: every output the request
-    asked for on every response; ``finish_reason`` "None" before the last; ``num_output_tokens`` and ``logprobs``
-    the tokens new since the last response; ``cumulative_logprob`` so far (NaN where logprobs were not asked for)."""
-    last = events[-1]
-    out = {"text_output": string_tensor(text)}
+class _Choice:
+    """One choice's state across a request's responses."""
+
+    def __init__(self) -> None:
+        self.events: list[DecodeEvent] = []  # not in a response yet
+        self.reason: str | None = None
+        self.cumulative: float | None = None
+        self.logprobs = False  # whether its events carry logprobs (the request asked for them)
+
+    def take(self) -> list[DecodeEvent]:
+        events, self.events = self.events, []
+        for e in events:
+            self.reason = e.finish_reason or self.reason
+            self.cumulative = e.cumulative_logprob if e.cumulative_logprob is not None else self.cumulative
+            self.logprobs = self.logprobs or e.logprobs is not None or e.cumulative_logprob is not None
+        return events
+
+
+def _response(choices: list[_Choice], news: list[list[DecodeEvent]], texts: list[str], opts: OutputOptions,
+              num_input_tokens: int) -> dict:
+    """One response covering each choice's events ``news`` (those not sent yet), in the vLLM backend's shape: every
+    output the request asked for on every response, one element per choice (``n``); ``finish_reason`` "None" for a
+    choice not finished; ``num_output_tokens`` and ``logprobs`` the tokens new since the last response;
+    ``cumulative_logprob`` so far (NaN where logprobs were not asked for)."""
+    out = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
     if opts.return_finish_reason:
-        out["finish_reason"] = string_tensor(str(last.finish_reason))
+        out["finish_reason"] = np.array([str(c.reason).encode() for c in choices], dtype=np.object_)
     if opts.return_cumulative_logprob:
-        value = last.cumulative_logprob
-        out["cumulative_logprob"] = np.array([float("nan") if value is None else value], dtype=np.float32)
+        out["cumulative_logprob"] = np.array(
+            [float("nan") if c.cumulative is None else c.cumulative for c in choices], dtype=np.float32)
     if opts.return_logprobs:
-        asked = any(e.logprobs is not None for e in events) or last.cumulative_logprob is not None
-        entries = [entry for e in events for entry in e.logprobs or ()]
-        out["logprobs"] = string_tensor(json.dumps(entries) if asked else "null")
+        out["logprobs"] = np.array([
+            (json.dumps([entry for e in new for entry in e.logprobs or ()]) if c.logprobs else "null").encode()
+            for c, new in zip(choices, news)], dtype=np.object_)
     if opts.return_num_input_tokens:
         out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
     if opts.return_num_output_tokens:
-        out["num_output_tokens"] = np.array([sum(len(e.token_ids) for e in events)], dtype=np.uint32)
+        out["num_output_tokens"] = np.array([sum(len(e.token_ids) for e in new) for new in news], dtype=np.uint32)
     return out
 
 
 async def entry_responses(
-    generation: Generation, opts: OutputOptions, prompt: str | None
+    generation: Generation, opts: OutputOptions, prompt: str | None, n: int = 1
 ) -> AsyncIterator[dict[str, np.ndarray]]:
-    """A generation's events -> entry responses: when streaming, one per event with text (an event without text,
-    held back, goes with the next), else one with the whole text (the prompt first unless
-    ``exclude_input_in_output``). Stops the generation if the client goes away."""
+    """A generation's events (of ``n`` choices) -> entry responses: when streaming, one per event with text (an
+    event without text, held back, goes with its choice's next), with the other choices' outputs empty; else one
+    with each choice's whole text (the prompt first unless ``exclude_input_in_output``). Stops the generation if
+    the client goes away."""
     events, n_in = generation.events, generation.num_input_tokens
+    choices = [_Choice() for _ in range(n)]
     try:
         if opts.stream:
-            pending: list[DecodeEvent] = []
             async for event in events:
-                pending.append(event)
+                choice = choices[event.index]
+                choice.events.append(event)
                 if event.text or event.finish_reason is not None:
-                    yield _response(pending, opts, n_in, "".join(e.text for e in pending))
-                    pending = []
+                    news = [[] for _ in choices]
+                    news[event.index] = choice.take()
+                    texts = ["" for _ in choices]
+                    texts[event.index] = "".join(e.text for e in news[event.index])
+                    yield _response(choices, news, texts, opts, n_in)
             return
-        got = [event async for event in events]
-        text = "".join(e.text for e in got)
-        if not opts.exclude_input_in_output and prompt:
-            text = prompt + text
-        yield _response(got, opts, n_in, text) if got else {"text_output": string_tensor(text)}
+        async for event in events:
+            choices[event.index].events.append(event)
+        news = [c.take() for c in choices]
+        head = prompt if not opts.exclude_input_in_output and prompt else ""
+        texts = [head + "".join(e.text for e in new) for new in news]
+        yield _response(choices, news, texts, opts, n_in) if any(news) else \
+            {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
     finally:
         await events.aclose()
+
+
+async def interleave(sources: list) -> AsyncIterator:
+    """The items of several async iterators as each comes; the first error ends it all (the others are stopped)."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(source) -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            await queue.put(e)
+            return
+        await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .families import Family, family_of
 from .errors import InvalidRequest
-from .protocol import MAX_LOGPROBS
+from .protocol import MAX_CHOICES, MAX_LOGPROBS
 from .structured import StructuredOutput
 
 
@@ -29,7 +29,7 @@ MAX_STOP_CHARS = 256
 MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
     "min_p": 0.0, "min_tokens": 0, "prompt_logprobs": None, "stop_token_ids": None,
     "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "detokenize": True, "logit_bias": None,
@@ -64,6 +64,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     # top logprobs per generated token, besides the sampled token's (None: none, not even its own)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each sampled with seed + its index (vLLM's rule)
     structured_outputs: StructuredOutput | None = None  # (trident.structured)
 
     @field_validator("structured_outputs", mode="before")

@@ -514,6 +514,9 @@ class HFKVRecord(_Record, tag=f"hf_kv/{RECORD_VERSION}"):
     seed: int = 0  # sampling seed the decode side continues with
     first_text: str | None = None  # the decode's first response text (see above)
     first_logprobs: list[tuple[int, float, int]] | None = None  # as in VLLMKVRecord
+    # ``n`` > 1: the first token (and its logprob entries) of each further choice i = 1 .. n-1, sampled from the same
+    # logits with seed + i; the decode side forks the one KV cache into n sequences
+    forks: list[tuple[int, list[tuple[int, float, int]] | None]] | None = None
 
     def validate(self) -> None:
         self.transfer.validate()
@@ -522,6 +525,18 @@ class HFKVRecord(_Record, tag=f"hf_kv/{RECORD_VERSION}"):
         if self.prompt_len <= 0 or self.first_token < 0:
             raise MalformedRecord("kv record has an invalid prompt length or first token")
         _check_logprobs(self.first_logprobs, self.first_token)
+        if self.forks is not None:
+            if not 1 <= len(self.forks) < MAX_CHOICES or any(len(f) != 2 for f in self.forks):
+                raise MalformedRecord(f"kv record has more than {MAX_CHOICES} choices, or a malformed one")
+            for token, logprobs in self.forks:
+                if not isinstance(token, int) or token < 0 or (logprobs is None) != (self.first_logprobs is None):
+                    raise MalformedRecord("kv record has an invalid first token of a further choice")
+                _check_logprobs(logprobs, token)
+
+    @property
+    def n(self) -> int:
+        """The choices its KV continues into."""
+        return 1 + len(self.forks or ())
 
 
 class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
@@ -559,6 +574,7 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default max_logprobs)
+MAX_CHOICES = 16  # ``n``: the choices a request may ask for (each sampled from the one prefill's KV)
 
 
 def _check_logprobs(entries: list[tuple[int, float, int]] | None, token: int | None) -> None:

@@ -127,12 +127,12 @@ def test_logprobs_equal_the_entry_model_s(server, client, image_png, stream):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_n_choices_are_reproducible_with_a_seed_and_each_is_its_seed_s_answer(client, endpoint):
+@pytest.mark.parametrize("endpoint, mode", [("chat", mode) for mode in MODES] + [("completions", "e_p_d")])
+def test_n_choices_are_reproducible_with_a_seed_and_each_is_its_seed_s_answer(client, endpoint, mode):
     """``n=3``: three choices; with a seed, choice i is the answer to the same request with n=1 and seed + i (vLLM's
     rule), the same again on a second request, streamed or not; usage counts the prompt once and every choice's
-    tokens."""
-    kwargs = dict(model=f"{NAME}:e_p_d", max_tokens=6, temperature=1.0, seed=1234)
+    tokens. (One generation of three choices: one prefill, its KV forked.)"""
+    kwargs = dict(model=f"{NAME}:{mode}", max_tokens=6, temperature=1.0, seed=1234)
     if endpoint == "chat":
         create, body = client.chat.completions.create, {"messages": [{"role": "user", "content": "Tell me a story."}]}
         text_of, delta_of = (lambda c: c.message.content), (lambda c: c.delta.content or "")
@@ -153,6 +153,64 @@ def test_n_choices_are_reproducible_with_a_seed_and_each_is_its_seed_s_answer(cl
             streamed[c.index] += delta_of(c)
         usage = chunk.usage or usage
     assert streamed == texts and usage.completion_tokens == 3 * 6
+
+
+def test_n_choices_come_from_one_prefill_and_one_kv_read(server, client, image_png):
+    """E/P/D with an image (a prompt the decode worker does not prefill itself): ``n=3`` prefills once, the prefill
+    hands on one KV cache (its first token per choice in the record) and the decode worker READs it once."""
+    def counts() -> tuple[int, int]:
+        stats = server.stats(settled=True)
+        published = sum(s.get("published", 0) for name, s in stats.items() if name.split("-")[0] == "prefill")
+        return published, stats["decode"]["fetched"]
+
+    before = counts()
+    r = client.chat.completions.create(model=f"{NAME}:e_p_d", messages=_messages(_data_url(image_png)), n=3,
+                                       max_tokens=5, temperature=1.0, seed=7)
+    assert len(r.choices) == 3 and r.usage.completion_tokens == 15
+    after = counts()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
+
+
+def test_a_triton_client_gets_n_choices_in_vectors_as_from_the_vllm_backend(server):
+    """Over Triton, ``sampling_parameters.n``: each response has one element per choice (the vLLM backend's shape),
+    streamed (one choice's new text per response) and not; choice i is the answer with n=1 and seed + i."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from support.clients import _grpc_inputs, entry_inputs
+
+    params = {"max_tokens": 5, "temperature": 1.0, "seed": 99}
+
+    def choices(stream: bool) -> tuple[list[str], list[str]]:
+        inputs = _grpc_inputs(grpcclient, {name: (arr, dtype) for name, arr, dtype in entry_inputs(
+            "USER: Tell me a story. ASSISTANT:", [], {**params, "n": 2}, stream)})
+        q: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(server.grpc)
+        c.start_stream(callback=lambda result, error: q.put((result, error)))
+        texts, reasons = ["", ""], None
+        try:
+            c.async_stream_infer("e_p_d", inputs, enable_empty_final_response=True)
+            while True:
+                result, error = q.get(timeout=60)
+                assert error is None, error
+                out = result.as_numpy("text_output")
+                if out is not None and out.size:
+                    assert out.shape == (2,), out.shape
+                    texts = [t + v.decode() for t, v in zip(texts, out)]
+                    reasons = [v.decode() for v in result.as_numpy("finish_reason")]
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    return texts, reasons
+        finally:
+            c.stop_stream()
+            c.close()
+
+    singles = [grpc_generate(server.grpc, "e_p_d", "USER: Tell me a story. ASSISTANT:", [],
+                             {**params, "seed": 99 + i}, stream=False).text for i in range(2)]
+    for stream in (True, False):
+        texts, reasons = choices(stream)
+        assert texts == singles and reasons == ["length", "length"], (stream, texts, singles, reasons)
 
 
 def test_response_format_and_guided_fields_constrain_the_answer(client, image_png):

@@ -368,6 +368,24 @@ def test_a_stream_cancelled_at_its_first_token_frees_the_prefill_s_blocks(server
     wait_drained(server, _kv_stages(server), timeout=5)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_n_choices_where_one_engine_samples_them_else_a_clear_400(server, reference, mode):
+    """``n=2`` over Triton: where one engine prefills and samples (EPD, E/PD) vLLM's own children answer, choice i
+    being the answer with n=1 and seed + i (the vLLM backend's shape: an element per choice); where another engine
+    prefills (E/P/D, EP/D) a 400 names ``n`` (each child would READ the one prefill's KV) before any prefill."""
+    c = reference["one-image"]
+    params = {"max_tokens": 6, "temperature": 1.0, "seed": 5}
+    if mode in ("e_p_d", "ep_d"):
+        status, body = http_generate(server.http, mode, c["text"], c["images"], {**params, "n": 2})
+        assert status == 400 and "n=2: with the vllm engine" in body["error"], body
+        return
+    status, body = http_generate(server.http, mode, c["text"], c["images"], {**params, "n": 2})
+    assert status == 200, body
+    singles = [grpc_generate(server.grpc, mode, c["text"], c["images"], {**params, "seed": 5 + i}, stream=False).text
+               for i in range(2)]
+    assert body["text_output"] == singles and body["finish_reason"] == ["length", "length"], (body, singles)
+
+
 VLLM_BAD = ["undecodable image", "image count", "bad value", "too long", "too many images", "seed past 64 bits"]
 
 

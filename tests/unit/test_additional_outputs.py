@@ -21,13 +21,13 @@ def _entry(token: int, logprob: float) -> dict:
     return {token: {"logprob": logprob, "rank": 1, "decoded_token": f"t{token}"}}
 
 
-def _responses(events: list[DecodeEvent], opts: OutputOptions, prompt: str | None = None) -> list[dict]:
+def _responses(events: list[DecodeEvent], opts: OutputOptions, prompt: str | None = None, n: int = 1) -> list[dict]:
     async def gen():
         for e in events:
             yield e
 
     async def run():
-        return [r async for r in entry_responses(Generation(7, gen()), opts, prompt)]
+        return [r async for r in entry_responses(Generation(7, gen()), opts, prompt, n)]
 
     return asyncio.run(run())
 
@@ -59,6 +59,55 @@ def test_one_whole_response_and_nothing_unasked():
     plain = [DecodeEvent([5], "a", "stop", 1)]  # logprobs not asked for in the sampling parameters
     (r,) = _responses(plain, ALL)
     assert r["logprobs"][0] == b"null" and math.isnan(float(r["cumulative_logprob"][0]))
+
+
+def test_n_choices_answer_in_vectors_of_n_as_the_vllm_backend_does():
+    """``n`` = 2: each response has an element per choice; a streamed one carries one choice's new text, the other's
+    empty, and every choice's finish reason so far; the last response is the one where both have ended."""
+    events = [
+        DecodeEvent([5], "a", None, 1, index=0),
+        DecodeEvent([9], "x", None, 1, index=1),
+        DecodeEvent([6], "", None, 2, index=1),  # (held back: it goes out with that choice's next)
+        DecodeEvent([7], "b", "stop", 2, index=0),
+        DecodeEvent([8], "y", "length", 3, index=1),
+    ]
+    got = _responses(events, ALL, n=2)
+    assert [list(r["text_output"]) for r in got] == [[b"a", b""], [b"", b"x"], [b"b", b""], [b"", b"y"]]
+    assert [list(r["finish_reason"]) for r in got] == [
+        [b"None", b"None"], [b"None", b"None"], [b"stop", b"None"], [b"stop", b"length"]]
+    assert [[int(c) for c in r["num_output_tokens"]] for r in got] == [[1, 0], [0, 1], [1, 0], [0, 2]]
+    assert all(list(r["logprobs"]) == [b"null", b"null"] and int(r["num_input_tokens"][0]) == 7 for r in got)
+    (whole,) = _responses(events, OutputOptions(return_finish_reason=True, return_num_output_tokens=True),
+                          prompt="P:", n=2)
+    assert list(whole["text_output"]) == [b"P:ab", b"P:xy"] and list(whole["finish_reason"]) == [b"stop", b"length"]
+    assert [int(c) for c in whole["num_output_tokens"]] == [2, 3]
+
+
+def test_the_scheduler_ends_a_stream_when_every_choice_has_ended():
+    from trident.scheduler.model import _counts, _finish_reason
+
+    class Tensor:
+        def __init__(self, name, value):
+            self._name, self._value = name, np.array(value)
+
+        def name(self):
+            return self._name
+
+        def as_numpy(self):
+            return self._value
+
+    class PB:
+        @staticmethod
+        def get_output_tensor_by_name(response, name):
+            return response.get(name)
+
+    def response(*reasons):
+        return {"finish_reason": Tensor("finish_reason", [r.encode() for r in reasons])}
+
+    assert _finish_reason(PB, response("None")) is None and _finish_reason(PB, response("stop")) == b"stop"
+    assert _finish_reason(PB, response("stop", "None")) is None
+    assert _finish_reason(PB, response("stop", "length")) is not None
+    assert _counts([Tensor("num_input_tokens", [7]), Tensor("num_output_tokens", [2, 0, 3])]) == (7, 5)
 
 
 def test_candidates_are_the_log_softmax_with_vllm_s_ranks():

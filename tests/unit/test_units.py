@@ -38,9 +38,11 @@ def test_sampling_params_parse_and_errors():
     ('[' * 20_000 + ']' * 20_000, r"nested too deeply"),
     ('{"stop": [%s]}' % ", ".join(['"x"'] * 17), r"stop: List should have at most 16 items"),
     ('{"stop": "%s"}' % ("y" * 257), r"stop string 0 has 257 characters; at most 256"),
-    ('{"presence_penalty": 0.5, "n": 2, "logit_bias": {"1": 5}}',
-     r"not supported by Trident's engines: logit_bias \(send None or leave it out\), n \(send 1 or leave it "
+    ('{"presence_penalty": 0.5, "best_of": 2, "logit_bias": {"1": 5}}',
+     r"not supported by Trident's engines: best_of \(send 1 or leave it out\), logit_bias \(send None or leave it "
      r"out\), presence_penalty \(send 0.0 or leave it out\)"),
+    ('{"n": 17}', r"n: Input should be less than or equal to 16"),
+    ('{"n": 0}', r"n: Input should be greater than or equal to 1"),
     ('{"skip_special_tokens": false}', r"skip_special_tokens \(send True"),
     ('{"guided_decoding": {"regex": "a+"}}', r"guided_decoding"),
 ])

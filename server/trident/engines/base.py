@@ -8,7 +8,7 @@ as bytes. The ``hf`` engine builds them from three roles (:class:`Encoder`, :cla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
@@ -78,6 +78,17 @@ class PrefillResult:
     kv_region: Region | None = None  # the send-pool region ``kv`` was computed into, back to back (handed on as it is)
     first_logprobs: list[TokenLogprob] | None = None  # the first token's logprob entry (when the request asks)
     constraint: Constraint | None = None  # the request's structured output, past the first token (when it asks)
+    forks: list[Fork] = field(default_factory=list)  # ``n`` > 1: choices 1 .. n-1, sampled from the same logits
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A further choice of a prefill (``n`` > 1): its first token, sampled from the same logits with seed + its
+    index, that token's logprob entry and its structured output's state; the KV cache is the prefill's, shared."""
+
+    first_token: int
+    first_logprobs: list[TokenLogprob] | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass

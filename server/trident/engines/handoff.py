@@ -9,7 +9,9 @@ NixlConnector.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from typing import Callable
 
 from .. import tracing
@@ -18,7 +20,7 @@ from ..output import RequestOutput, TokenLogprob
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
 from ..transfer import TransferEndpoint, TransferSender
-from .base import DecodeRequest, MediaEmbeddings, PrefillResult
+from .base import DecodeRequest, Fork, MediaEmbeddings, PrefillResult
 from .embedding_cache import CachedEmbedding, EmbeddingCache
 
 log = logging.getLogger(__name__)
@@ -95,14 +97,43 @@ def publish_kv(endpoint: TransferEndpoint, result: PrefillResult, first_text: st
     return HFKVRecord(
         transfer=transfer, prompt_len=result.prompt_len,
         first_token=result.first_token, rope_delta=result.rope_delta, seed=result.seed, first_text=first_text,
-        first_logprobs=None if result.first_logprobs is None else
-        [(c.token_id, c.logprob, c.rank) for c in result.first_logprobs],
+        first_logprobs=_entries(result.first_logprobs),
+        forks=[(f.first_token, _entries(f.first_logprobs)) for f in result.forks] or None,
     )
+
+
+def _entries(logprobs: list[TokenLogprob] | None) -> list[tuple[int, float, int]] | None:
+    return None if logprobs is None else [(c.token_id, c.logprob, c.rank) for c in logprobs]
 
 
 def first_logprobs(record: HFKVRecord) -> list[TokenLogprob] | None:
     """The first token's logprob entry a record carries (None: the request asked for none)."""
     return None if record.first_logprobs is None else [TokenLogprob(*e) for e in record.first_logprobs]
+
+
+def record_forks(record: HFKVRecord) -> list[Fork]:
+    """The further choices a record carries (``n`` > 1), without their structured output's state (the decode side
+    makes it)."""
+    return [Fork(token, None if entries is None else [TokenLogprob(*e) for e in entries])
+            for token, entries in record.forks or ()]
+
+
+def fork(base: DecodeRequest, choices: list[tuple[int, Fork, RequestOutput]]) -> list[DecodeRequest]:
+    """One decode request per open choice ``(index, its first token, its output)``, all continuing ``base``'s KV
+    cache, read once: choice i samples with ``base.seed + i`` from its own first token. The KV is freed
+    (``base.on_admit``) once the last of them has been copied into the batch."""
+    release, left, lock = base.on_admit, [len(choices)], threading.Lock()
+
+    def admitted() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and release is not None:
+            release()
+
+    return [dataclasses.replace(base, first_token=f.first_token, seed=base.seed + i, first_logprobs=f.first_logprobs,
+                                constraint=f.constraint, output=output, on_admit=admitted)
+            for i, f, output in choices]
 
 
 def open_kv(

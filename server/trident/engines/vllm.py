@@ -171,11 +171,20 @@ def _sampling(params: SamplingParams, **overrides):
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0, seed=params.seed, stop=list(params.stop) or None,
         ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
-        logprobs=params.logprobs,
+        logprobs=params.logprobs, n=params.n,  # (vLLM's children: choice i samples with seed + i)
         structured_outputs=params.structured_outputs.to_vllm() if params.structured_outputs is not None else None,
     )
     args.update(overrides)
     return VSamplingParams(**args)
+
+
+def _one_choice(params: SamplingParams) -> None:
+    """A prefill handed on to another engine continues into one choice: vLLM's children of a request (``n`` > 1)
+    would each READ the one prefill's KV, which its producer frees after the first READ."""
+    if params.n > 1:
+        raise InvalidRequest(f"n={params.n}: with the vllm engine a request of more than one choice is served in "
+                             "the EPD and E/PD modes (one engine prefills and samples every choice), not where "
+                             "another engine prefills (E/P/D, EP/D)")
 
 
 class VLLMStageEngine:
@@ -363,8 +372,9 @@ class VLLMStageEngine:
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
+        _one_choice(params)
         prompt, length, layout, image_ids = await self._inputs(text, list(media), embedding_meta)
-        sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True,
+        sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True, n=1,
                              extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         final = None
         async for final in self._run(prompt, sampling):
@@ -391,6 +401,7 @@ class VLLMStageEngine:
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
         if kv_meta is not None:
+            _one_choice(params)
             record = decode_record(kv_meta, VLLMKVRecord)
             prompt, length = self._decode_inputs(text, record)
             # vLLM frees the prefill's blocks once read: a second read, by this consumer or any other, would find
@@ -480,25 +491,26 @@ class VLLMStageEngine:
         """vLLM's outputs as events, after ``first`` (the prefill's token) when given: vLLM takes the request
         once ``first`` is out and the next event is asked for. (A generation closed right after ``first``
         never reaches vLLM; the prefill side frees its blocks at vLLM's KV lease, 30 s.)"""
-        count, before = 0, 0.0  # tokens so far; the logprob of the first, when vLLM did not sample it
-        if first is not None:
+        counts, before = [0] * sampling.n, 0.0  # each choice's tokens so far; the logprob of the first, when vLLM did
+        if first is not None:  # not sample it (one choice)
             yield first
-            count, before = first.num_output_tokens, first.cumulative_logprob or 0.0
+            counts[0], before = first.num_output_tokens, first.cumulative_logprob or 0.0
         async for output in self._run(prompt, sampling):
-            completion = output.outputs[0]
-            count += len(completion.token_ids)
-            logprobs = cumulative = None
-            if sampling.logprobs is not None:  # vLLM's own entries and sum
-                logprobs = [{c.token_id: {"logprob": c.logprob, "rank": c.rank, "decoded_token": text}
-                             for c, text in _candidates(position, token)}
-                            for position, token in zip(completion.logprobs or (), completion.token_ids)]
-                if completion.cumulative_logprob is not None:
-                    cumulative = before + completion.cumulative_logprob
-            yield DecodeEvent(
-                token_ids=list(completion.token_ids), text=completion.text,
-                finish_reason=completion.finish_reason if output.finished else None, num_output_tokens=count,
-                logprobs=logprobs, cumulative_logprob=cumulative,
-            )
+            for completion in output.outputs:  # (n > 1: vLLM's children, each as it has new tokens)
+                i = completion.index
+                counts[i] += len(completion.token_ids)
+                logprobs = cumulative = None
+                if sampling.logprobs is not None:  # vLLM's own entries and sum
+                    logprobs = [{c.token_id: {"logprob": c.logprob, "rank": c.rank, "decoded_token": text}
+                                 for c, text in _candidates(position, token)}
+                                for position, token in zip(completion.logprobs or (), completion.token_ids)]
+                    if completion.cumulative_logprob is not None:
+                        cumulative = before + completion.cumulative_logprob
+                yield DecodeEvent(
+                    token_ids=list(completion.token_ids), text=completion.text,
+                    finish_reason=completion.finish_reason if completion.finished() else None,
+                    num_output_tokens=counts[i], logprobs=logprobs, cumulative_logprob=cumulative, index=i,
+                )
 
     # -- single use of a prefill's KV ----------------------------------------------------------------------
     def discard(self, record: bytes) -> None:

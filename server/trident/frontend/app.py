@@ -144,8 +144,8 @@ class OpenAIServer:
                     span.add_event("first_chunk")
                 (m.ttft if first else m.itl).labels(mode).observe(now - (start if first else last))
                 first, last = False, now
-                if chunk.finish_reason is not None:
-                    m.tokens_in.labels(mode).inc(chunk.num_input_tokens or 0)
+                if chunk.finish_reason is not None:  # (a choice's last: the prompt counted once, with the first's)
+                    m.tokens_in.labels(mode).inc(chunk.num_input_tokens or 0 if chunk.index == 0 else 0)
                     m.tokens_out.labels(mode).inc(chunk.num_output_tokens or 0)
                 yield chunk
         except TridentError as e:
@@ -159,17 +159,17 @@ class OpenAIServer:
 
     async def respond(self, req, endpoint: str, prompt: str, media: dict[str, list[str]], mode: str,
                       http: Request | None = None, tools: ToolChoice | None = None):
-        """The response to a request: ``req.n`` choices, each its own generation (with a seed, choice i samples
-        with seed + i, as vLLM's children do), whole or streamed."""
+        """The response to a request: ``req.n`` choices of one generation (``sampling_parameters.n``: one prefill,
+        choice i sampling with seed + i, as vLLM's children do), whole or streamed."""
         _check_text(prompt)
         sampling = req.sampling(self.settings.default_max_tokens)
         traceparent = http.headers.get(tracing.PARAMETER) if http is not None else None
-        choices = [self._chunks(mode, endpoint, prompt, media, _nth(sampling, i), traceparent) for i in range(req.n)]
+        chunks = self._chunks(mode, endpoint, prompt, media, sampling, traceparent)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         shape = Completion(endpoint, req.model, include_usage, sampling.get("logprobs"))
         if not req.stream:
-            wholes = await _unless_gone(asyncio.gather(*(_collect(c) for c in choices)), http)
-            if wholes is None:  # the client went away: its generations have been stopped
+            wholes = await _unless_gone(_collect(chunks, req.n), http)
+            if wholes is None:  # the client went away: its generation has been stopped
                 return Response(status_code=499)
             out = []
             for index, (text, last, logprobs) in enumerate(wholes):
@@ -178,60 +178,52 @@ class OpenAIServer:
                 out.append(shape.choice(index, content, last, logprobs, calls, reason))
             return JSONResponse(shape.whole(out, [last for _, last, _ in wholes]))
         # Streaming: an error before the first chunk is still a proper HTTP error.
-        iterators = [c.__aiter__() for c in choices]
-        firsts = await asyncio.gather(*(_first_chunk(it) for it in iterators), return_exceptions=True)
-        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
-        if failed is not None:
-            await asyncio.gather(*(it.aclose() for it in iterators), return_exceptions=True)
-            raise failed
-        lasts: list[Chunk | None] = list(firsts)
+        iterator = chunks.__aiter__()
+        first = await _first_chunk(iterator)
+        lasts: list[Chunk | None] = [None] * req.n
+        firsts = [True] * req.n  # choices whose first event is still to come
+        held = [ToolStream(tools) if tools is not None and tools.kind != "none" else None for _ in range(req.n)]
 
-        async def every(index: int):
-            if firsts[index] is not None:
-                yield firsts[index]
-            async for c in iterators[index]:
+        async def every():
+            if first is not None:
+                yield first
+            async for c in iterator:
                 yield c
 
-        async def events(index: int):
-            """One choice's events; its last chunk in ``lasts``."""
-            is_first = True
-            held = ToolStream(tools) if tools is not None and tools.kind != "none" else None
-            async for c in every(index):
-                lasts[index] = c
-                if held is not None:  # text out while no call can have begun; the calls as each can go
-                    text, deltas = held.feed(c.text)
-                    c = dataclasses.replace(c, text=text)
-                    if c.finish_reason is not None:
-                        rest, calls, more = held.end()
-                        c = dataclasses.replace(c, text=c.text + rest,
-                                                finish_reason=tools.finish_reason(c.finish_reason, calls))
-                        deltas += more
-                    if deltas:
-                        yield shape.sse_tool_calls(deltas, is_first, index)
-                        is_first = False
-                    if c.finish_reason is None and not c.text and not c.logprobs:
-                        continue
-                yield shape.sse(c, is_first, index)
-                is_first = False
+        def events(c: Chunk):
+            """A chunk's events (of its choice); the choice's last chunk in ``lasts``."""
+            index = c.index
+            lasts[index] = c
+            if held[index] is not None:  # text out while no call can have begun; the calls as each can go
+                text, deltas = held[index].feed(c.text)
+                c = dataclasses.replace(c, text=text)
+                if c.finish_reason is not None:
+                    rest, calls, more = held[index].end()
+                    c = dataclasses.replace(c, text=c.text + rest,
+                                            finish_reason=tools.finish_reason(c.finish_reason, calls))
+                    deltas += more
+                if deltas:
+                    yield shape.sse_tool_calls(deltas, firsts[index], index)
+                    firsts[index] = False
+                if c.finish_reason is None and not c.text and not c.logprobs:
+                    return
+            yield shape.sse(c, firsts[index], index)
+            firsts[index] = False
 
         async def stream():
             try:
-                async for event in _interleave([events(i) for i in range(len(iterators))]):
-                    yield event
+                async for c in every():
+                    for event in events(c):
+                        yield event
             except TridentError as e:
                 yield shape.sse_error(e)
+            finally:
+                await iterator.aclose()
             if include_usage:
                 yield shape.sse_usage(lasts)
             yield DONE
 
         return StreamingResponse(stream(), media_type="text/event-stream")
-
-
-def _nth(sampling: dict, index: int) -> dict:
-    """Choice ``index``'s sampling parameters: its seed is the request's plus ``index`` (vLLM's rule for n > 1)."""
-    if index == 0 or sampling.get("seed") is None:
-        return sampling
-    return {**sampling, "seed": sampling["seed"] + index}
 
 
 async def _first_chunk(iterator) -> Chunk | None:
@@ -241,49 +233,16 @@ async def _first_chunk(iterator) -> Chunk | None:
         return None
 
 
-async def _interleave(sources: list) -> AsyncIterator:
-    """The items of several async iterators as each comes; the first error ends it all (the others are stopped)."""
-    if len(sources) == 1:
-        async for item in sources[0]:
-            yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(source) -> None:
-        try:
-            async for item in source:
-                await queue.put(item)
-        except BaseException as e:  # noqa: BLE001 - handed to the reader
-            await queue.put(e)
-            return
-        await queue.put(done)
-
-    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk | None, list[dict]]:
-    """The whole text, the last chunk, and every token's logprob entry (when asked for)."""
-    text, last, logprobs = [], None, []
+async def _collect(chunks: AsyncIterator[Chunk], n: int) -> list[tuple[str, Chunk | None, list[dict]]]:
+    """Each of ``n`` choices' whole text, last chunk, and every token's logprob entry (when asked for)."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    lasts: list[Chunk | None] = [None] * n
+    logprobs: list[list[dict]] = [[] for _ in range(n)]
     async for c in chunks:
-        text.append(c.text)
-        logprobs += c.logprobs or ()
-        last = c
-    return "".join(text), last, logprobs
+        texts[c.index].append(c.text)
+        logprobs[c.index] += c.logprobs or ()
+        lasts[c.index] = c
+    return [("".join(t), last, entries) for t, last, entries in zip(texts, lasts, logprobs)]
 
 
 async def _unless_gone(work, http: Request | None, every_s: float = 0.25):
@@ -393,12 +352,30 @@ class Engine(Protocol):
         ...
 
 
-def _scalar(result, name):
+def _elements(result, name: str, n: int) -> list:
+    """Output ``name``'s element of each of ``n`` choices (None where absent): text decoded, numbers as ints."""
     value = result.as_numpy(name)
     if value is None or value.size == 0:
-        return None
-    v = value.reshape(-1)[0]
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else int(v)
+        return [None] * n
+    values = [v.decode("utf-8", "replace") if isinstance(v, bytes) else int(v) for v in value.reshape(-1)]
+    return values if len(values) == n else (values * n)[:n] if len(values) == 1 else [None] * n
+
+
+def _choice_chunks(result, n: int, generated: list[int], finished: list[bool]):
+    """A response's chunks: one per choice it says something of (text, logprobs, or its end), in the vLLM backend's
+    shape, one element per choice; ``generated`` and ``finished``: each choice's counts so far, updated."""
+    texts, reasons = _elements(result, "text_output", n), _elements(result, "finish_reason", n)
+    counts, logprobs = _elements(result, "num_output_tokens", n), _elements(result, "logprobs", n)
+    n_in = _elements(result, "num_input_tokens", 1)[0]
+    for i in range(n):
+        generated[i] += counts[i] or 0
+        reason = None if reasons[i] in (None, "None") else reasons[i]
+        entries = json.loads(logprobs[i]) if logprobs[i] else None
+        if finished[i] or not (texts[i] or entries or reason):
+            continue
+        finished[i] = reason is not None
+        yield Chunk(text=texts[i] or "", finish_reason=reason, num_input_tokens=n_in, num_output_tokens=generated[i],
+                    logprobs=entries or None, index=i)
 
 
 class TritonEngine:
@@ -451,23 +428,15 @@ class TritonEngine:
         async def requests():
             yield request
 
-        generated = 0  # (each response counts its own tokens, as the vLLM backend's do)
+        n = sampling.get("n", 1)
+        generated, finished = [0] * n, [False] * n  # (each response counts its own tokens, as the vLLM backend's do)
         try:
             async for result, error in self.client.stream_infer(requests(), headers=headers):
                 if error is not None:
                     raise await self._error(mode, str(error.message() if hasattr(error, "message") else error))
-                reason = _scalar(result, "finish_reason")
-                generated += _scalar(result, "num_output_tokens") or 0
-                logprobs = _scalar(result, "logprobs")
-                chunk = Chunk(
-                    text=_scalar(result, "text_output") or "",
-                    finish_reason=None if reason == "None" else reason,  # ("None": not the last response)
-                    num_input_tokens=_scalar(result, "num_input_tokens"),
-                    num_output_tokens=generated,
-                    logprobs=json.loads(logprobs) if logprobs else None,
-                )
-                yield chunk
-                if chunk.finish_reason is not None:
+                for chunk in _choice_chunks(result, n, generated, finished):
+                    yield chunk
+                if all(finished):
                     return
         except TridentError:
             raise

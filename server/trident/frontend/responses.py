@@ -11,8 +11,8 @@ from ..errors import TridentError
 
 @dataclass
 class Chunk:
-    """One streamed piece of a generation; the last one has ``finish_reason``. ``num_output_tokens``: the tokens
-    generated so far; ``logprobs``: the entries of this piece's tokens, when the request asked for them (each
+    """One streamed piece of a choice (``index``) of a generation; its last one has ``finish_reason``.
+    ``num_output_tokens``: the choice's tokens generated so far; ``logprobs``: the entries of this piece's tokens, when the request asked for them (each
     ``{token id: {"logprob", "rank", "decoded_token"}}``, the sampled token's first)."""
 
     text: str
@@ -20,6 +20,7 @@ class Chunk:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     logprobs: list[dict] | None = None
+    index: int = 0  # its choice (``n`` > 1)
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 504: "timeout"}

@@ -8,10 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import InvalidRequest
 from ..processor import UNSUPPORTED_DEFAULTS
-from ..protocol import MAX_LOGPROBS
+from ..protocol import MAX_CHOICES, MAX_LOGPROBS
 from .tools import MAX_TOOLS, ToolChoice
 
-MAX_CHOICES = 16
 """The most choices (``n``) one request may ask for."""
 
 NOT_YET: dict[str, tuple[Any, ...]] = {
@@ -97,7 +96,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice its own generation (frontend/app.py)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, all from one prefill (sampling_parameters.n)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension, sent by load generators
@@ -112,6 +111,8 @@ class _Sampling(BaseModel):
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """The entry models' ``sampling_parameters``."""
         out: dict[str, Any] = {"max_tokens": self.max_tokens or default_max_tokens, "ignore_eos": self.ignore_eos}
+        if self.n > 1:
+            out["n"] = self.n
         out.update({k: v for k, v in (self.model_extra or {}).items() if k in FORWARDED})
         for name in ("temperature", "top_p", "seed"):
             value = getattr(self, name)

@@ -12,7 +12,7 @@ mode, next to Trident's own ``trident_*`` families (:mod:`.metrics`), measured w
   token after the first (one observation per request answered in two responses or more);
 - ``vllm:e2e_request_latency_seconds``: from arrival to the last response;
 - ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``: the two counts, per request;
-- ``vllm:request_params_n``: the request's ``n`` (always 1: a request asking for more is refused).
+- ``vllm:request_params_n``: the request's ``n``.
 
 A request that fails or is cancelled is not observed (as in vLLM, where only finished requests are).
 """
@@ -51,6 +51,7 @@ class Answered:
     first_s: float  # its first response
     last_s: float  # its last response
     responses: int = 1  # how many it had
+    n: int = 1  # the choices it asked for
 
 
 class EngineMetrics:
@@ -96,4 +97,4 @@ class EngineMetrics:
         m["vllm:e2e_request_latency_seconds"].observe(answered.last_s)
         m["vllm:request_prompt_tokens"].observe(answered.prompt_tokens)
         m["vllm:request_generation_tokens"].observe(answered.generation_tokens)
-        m["vllm:request_params_n"].observe(1)
+        m["vllm:request_params_n"].observe(answered.n)

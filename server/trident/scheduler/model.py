@@ -40,7 +40,7 @@ from ..errors import InvalidRequest, TridentError, Unavailable, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
     ENCODE_REPORT, REQUEST_ID, HandTo, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord,
-    HFKVRecord, VLLMKVRecord, decode_record, instance_name,
+    MAX_CHOICES, HFKVRecord, VLLMKVRecord, decode_record, instance_name,
 )
 from ..stagecall import StageClient, responses_of
 from .instances import Instances
@@ -221,7 +221,7 @@ class TritonPythonModel:
             if req.answered is not None and req.first_ns is not None:
                 prompt, generated, last, responses = req.answered
                 req.held.later(self.engine_metrics.observe, Answered(
-                    prompt, generated, (req.first_ns - arrived) / 1e9, (last - arrived) / 1e9, responses))
+                    prompt, generated, (req.first_ns - arrived) / 1e9, (last - arrived) / 1e9, responses, req.n))
             req.held.apply()
 
     def _end_with_error(self, req: EntryRequest, error) -> None:
@@ -248,6 +248,7 @@ class TritonPythonModel:
             req.text = _text(req.inputs.get("text_input"), self._text_limit)
             req.image_ids, req.kinds = _media_ids(req.inputs)
             req.keys = prefix_keys(req.text, req.image_ids)
+            req.n = _choices(req.inputs.get("sampling_parameters"))
         retries = 3
         while True:
             p = self._plan(len(req.image_ids))
@@ -608,19 +609,23 @@ def _arrays(stage: str, inputs: dict, record: tuple[str, bytes] | None) -> dict:
 
 
 def _finish_reason(pb, response) -> bytes | None:
-    """The response's ``finish_reason`` (None when it has none: not the stream's last)."""
+    """The response's ``finish_reason`` once every choice has one (the stream's last response; ``n`` > 1: one
+    element per choice), else None."""
     tensor = pb.get_output_tensor_by_name(response, "finish_reason")
     if tensor is None:
         return None
     value = tensor.as_numpy().reshape(-1)
-    # ("None": not the last response, as the vLLM backend says it)
-    return value[0] if value.size and isinstance(value[0], bytes) and value[0] not in (b"", b"None") else None
+    # ("None": not finished, as the vLLM backend says it)
+    done = value.size and all(isinstance(v, bytes) and v not in (b"", b"None") for v in value)
+    return value[-1] if done else None
 
 
 def _counts(tensors: list) -> tuple[int, int]:
-    """(num_input_tokens, num_output_tokens) of a stage's response (0 where absent)."""
+    """(num_input_tokens, num_output_tokens: of every choice) of a stage's response (0 where absent)."""
     found = {t.name(): t.as_numpy().reshape(-1) for t in tensors if t.name() in ("num_input_tokens", "num_output_tokens")}
-    return tuple(int(found[n][0]) if n in found and found[n].size else 0 for n in ("num_input_tokens", "num_output_tokens"))
+    n_in = found.get("num_input_tokens")
+    return (int(n_in[0]) if n_in is not None and n_in.size else 0,
+            int(found["num_output_tokens"].sum()) if "num_output_tokens" in found else 0)
 
 
 def _bytes_of(arrays: dict, outputs: list[str]) -> dict[str, bytes]:
@@ -638,6 +643,17 @@ def _flag(tensor) -> bool:
         return False
     values = tensor.as_numpy().reshape(-1)
     return bool(values[0]) if values.size else False
+
+
+def _choices(tensor) -> int:
+    """``sampling_parameters.n``, for the metrics (1 where absent or not a number: the stages check it)."""
+    if tensor is None:
+        return 1
+    try:
+        n = json.loads(tensor.as_numpy().reshape(-1)[0]).get("n", 1)
+    except (ValueError, AttributeError, IndexError, TypeError):
+        return 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
 
 
 def _text(tensor, limit: int | None = None) -> str:

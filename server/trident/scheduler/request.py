@@ -23,6 +23,7 @@ class EntryRequest:
     keys: list[str] = field(default_factory=list)  # its prefix keys, for affinity routing
     records: dict[str, bytes] = field(default_factory=dict)  # the records of this attempt, by tensor name
     early: bytes | None = None  # the first text, sent from the prefill's kv_meta before the decode call
+    n: int = 1  # the choices it asks for (``sampling_parameters.n``)
     arrived_ns: int = 0  # time.monotonic_ns() at its arrival
     first_ns: int | None = None  # ... when its first response went out
     # once answered: (prompt tokens, generated tokens, its last response's time, the responses it had)

@@ -464,7 +464,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             text, params, kwargs = await read(request)
             opts = output_options(request)
             generation = await engine.generate(text, params, **kwargs)
-            responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text)
+            responses = entry_responses(generation, opts, None if opts.exclude_input_in_output else text, params.n)
             async for item in streams.relay(_parameter(request, REQUEST_ID), responses):
                 if first:
                     tracing.mark("infer_first", t0)

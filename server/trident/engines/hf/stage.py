@@ -33,14 +33,14 @@ from ...config import TransferConfig
 from ...errors import InvalidRequest, MalformedRecord
 from ...heap import keep_freed_memory
 from ...media import MediaItem, counts
-from ...output import DecodeEvent, Generation, RequestOutput, early_text
+from ...output import DecodeEvent, Generation, RequestOutput, early_text, interleave
 from ...processor import Processor, SamplingParams
 from ...protocol import HFKVRecord, StageSpec, TensorSpec
 from ...structured import Grammars
 from ...transfer import TransferEndpoint
 from ...transfer.tensors import dtype_name
 from .. import handoff
-from ..base import DecodeRequest, Encoded, MediaEmbeddings, PrefillResult
+from ..base import DecodeRequest, Encoded, Fork, MediaEmbeddings, PrefillResult
 from ..embedding_cache import CachedEmbedding, EmbeddingCache
 from .sampling import candidates, new_seed, sample
 
@@ -166,16 +166,24 @@ class HFPrefiller:
         rope_delta = family.rope_delta(out)
         cache = out.past_key_values
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        logits, constraint = out.logits[0, -1], None
+        # each choice's first token from the one prompt's logits (choice i samples with seed + i)
+        firsts = [self._first(out.logits[0, -1], params, seed + i) for i in range(params.n)]
+        first = firsts[0]
+        return PrefillResult(kv=kv, first_token=first.first_token, prompt_len=len(prompt_ids), rope_delta=rope_delta,
+                             seed=seed, first_logprobs=first.first_logprobs, constraint=first.constraint,
+                             forks=firsts[1:])
+
+    def _first(self, logits: torch.Tensor, params: SamplingParams, seed: int) -> Fork:
+        """A choice's first token (within the request's structure, when it asks for one) and its logprob entry."""
+        constraint = None
         if params.structured_outputs is not None:  # the first token keeps to the request's structure too
             constraint = self.m.grammars.constraint(params.structured_outputs)
             logits = constraint.mask(logits)
-        first = sample(logits, params, seed, step=0)
+        token = sample(logits, params, seed, step=0)
         if constraint is not None:
-            constraint.accept(first)
-        logprobs = candidates(logits, first, params.logprobs) if params.logprobs is not None else None
-        return PrefillResult(kv=kv, first_token=first, prompt_len=len(prompt_ids), rope_delta=rope_delta, seed=seed,
-                             first_logprobs=logprobs, constraint=constraint)
+            constraint.accept(token)
+        logprobs = candidates(logits, token, params.logprobs) if params.logprobs is not None else None
+        return Fork(token, logprobs, constraint)
 
 
 class _IntoLayer(DynamicLayer):
@@ -352,8 +360,8 @@ class HFStageEngine:
         try:
             first = RequestOutput(self.processor, params).push(  # as the decode's
                 result.first_token, result.prompt_len, result.first_logprobs)
-            with tracing.step("publish"):
-                record = handoff.publish_kv(self.endpoint, result, early_text(first))
+            with tracing.step("publish"):  # (the first text goes out early for a request of one choice)
+                record = handoff.publish_kv(self.endpoint, result, early_text(first) if params.n == 1 else None)
         except BaseException:
             if result.kv_region is not None:
                 self.endpoint.sender.pool.free(result.kv_region)
@@ -410,65 +418,82 @@ class HFStageEngine:
         the prefill sampled it (``kv_meta`` carries it), and sent from here it waits neither for the READ nor
         for the batch's next step, which would hold the other core. A request that ends at its first token
         (``max_tokens`` 1, EOS, a stop string) reads no KV at all. The record is checked and claimed first, so a
-        refused or replayed one sends nothing."""
-        output = RequestOutput(self.processor, params)
+        refused or replayed one sends nothing. With ``n`` > 1 every choice's first token comes from the one
+        prefill, and the KV cache, read once, is forked into a sequence per choice still open."""
+        outputs = [RequestOutput(self.processor, params, i) for i in range(params.n)]
         if kv_meta is not None:
             record = handoff.open_kv(self.endpoint, kv_meta, self.model.check_kv)
-            first_token, prompt_len = record.first_token, record.prompt_len
-            logprobs = handoff.first_logprobs(record) if params.logprobs is not None else None
-            constraint = None
+            prompt_len = record.prompt_len
             try:
-                if params.logprobs is not None and logprobs is None:  # (a prefill that saw other parameters)
-                    raise MalformedRecord("the kv record carries no first-token logprobs, and the request asks for "
-                                          "logprobs")
-                if params.structured_outputs is not None:  # the grammar, past the prefill's token
-                    constraint = await asyncio.get_running_loop().run_in_executor(
-                        None, self.model.grammars.constraint, params.structured_outputs)
-                    constraint.accept(first_token)
+                firsts = await self._record_firsts(record, params)
             except BaseException:
                 handoff.release_kv(self.endpoint, record)
                 raise
 
-            def read() -> DecodeRequest:
-                return handoff.receive_kv(self.endpoint, record, params, output=output, constraint=constraint)
+            def read(choices: list) -> list[DecodeRequest]:
+                return handoff.fork(handoff.receive_kv(self.endpoint, record, params), choices)
 
             def unread() -> None:
                 handoff.release_kv(self.endpoint, record)
         else:
             result = await self._run(self._prefill, text, params, list(media), embedding_meta)
-            local = handoff.continue_locally(result, params, output=output)
-            first_token, prompt_len, logprobs = local.first_token, local.prompt_len, local.first_logprobs
-            read, unread = None, None
+            prompt_len = result.prompt_len
+            firsts = [Fork(result.first_token, result.first_logprobs, result.constraint), *result.forks]
+            local = handoff.continue_locally(result, params)
+            read, unread = (lambda choices: handoff.fork(local, choices)), None
         t0 = time.monotonic_ns()
-        first = output.push(first_token, prompt_len, logprobs)
+        events = [output.push(f.first_token, prompt_len, f.first_logprobs) for output, f in zip(outputs, firsts)]
         tracing.mark("first_token", t0)
-        return Generation(prompt_len, self._events(first, read or (lambda: local), unread))
+        choices = [(i, f, outputs[i]) for i, (f, event) in enumerate(zip(firsts, events)) if event.finish_reason is None]
+        return Generation(prompt_len, self._events(events, choices, read, unread))
 
-    async def _events(self, first: DecodeEvent, read: Callable[[], DecodeRequest], unread: Callable | None):
-        """The first event, then (unless it ended the request) the KV READ on the compute thread and the
-        decoder's stream. A READ this request no longer waits for still frees what it read."""
+    async def _record_firsts(self, record: HFKVRecord, params: SamplingParams) -> list[Fork]:
+        """Each choice's first token from a kv record, with its logprob entry when the request asks for logprobs
+        and its structured output past that token."""
+        if record.n != params.n:
+            raise MalformedRecord(f"the kv record continues {record.n} choices and the request asks for n={params.n}")
+        firsts = [Fork(record.first_token, handoff.first_logprobs(record)), *handoff.record_forks(record)]
+        if params.logprobs is None:
+            firsts = [Fork(f.first_token) for f in firsts]
+        elif firsts[0].first_logprobs is None:  # (a prefill that saw other parameters)
+            raise MalformedRecord("the kv record carries no first-token logprobs, and the request asks for logprobs")
+        if params.structured_outputs is not None:  # the grammar, past the prefill's token
+            made = []
+            for f in firsts:
+                constraint = await asyncio.get_running_loop().run_in_executor(
+                    None, self.model.grammars.constraint, params.structured_outputs)
+                constraint.accept(f.first_token)
+                made.append(Fork(f.first_token, f.first_logprobs, constraint))
+            firsts = made
+        return firsts
+
+    async def _events(self, firsts: list[DecodeEvent], choices: list, read: Callable, unread: Callable | None):
+        """The first events, then (for the choices they did not end) the KV READ on the compute thread and the
+        decoder's streams. A READ this request no longer waits for still frees what it read."""
         loop = asyncio.get_running_loop()
         joined = False
         try:
-            yield first
-            if first.finish_reason is not None:
+            for event in firsts:
+                yield event
+            if not choices:
                 return
             joined = True
             if unread is None:  # prefilled here: nothing to read
-                request = read()
+                requests = read(choices)
             else:
-                fetch = loop.run_in_executor(self._compute, tracing.carry(read))
+                fetch = loop.run_in_executor(self._compute, tracing.carry(read), choices)
                 try:
-                    request = await asyncio.shield(fetch)
+                    requests = await asyncio.shield(fetch)
                 except asyncio.CancelledError:
                     fetch.add_done_callback(_release_unused)
                     raise
-            stream = self.decoder.submit(request, loop)
+            streams = [self.decoder.submit(request, loop) for request in requests]
             try:
-                async for event in stream:
+                async for event in interleave(streams):
                     yield event
             finally:
-                stream.cancel()  # no-op once finished; stops a request whose client went away
+                for stream in streams:
+                    stream.cancel()  # no-op once finished; stops a request whose client went away
         finally:
             if not joined and unread is not None:
                 unread()
@@ -495,9 +520,12 @@ class HFStageEngine:
 
 
 def _release_unused(fetch: asyncio.Future) -> None:
-    """The KV a READ brought in for a request that went away meanwhile: back to the receive pool."""
-    if not fetch.cancelled() and fetch.exception() is None and fetch.result().on_admit is not None:
-        fetch.result().on_admit()
+    """The KV a READ brought in for a request that went away meanwhile: back to the receive pool (once every
+    choice's request has let it go)."""
+    if not fetch.cancelled() and fetch.exception() is None:
+        for request in fetch.result():
+            if request.on_admit is not None:
+                request.on_admit()
 
 
 def _settings_digest(model_path: str) -> str:
