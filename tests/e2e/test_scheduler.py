@@ -116,7 +116,7 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
     assert _generate(server, c) == c["expected"]
 
 
-def _trace(collector, trace_id: str, *until: str, timeout: float = 10.0) -> dict[str, list[dict]]:
+def _trace(collector, trace_id: str, *until: str, timeout: float = 20.0) -> dict[str, list[dict]]:
     """The spans of one trace, by ``<process>/<name>`` (the second prefill instance's as ``prefill``'s; Triton's
     as ``triton``'s), once the spans ``until`` have come (the scheduler's ends after its last response)."""
     def by_name(spans: list[dict]) -> dict[str, list[dict]]:
@@ -142,7 +142,6 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
     header = {"traceparent": f"00-{trace_id}-{caller}-01"}  # (as an OpenTelemetry-instrumented gRPC client sends it)
     assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True, headers=header).text \
         == c["expected"]
-    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "decode/infer", "triton/InferRequest")
     want = {
         "bls-e_p_d": ["request", "execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
         "encode": ["stage_call", "inputs", "media_decode", "image_preprocess", "vision_tower", "publish",
@@ -153,8 +152,11 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
                    "infer"],
         "triton": ["InferRequest", "e_p_d", "compute"],  # Triton's own: the request, its model, the model's run
     }
+    # (each process sends its spans in batches of its own: the trace is whole once every one has come)
+    spans = _trace(server.collector, trace_id, *(f"{p}/{s}" for p, names in want.items() for s in names))
     missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in spans]
-    assert not missing, f"spans not written: {missing}; written: {sorted(spans)}"
+    assert not missing and not server.collector.errors, \
+        f"spans not written: {missing}; written: {sorted(spans)}; exports not read: {server.collector.errors}"
     assert {k.split("/")[0] for k in spans} == set(want), sorted(spans)  # (no stage stub's)
     # one tree: Triton's span continues the client's, the scheduler's continues Triton's span of its model, each stage
     # call continues the scheduler's call of it
@@ -192,7 +194,8 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
                       json={"model": f"{os.path.basename(server.model_path)}:e_p_d", "max_tokens": 2,
                             "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 200, r.text
-    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "frontend/openai", "triton/InferRequest")
+    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "frontend/openai", "triton/InferRequest",
+                   "triton/e_p_d", "decode/stage_call")
     frontend = spans["frontend/openai"][0]
     assert frontend["parent_id"] == caller and frontend["attributes"] == {"endpoint": "chat", "mode": "e_p_d"}
     assert spans["triton/InferRequest"][0]["parent_id"] == frontend["span_id"]

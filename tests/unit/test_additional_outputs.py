@@ -84,7 +84,7 @@ def test_n_choices_answer_in_vectors_of_n_as_the_vllm_backend_does():
 
 
 def test_the_scheduler_ends_a_stream_when_every_choice_has_ended():
-    from trident.scheduler.model import _counts, _finish_reason
+    from trident.scheduler.model import _choices, _counts, _finish_reason
 
     class Tensor:
         def __init__(self, name, value):
@@ -108,6 +108,11 @@ def test_the_scheduler_ends_a_stream_when_every_choice_has_ended():
     assert _finish_reason(PB, response("stop", "None")) is None
     assert _finish_reason(PB, response("stop", "length")) is not None
     assert _counts([Tensor("num_input_tokens", [7]), Tensor("num_output_tokens", [2, 0, 3])]) == (7, 5)
+    # n, for the metrics: the stages refuse what is wrong (a deep JSON is a 400 there, not a failure here)
+    for raw, n in ((b'{"n": 3}', 3), (b"{}", 1), (b'{"n": 99}', 1), (b'{"n": true}', 1), (b'[' * 20_000 + b']' * 20_000, 1),
+                   (b'{"n": ' + b'[' * 20_000 + b']' * 20_000 + b'}', 1), (b"not json", 1)):
+        assert _choices(Tensor("sampling_parameters", np.array([raw], dtype=np.object_))) == n, raw[:20]
+    assert _choices(None) == 1
 
 
 def test_candidates_are_the_log_softmax_with_vllm_s_ranks():

@@ -372,7 +372,7 @@ class VLLMStageEngine:
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
-        _one_choice(params)
+        self._one_choice(params, embedding_meta)
         prompt, length, layout, image_ids = await self._inputs(text, list(media), embedding_meta)
         sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True, n=1,
                              extra_args={"kv_transfer_params": {"do_remote_decode": True}})
@@ -400,8 +400,9 @@ class VLLMStageEngine:
         self, text: str | None, params: SamplingParams, *, media: list = (),
         embedding_meta: bytes | None = None, kv_meta: bytes | None = None,
     ) -> Generation:
+        if self.kv_role == "kv_consumer":  # (E/P/D, EP/D: a prompt it prefills itself too, for one answer in a mode)
+            self._one_choice(params, embedding_meta)
         if kv_meta is not None:
-            _one_choice(params)
             record = decode_record(kv_meta, VLLMKVRecord)
             prompt, length = self._decode_inputs(text, record)
             # vLLM frees the prefill's blocks once read: a second read, by this consumer or any other, would find
@@ -511,6 +512,15 @@ class VLLMStageEngine:
                     finish_reason=completion.finish_reason if completion.finished() else None,
                     num_output_tokens=counts[i], logprobs=logprobs, cumulative_logprob=cumulative, index=i,
                 )
+
+    def _one_choice(self, params: SamplingParams, embedding_meta: bytes | None) -> None:
+        """:func:`_one_choice`; the embeddings of a refused request are freed at once, not at their lease's end."""
+        try:
+            _one_choice(params)
+        except InvalidRequest:
+            if embedding_meta is not None:
+                self.discard(embedding_meta)
+            raise
 
     # -- single use of a prefill's KV ----------------------------------------------------------------------
     def discard(self, record: bytes) -> None:

@@ -650,8 +650,9 @@ def _choices(tensor) -> int:
     if tensor is None:
         return 1
     try:
-        n = json.loads(tensor.as_numpy().reshape(-1)[0]).get("n", 1)
-    except (ValueError, AttributeError, IndexError, TypeError):
+        raw = tensor.as_numpy().reshape(-1)[0]
+        n = json.loads(raw).get("n", 1) if b'"n"' in raw else 1
+    except (ValueError, AttributeError, IndexError, TypeError, RecursionError):  # (the stages name the problem)
         return 1
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
 
