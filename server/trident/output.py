@@ -216,9 +216,9 @@ class OutputOptions:
     return_num_output_tokens: bool = False
 
 
-def string_tensor(value: str | bytes) -> np.ndarray:
-    """A STRING[1] output."""
-    return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
+def _strings(texts: list[str]) -> np.ndarray:
+    """A STRING[n] output."""
+    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
 
 
 class _Choice:
@@ -245,7 +245,7 @@ def _response(choices: list[_Choice], news: list[list[DecodeEvent]], texts: list
     output the request asked for on every response, one element per choice (``n``); ``finish_reason`` "None" for a
     choice not finished; ``num_output_tokens`` and ``logprobs`` the tokens new since the last response;
     ``cumulative_logprob`` so far (NaN where logprobs were not asked for)."""
-    out = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
+    out = {"text_output": _strings(texts)}
     if opts.return_finish_reason:
         out["finish_reason"] = np.array([str(c.reason).encode() for c in choices], dtype=np.object_)
     if opts.return_cumulative_logprob:
@@ -288,8 +288,7 @@ async def entry_responses(
         news = [c.take() for c in choices]
         head = prompt if not opts.exclude_input_in_output and prompt else ""
         texts = [head + "".join(e.text for e in new) for new in news]
-        yield _response(choices, news, texts, opts, n_in) if any(news) else \
-            {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
+        yield _response(choices, news, texts, opts, n_in) if any(news) else {"text_output": _strings(texts)}
     finally:
         await events.aclose()
 

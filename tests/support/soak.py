@@ -38,6 +38,7 @@ import os
 import random
 import signal
 import sys
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -620,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             endings.append(asyncio.run(end_under_load(server, "Triton killed", cases, say=say)))
     finally:
         code = server.stop()  # (its exit code, where it has ended already)
+        shutil.rmtree(workspace, ignore_errors=True)
     lines = table(report)
     wrong = [line for e in endings for line in e.wrong(report.reference)]
     if endings:

@@ -106,16 +106,15 @@ def _entries(logprobs: list[TokenLogprob] | None) -> list[tuple[int, float, int]
     return None if logprobs is None else [(c.token_id, c.logprob, c.rank) for c in logprobs]
 
 
-def first_logprobs(record: HFKVRecord) -> list[TokenLogprob] | None:
-    """The first token's logprob entry a record carries (None: the request asked for none)."""
-    return None if record.first_logprobs is None else [TokenLogprob(*e) for e in record.first_logprobs]
+def _candidates(entries: list[tuple[int, float, int]] | None) -> list[TokenLogprob] | None:
+    return None if entries is None else [TokenLogprob(*e) for e in entries]
 
 
-def record_forks(record: HFKVRecord) -> list[Fork]:
-    """The further choices a record carries (``n`` > 1), without their structured output's state (the decode side
-    makes it)."""
-    return [Fork(token, None if entries is None else [TokenLogprob(*e) for e in entries])
-            for token, entries in record.forks or ()]
+def record_firsts(record: HFKVRecord) -> list[Fork]:
+    """Each choice's first token a record carries, with its logprob entry (None where the request asked for none);
+    without their structured output's state (the decode side makes it)."""
+    return [Fork(record.first_token, _candidates(record.first_logprobs)),
+            *(Fork(token, _candidates(entries)) for token, entries in record.forks or ())]
 
 
 def fork(base: DecodeRequest, choices: list[tuple[int, Fork, RequestOutput]]) -> list[DecodeRequest]:
@@ -154,20 +153,15 @@ def open_kv(
     return record
 
 
-def receive_kv(
-    endpoint: TransferEndpoint, record: HFKVRecord, params: SamplingParams, request_id: str = "",
-    output: RequestOutput | None = None, constraint=None,
-) -> DecodeRequest:
-    """READ the KV cache of a record :func:`open_kv` claimed; the pool region is freed once the decoder has
-    copied it. ``output``: the request's output with the first token already emitted (see
-    :class:`~trident.engines.base.DecodeRequest`)."""
+def receive_kv(endpoint: TransferEndpoint, record: HFKVRecord, params: SamplingParams) -> DecodeRequest:
+    """READ the KV cache of a record :func:`open_kv` claimed, as the request :func:`fork` makes each choice's of;
+    the pool region is freed once the decoder has copied it."""
     with tracing.step("nixl_read"):
         received = endpoint.fetch(record.transfer, claimed=True)  # decode_record checked the (k, v) pairs and sizes
     t = received.tensors
     return DecodeRequest(
         kv=list(zip(t[0::2], t[1::2])), first_token=record.first_token, prompt_len=record.prompt_len,
-        params=params, rope_delta=record.rope_delta, seed=record.seed, request_id=request_id,
-        on_admit=received.release, output=output, first_logprobs=first_logprobs(record), constraint=constraint,
+        params=params, rope_delta=record.rope_delta, seed=record.seed, on_admit=received.release,
     )
 
 
@@ -180,15 +174,11 @@ def release_kv(endpoint: TransferEndpoint, record: HFKVRecord) -> None:
         log.info("could not release an unread record: %s", e)
 
 
-def continue_locally(
-    result: PrefillResult, params: SamplingParams, request_id: str = "", output: RequestOutput | None = None
-) -> DecodeRequest:
-    """Decode a prefill in the process that ran it (no transfer)."""
-    return DecodeRequest(
-        kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
-        rope_delta=result.rope_delta, seed=result.seed, request_id=request_id, output=output,
-        first_logprobs=result.first_logprobs, constraint=result.constraint,
-    )
+def continue_locally(result: PrefillResult, params: SamplingParams) -> DecodeRequest:
+    """A prefill decoded in the process that ran it (no transfer), as the request :func:`fork` makes each choice's
+    of."""
+    return DecodeRequest(kv=result.kv, first_token=result.first_token, prompt_len=result.prompt_len, params=params,
+                         rope_delta=result.rope_delta, seed=result.seed)
 
 
 def discard(endpoint: TransferEndpoint | None, data: bytes) -> None:

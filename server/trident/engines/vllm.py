@@ -178,15 +178,6 @@ def _sampling(params: SamplingParams, **overrides):
     return VSamplingParams(**args)
 
 
-def _one_choice(params: SamplingParams) -> None:
-    """A prefill handed on to another engine continues into one choice: vLLM's children of a request (``n`` > 1)
-    would each READ the one prefill's KV, which its producer frees after the first READ."""
-    if params.n > 1:
-        raise InvalidRequest(f"n={params.n}: with the vllm engine a request of more than one choice is served in "
-                             "the EPD and E/PD modes (one engine prefills and samples every choice), not where "
-                             "another engine prefills (E/P/D, EP/D)")
-
-
 class VLLMStageEngine:
     """One vLLM engine configured for one stage (see the module docstring)."""
 
@@ -514,13 +505,16 @@ class VLLMStageEngine:
                 )
 
     def _one_choice(self, params: SamplingParams, embedding_meta: bytes | None) -> None:
-        """:func:`_one_choice`; the embeddings of a refused request are freed at once, not at their lease's end."""
-        try:
-            _one_choice(params)
-        except InvalidRequest:
-            if embedding_meta is not None:
-                self.discard(embedding_meta)
-            raise
+        """A prefill handed on to another engine continues into one choice: vLLM's children of a request (``n`` >
+        1) would each READ the one prefill's KV, which its producer frees after the first READ. The embeddings of a
+        request refused here are freed at once, not at their lease's end."""
+        if params.n == 1:
+            return
+        if embedding_meta is not None:
+            self.discard(embedding_meta)
+        raise InvalidRequest(f"n={params.n}: with the vllm engine a request of more than one choice is served in the "
+                             "EPD and E/PD modes (one engine prefills and samples every choice), not where another "
+                             "engine prefills (E/P/D, EP/D)")
 
     # -- single use of a prefill's KV ----------------------------------------------------------------------
     def discard(self, record: bytes) -> None:

@@ -99,7 +99,8 @@ class TridentNixlConnector(NixlPullConnector):
     def _note_transports(self, worker) -> bool:
         """Whether the peers by transport changed: a peer READ from for the first time (once a READ has finished
         in this interval) or one vLLM has let go (a peer that restarted comes back as a new engine)."""
-        current = set(worker._remote_agents)
+        with worker._handshake_lock:  # (vLLM's handshake threads add to it)
+            current = set(worker._remote_agents)
         changed = False
         for engine_id in list(self._transports):
             if engine_id not in current:

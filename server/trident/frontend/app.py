@@ -144,8 +144,9 @@ class OpenAIServer:
                     span.add_event("first_chunk")
                 (m.ttft if first else m.itl).labels(mode).observe(now - (start if first else last))
                 first, last = False, now
-                if chunk.finish_reason is not None:  # (a choice's last: the prompt counted once, with the first's)
-                    m.tokens_in.labels(mode).inc(chunk.num_input_tokens or 0 if chunk.index == 0 else 0)
+                if chunk.finish_reason is not None:  # a choice's last (the prompt counted once, with the first's)
+                    if chunk.index == 0:
+                        m.tokens_in.labels(mode).inc(chunk.num_input_tokens or 0)
                     m.tokens_out.labels(mode).inc(chunk.num_output_tokens or 0)
                 yield chunk
         except TridentError as e:
@@ -181,7 +182,7 @@ class OpenAIServer:
         iterator = chunks.__aiter__()
         first = await _first_chunk(iterator)
         lasts: list[Chunk | None] = [None] * req.n
-        firsts = [True] * req.n  # choices whose first event is still to come
+        opening = [True] * req.n  # choices whose first event is still to come
         held = [ToolStream(tools) if tools is not None and tools.kind != "none" else None for _ in range(req.n)]
 
         async def every():
@@ -203,12 +204,12 @@ class OpenAIServer:
                                             finish_reason=tools.finish_reason(c.finish_reason, calls))
                     deltas += more
                 if deltas:
-                    yield shape.sse_tool_calls(deltas, firsts[index], index)
-                    firsts[index] = False
+                    yield shape.sse_tool_calls(deltas, opening[index], index)
+                    opening[index] = False
                 if c.finish_reason is None and not c.text and not c.logprobs:
                     return
-            yield shape.sse(c, firsts[index], index)
-            firsts[index] = False
+            yield shape.sse(c, opening[index], index)
+            opening[index] = False
 
         async def stream():
             try:

@@ -255,8 +255,8 @@ class Launcher:
         )
         from .pytriton_patch import bind_when_live, quiet_trace_exporter
 
-        bind_when_live()
-        quiet_trace_exporter()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
+        bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
+        quiet_trace_exporter()
         close_gate(self.model_store)
         # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards. Triton
         # reads it from its argv alone, so the argv holds a placeholder the preloaded shim swaps for it.

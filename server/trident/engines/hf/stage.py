@@ -452,7 +452,7 @@ class HFStageEngine:
         and its structured output past that token."""
         if record.n != params.n:
             raise MalformedRecord(f"the kv record continues {record.n} choices and the request asks for n={params.n}")
-        firsts = [Fork(record.first_token, handoff.first_logprobs(record)), *handoff.record_forks(record)]
+        firsts = handoff.record_firsts(record)
         if params.logprobs is None:
             firsts = [Fork(f.first_token) for f in firsts]
         elif firsts[0].first_logprobs is None:  # (a prefill that saw other parameters)
