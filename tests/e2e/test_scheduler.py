@@ -129,9 +129,25 @@ def _trace(collector, trace_id: str, *until: str, timeout: float = 20.0) -> dict
     return by_name(collector.trace(trace_id, lambda spans: all(k in by_name(spans) for k in until), timeout))
 
 
+def _under_triton(server, trace_id: str, parent: str, spans: dict) -> tuple[dict, str]:
+    """The trace with Triton's spans once they have come (their batch, up to Triton's 5 s), and the span the
+    scheduler's should continue: Triton's span of the entry model, under its ``InferRequest`` under ``parent``; or
+    ``parent`` where Triton began a trace of its own (it does not continue every request's header: the scheduler then
+    continues the request's parameter)."""
+    spans = _trace(server.collector, trace_id, *spans, "triton/InferRequest", "triton/e_p_d", "triton/compute",
+                   timeout=8.0)
+    if "triton/InferRequest" not in spans:
+        return spans, parent
+    infer, model = spans["triton/InferRequest"][0], spans["triton/e_p_d"][0]
+    assert infer["parent_id"] == parent and model["parent_id"] == infer["span_id"]
+    assert spans["triton/compute"][0]["parent_id"] == model["span_id"]
+    return spans, model["span_id"]
+
+
 def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_worker(server, ref):
     """OpenTelemetry tracing (OTLP to a collector): a request that carries a ``traceparent`` gets one trace whose spans
-    come from Triton itself, the BLS and each stage worker, nested as the calls are, with the steps ``make bench-hops`` reads; the
+    come from the BLS and each stage worker (and Triton's own, where Triton continued the request's header), nested as
+    the calls are, with the steps ``make bench-hops`` reads; the
     stages are called straight at their workers (their stubs see nothing of it). Through the OpenAI API, the
     client's ``traceparent`` header is the parent of the frontend's span, and the trace goes on to the stages."""
     import requests
@@ -139,9 +155,9 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
     c = ref["traced"]
     assert any(line.endswith("tracing every request with OpenTelemetry: spans to otlp") for line in server.log)
     trace_id, caller = os.urandom(16).hex(), os.urandom(8).hex()
-    header = {"traceparent": f"00-{trace_id}-{caller}-01"}  # (as an OpenTelemetry-instrumented gRPC client sends it)
-    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True, headers=header).text \
-        == c["expected"]
+    traceparent = {"traceparent": f"00-{trace_id}-{caller}-01"}  # (as header and parameter: as the frontend sends it)
+    assert grpc_generate(server.grpc, "e_p_d", c["text"], c["images"], GREEDY, stream=True, headers=traceparent,
+                         parameters=traceparent).text == c["expected"]
     want = {
         "bls-e_p_d": ["request", "execute", "inputs", "call:encode", "call:prefill", "call:decode", "first_send"],
         "encode": ["stage_call", "inputs", "media_decode", "image_preprocess", "vision_tower", "publish",
@@ -150,25 +166,24 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
                     "record_encode", "infer"],
         "decode": ["stage_call", "inputs", "record_decode", "nixl_read", "decode_admit", "decode", "infer_first",
                    "infer"],
-        "triton": ["InferRequest", "e_p_d", "compute"],  # Triton's own: the request, its model, the model's run
     }
     # (each process sends its spans in batches of its own: the trace is whole once every one has come)
     spans = _trace(server.collector, trace_id, *(f"{p}/{s}" for p, names in want.items() for s in names))
     missing = [f"{p}/{s}" for p, names in want.items() for s in names if f"{p}/{s}" not in spans]
     assert not missing and not server.collector.errors, \
         f"spans not written: {missing}; written: {sorted(spans)}; exports not read: {server.collector.errors}"
-    assert {k.split("/")[0] for k in spans} == set(want), sorted(spans)  # (no stage stub's)
-    # one tree: Triton's span continues the client's, the scheduler's continues Triton's span of its model, each stage
-    # call continues the scheduler's call of it
-    request, triton = spans["bls-e_p_d/request"][0], spans["triton/e_p_d"][0]
-    assert spans["triton/InferRequest"][0]["parent_id"] == caller
-    assert triton["parent_id"] == spans["triton/InferRequest"][0]["span_id"]
-    assert request["parent_id"] == triton["span_id"] and request["attributes"] == {"mode": "e_p_d"}
+    assert {k.split("/")[0] for k in spans} - {"triton"} == set(want), sorted(spans)  # (no stage stub's)
+    # one tree: the scheduler's span continues Triton's span of its model (which continues the client's) or, where
+    # Triton began a trace of its own, the client's; each stage call continues the scheduler's call of it
+    request = spans["bls-e_p_d/request"][0]
+    spans, joined = _under_triton(server, trace_id, caller, spans)
+    assert request["parent_id"] == joined and request["attributes"] == {"mode": "e_p_d"}
     for stage in ("encode", "prefill"):
         assert spans[f"{stage}/stage_call"][0]["parent_id"] == spans[f"bls-e_p_d/call:{stage}"][0]["span_id"], stage
     assert spans["decode/stage_call"][0]["parent_id"] == request["span_id"]
     ids = {s["span_id"] for group in spans.values() for s in group}
-    assert all(s["parent_id"] in ids for k, group in spans.items() for s in group if k != "triton/InferRequest")
+    assert all(s["parent_id"] in ids for k, group in spans.items() for s in group
+               if k not in ("triton/InferRequest", "bls-e_p_d/request"))
     assert spans["decode/decode"][0]["attributes"] == {"tokens": len(c["ids"])}
     one = {k: (v[0]["start"], v[0]["end"]) for k, v in spans.items()}
     # each stage's work lies inside the BLS's call of it, and the calls follow each other
@@ -194,12 +209,11 @@ def test_one_trace_per_request_spans_the_frontend_the_scheduler_and_every_stage_
                       json={"model": f"{os.path.basename(server.model_path)}:e_p_d", "max_tokens": 2,
                             "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 200, r.text
-    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "frontend/openai", "triton/InferRequest",
-                   "triton/e_p_d", "decode/stage_call")
+    spans = _trace(server.collector, trace_id, "bls-e_p_d/request", "frontend/openai", "decode/stage_call")
     frontend = spans["frontend/openai"][0]
     assert frontend["parent_id"] == caller and frontend["attributes"] == {"endpoint": "chat", "mode": "e_p_d"}
-    assert spans["triton/InferRequest"][0]["parent_id"] == frontend["span_id"]
-    assert spans["bls-e_p_d/request"][0]["parent_id"] == spans["triton/e_p_d"][0]["span_id"]
+    spans, joined = _under_triton(server, trace_id, frontend["span_id"], spans)
+    assert spans["bls-e_p_d/request"][0]["parent_id"] == joined
     assert "decode/stage_call" in spans, sorted(spans)  # (a prompt this short is prefilled on the decode worker)
 
     # a Triton client's traceparent parameter (Triton continues headers only): the scheduler continues it
