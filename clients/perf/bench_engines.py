@@ -112,8 +112,10 @@ class Process:
                 self.proc.wait()
 
 
-async def load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int, rounds: int = 1) -> dict:
-    """``rounds`` rounds of ``requests`` requests at ``concurrency``, each with an image not sent before."""
+async def load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int, rounds: int = 1,
+               seed: int = 1000) -> dict:
+    """``rounds`` rounds of ``requests`` requests at ``concurrency``, each with an image not sent before (request i's
+    image from seed ``seed + i``)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600)
@@ -128,7 +130,7 @@ async def load(base_url: str, model: str, requests: int, concurrency: int, max_t
             model=model, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_url(1000 + i)}},
+                {"type": "image_url", "image_url": {"url": image_url(seed + i)}},
                 {"type": "text", "text": "Describe the picture in detail, please."},
             ]}],
         )
@@ -143,7 +145,7 @@ async def load(base_url: str, model: str, requests: int, concurrency: int, max_t
         while queue:
             await one(queue.pop(0))
 
-    await one(10_000_000)  # warm-up, not counted
+    await one(seed + 999_999)  # warm-up, not counted
     tokens = 0
     ttfts.clear()
     span = 0.0
@@ -159,6 +161,7 @@ async def load(base_url: str, model: str, requests: int, concurrency: int, max_t
         "ttft_p99": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "tok_s": tokens / span,
         "tokens": tokens,
+        "ttfts": ttfts,
     }
 
 
