@@ -27,7 +27,7 @@ def test_a_forked_process_runs_the_command_and_gives_its_exit_code(zygote):
     assert zygote.spawn(["worker", "--settings", "{}"]).wait(timeout=60) == 2  # settings that do not validate
 
 
-def test_a_forked_process_is_in_a_session_of_its_own_with_a_named_title(
+def test_a_forked_process_is_in_a_process_group_of_its_own_in_the_launcher_s_session_with_a_named_title(
         zygote, demo_models):
     # a frontend of a Triton nobody serves: it runs until stopped
     port = listen_ports(1)[0]
@@ -39,7 +39,10 @@ def test_a_forked_process_is_in_a_session_of_its_own_with_a_named_title(
         while Path(f"/proc/{child.pid}/cmdline").read_bytes().rstrip(b"\0") != b"trident frontend":
             assert time.monotonic() < deadline, Path(f"/proc/{child.pid}/cmdline").read_bytes()
             time.sleep(0.05)
-        assert os.getsid(child.pid) == child.pid != os.getsid(0)  # (it has its title: it called setsid before)
+        # (it has its title: it has left the zygote's group before). Its session is the launcher's: a session of its
+        # own would be a scheduling group of its own under the kernel's autogroup (processes.OWN_GROUP)
+        assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
+        assert os.getsid(child.pid) == os.getsid(0)
     finally:
         child.kill()
     assert child.wait(timeout=10) == -signal.SIGKILL

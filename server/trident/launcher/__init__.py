@@ -37,7 +37,7 @@ from .gate import GATE, close_gate, open_gate
 from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .quiet import quiet
 from .startup import StartupError
-from .processes import descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of
+from .processes import OWN_GROUP, descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of
 from . import triton_shim
 from .joined import JoinedWatch
 from .warmup import warm_up
@@ -307,7 +307,7 @@ class Launcher:
         self._zygote = Zygote(self.s.worker_python or sys.executable, env, self.s.backend, str(self.model_path))
 
     def _start_worker(self, name: str) -> None:
-        # (a session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops everything in order;
+        # (a process group of its own: a terminal's Ctrl-C reaches the launcher alone, which stops everything in order;
         # vLLM's engine process, sent it too, died under its worker and each worker printed a traceback)
         if self._zygote is None or not self._zygote.alive:
             if self._zygote is not None:
@@ -325,8 +325,7 @@ class Launcher:
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
         # it calls the entry models, as any client: no secret of the deployment's
         env = {k: v for k, v in os.environ.items() if k != auth.ENV}
-        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"),
-                                                            start_new_session=True)
+        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"), **OWN_GROUP)
         self._restarts.started("frontend")
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
         return proc

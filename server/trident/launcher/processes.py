@@ -12,6 +12,14 @@ from pathlib import Path
 
 from ..protocol import WORKER_FILE
 
+# How the launcher starts the processes of a server (the workers' zygote and each worker it forks, the frontend;
+# tritonserver gets the same from its shim): each in a process group of its own, so that a terminal's Ctrl-C reaches
+# the launcher alone, which then stops them in order. Not in a session of its own: where the kernel groups sessions
+# for scheduling (autogroup, on in most distributions' kernels), the cores are shared between sessions first, and a
+# worker in a session of its own got a share as one process whatever it ran; a vLLM E/P/D or EP/D server gave about
+# half its tokens/s at concurrency 8 (docs/benchmarks.md, bench-ab).
+OWN_GROUP = {"process_group": 0}
+
 
 def remove_direct_socket(model_dir: Path) -> None:
     """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could

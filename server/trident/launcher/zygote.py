@@ -23,6 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+from .processes import OWN_GROUP
+
 SPAWN_TIMEOUT_S = 300.0  # a first spawn waits for the imports (vLLM's take tens of seconds on a small machine)
 
 
@@ -62,14 +64,14 @@ class Forked:
 
 
 class Zygote:
-    """The launcher's end: starts the zygote (in a session of its own, as the workers are) and forks workers."""
+    """The launcher's end: starts the zygote (in a process group of its own, as the workers are) and forks workers."""
 
     def __init__(self, python: str, env: dict[str, str], backend: str, model: str) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [python, "-c", "import sys; from trident.launcher.zygote import main; sys.exit(main(sys.argv[1:]))",
              str(theirs.fileno()), backend, model],
-            pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
+            pass_fds=(theirs.fileno(),), env=env, **OWN_GROUP,
         )
         theirs.close()
         self._sock = ours
@@ -183,12 +185,12 @@ _CLASS_KEYS = ("processor_class", "image_processor_type", "video_processor_type"
 
 
 def _become_worker(sock: socket.socket, argv: list[str]) -> None:
-    """In the forked child: a session of its own, the default signal handlers, ``trident <argv>``; never
-    returns."""
+    """In the forked child: a process group of its own (in the launcher's session: :data:`~trident.launcher.processes.OWN_GROUP`), the
+    default signal handlers, ``trident <argv>``; never returns."""
     code = 1
     try:
         sock.close()
-        os.setsid()
+        os.setpgid(0, 0)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         import setproctitle
@@ -241,7 +243,7 @@ def _reap(sock: socket.socket) -> None:
 def main(argv: list[str]) -> int:
     fd, backend, model = int(argv[0]), argv[1], argv[2]
     sock = socket.socket(fileno=fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends it (a session of its own: no terminal's)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends it (a process group of its own: no terminal's)
     import setproctitle
 
     setproctitle.setproctitle(f"trident zygote ({backend} workers)")
