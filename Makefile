@@ -135,12 +135,14 @@ bench-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_engines.py --vllm-python $(VLLM_PY) --report docs/benchmarks.md
 
 # The speed guard: BASE's tree against the working tree, every mode on both engines, rounds alternating in one run;
-# tokens/s and TTFT p50/p99 ratios new/base with their spread (~10 min; exits 1 on a row below 0.95 outside it)
+# tokens/s and TTFT p50/p99 ratios new/base with their spread (~10 min; exits 1 on a row below 0.95 outside it);
+# -> docs/benchmarks.md
 BASE ?=
 AB_ARGS ?=
 bench-ab: install install-vllm
 	@test -n "$(BASE)" || { echo "usage: make bench-ab BASE=<commit> [AB_ARGS='--engines vllm --modes e_p_d']"; exit 2; }
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_ab.py --base $(BASE) --vllm-python $(VLLM_PY) $(AB_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_ab.py --base $(BASE) --vllm-python $(VLLM_PY) \
+		--report docs/benchmarks.md $(AB_ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .pytest_cache

@@ -215,10 +215,25 @@ def main() -> int:
         print(" | ".join(c.rjust(w) for c, w in zip(r, widths)))
     if args.report:
         write_section(args.report, SECTION, [
-            "## A base commit against the working tree (`make bench-ab BASE=...`)", "", caption + ".", "",
+            "## A base commit against the working tree (`make bench-ab BASE=...`)", "",
+            "`clients/perf/bench_ab.py`, the speed guard to run before a change that touches a serving path lands. Per "
+            "engine it starts a `trident serve` of every mode from the base commit's tree (`git archive`) and one from "
+            "the working tree, both from the same environments (the base's in a venv that links `.venv`'s and "
+            "`.venv-vllm`'s packages, with its own `trident` in place of the editable install), and keeps both up. "
+            "Then, in each round, every mode of both servers in turn, the tree that goes first alternating, gets the "
+            "same OpenAI streaming load (`make bench-vllm`'s client: one new 224 px image per request, never repeated "
+            "in the run, greedy, `ignore_eos`).", "",
+            "How to read it: `tok/s new/base` is the ratio of the rounds' mean tokens/s, `spread` the lowest and "
+            "highest ratio of one round's pair (the run's noise: 0.9-1.1 is common on 2 cores); the TTFT columns "
+            "pool every round's requests. A row under 0.95 whose best round is under 0.95 too is below the base "
+            "outside the spread: the script marks it REGRESSION and exits 1, and it is fixed or explained with "
+            "numbers before the change lands. Start-up time and media other than images are not in it (`make "
+            "bench-vllm`, `make bench`). The base's tree runs on today's environments: a base that needs other "
+            "package versions is not measured as it shipped.", "",
+            caption + ".", "",
             "| " + " | ".join(header[:-1]) + " |", "|" + "|".join("---" for _ in header[:-1]) + "|",
             *("| " + " | ".join(r[:-1]) + " |" for r in rows),
-        ])
+        ], before="bench-vllm")
     if regressions:
         print(f"[bench-ab] below {FLOOR} of the base, outside the spread: {', '.join(regressions)}")
         return 1
