@@ -128,14 +128,21 @@ class _Connection:
             self._pending.pop(message.id, None)
             raise NotSent from None
 
-    async def ask(self, message: StageMessage) -> StageMessage:
-        """The last answer to ``message`` (a one-answer call or a control message), on the event loop."""
+    async def ask(self, message: StageMessage, timeout_s: float | None = None) -> StageMessage:
+        """The last answer to ``message`` (a one-answer call or a control message), on the event loop; raises
+        :class:`asyncio.TimeoutError` when none came within ``timeout_s`` (a timer on the answer's own future:
+        ``asyncio.wait_for`` would run the wait as a task of its own, two more turns of the loop per call)."""
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         self.send(message, lambda m: ends(m) and loop.call_soon_threadsafe(_settle, answer, m))
+        timer = None
+        if timeout_s is not None:
+            timer = loop.call_later(timeout_s, _settle, answer, None, asyncio.TimeoutError())
         try:
             return await answer
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(message.id, None)
 
     def _read(self) -> None:
@@ -232,7 +239,7 @@ class StageClient:
             return None
         call = Call(connection.next_id(), inputs, outputs, parameters or {}, hand_to, await_record, tracing.traceparent())
         try:
-            answer = await asyncio.wait_for(connection.ask(call), timeout_s)
+            answer = await connection.ask(call, timeout_s)
         except NotSent:
             return None
         except asyncio.TimeoutError:
