@@ -138,7 +138,7 @@ def pooled(results: list[dict], key: str) -> float:
 
 def table(args, base: Tree, new: Tree) -> tuple[list[str], list[list[str]], list[str]]:
     header = ["engine", "mode", "base tok/s", "new tok/s", "tok/s new/base", "spread (rounds)",
-              "TTFT p50 base / new ms", "TTFT p50 new/base", "TTFT p99 base / new ms", "TTFT p99 new/base", ""]
+              "TTFT p50 base / new ms", "TTFT p50 new/base", "TTFT p99 base / new ms", "TTFT p99 new/base", "verdict"]
     rows, regressions = [], []
     for key in base.runs:
         b, n = base.runs[key], new.runs[key]
@@ -154,7 +154,7 @@ def table(args, base: Tree, new: Tree) -> tuple[list[str], list[list[str]], list
             key[0], key[1], " ".join(f"{x['tok_s']:.0f}" for x in b), " ".join(f"{y['tok_s']:.0f}" for y in n),
             f"{ratio:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}", f"{p50[0]:.0f} / {p50[1]:.0f}",
             f"{p50[1] / p50[0]:.2f}", f"{p99[0]:.0f} / {p99[1]:.0f}", f"{p99[1] / p99[0]:.2f}",
-            "REGRESSION" if worse else "",
+            "REGRESSION" if worse else "ok",
         ])
     return header, rows, regressions
 
@@ -231,8 +231,8 @@ def main() -> int:
             "bench-vllm`, `make bench`). The base's tree runs on today's environments: a base that needs other "
             "package versions is not measured as it shipped.", "",
             caption + ".", "",
-            "| " + " | ".join(header[:-1]) + " |", "|" + "|".join("---" for _ in header[:-1]) + "|",
-            *("| " + " | ".join(r[:-1]) + " |" for r in rows),
+            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows),
         ], before="bench-vllm")
     if regressions:
         print(f"[bench-ab] below {FLOOR} of the base, outside the spread: {', '.join(regressions)}")
