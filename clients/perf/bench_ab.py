@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -174,6 +175,7 @@ def main() -> int:
     p.add_argument("--serve-config", metavar="FILE", help="`trident serve` config file of both servers")
     p.add_argument("--report", type=Path, help="also write the table into this Markdown file (section bench-ab)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a stopped bench stops its servers on the way out)
     if args.model is None:
         from trident.dev.demo import default_demo_model
 

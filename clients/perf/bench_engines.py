@@ -72,15 +72,28 @@ class Process:
         threading.Thread(target=self._sample_cpu, daemon=True).start()
 
     def _sample_cpu(self) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
         while self._sampling and self.proc.poll() is None:
-            for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-                try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                self._cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+            self._cpu.update(self.cpu_by_pid())
             time.sleep(0.2)
+
+    def cpu_by_pid(self) -> dict[int, float]:
+        """CPU seconds (user + system) each of the server's processes has used so far."""
+        tick, out = os.sysconf("SC_CLK_TCK"), {}
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    def cpu_during(self, work):
+        """``work()``'s result, and the CPU seconds the server's processes used meanwhile (those alive at the
+        end; a server's processes live through a load)."""
+        before = self.cpu_by_pid()
+        result = work()
+        after = self.cpu_by_pid()
+        return result, sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
     def started(self) -> tuple[float, float]:
         """(seconds since launch, CPU seconds its processes have used): call once it is ready."""
@@ -173,12 +186,12 @@ def bench_vllm_server(args, model: str) -> dict:
     server = Process(cmd, dict(VLLM_ENV, VLLM_RPC_BASE_PATH=ipc))
     try:
         startup, startup_cpu = server.wait_http(f"http://127.0.0.1:{port}/v1/models")
-        result = asyncio.run(load(f"http://127.0.0.1:{port}/v1", "demo", args.requests, args.concurrency,
-                                  args.max_tokens, args.rounds))
+        result, cpu = server.cpu_during(lambda: asyncio.run(load(
+            f"http://127.0.0.1:{port}/v1", "demo", args.requests, args.concurrency, args.max_tokens, args.rounds)))
     finally:
         server.stop()
         shutil.rmtree(ipc, ignore_errors=True)
-    return dict(result, startup=startup, startup_cpu=startup_cpu)
+    return dict(result, startup=startup, startup_cpu=startup_cpu, cpu_ms_token=1000 * cpu / max(1, result["tokens"]))
 
 
 def bench_trident(args, model: str, backend: str, mode: str) -> dict:
@@ -203,14 +216,15 @@ def bench_trident(args, model: str, backend: str, mode: str) -> dict:
                     raise RuntimeError("trident serve exited:\n" + "".join(server.lines[-30:]))
                 time.sleep(0.2)
             startup, startup_cpu = server.started()
-            result = asyncio.run(load(f"http://127.0.0.1:{openai_port}/v1", "demo", args.requests, args.concurrency,
-                                      args.max_tokens, args.rounds))
+            result, cpu = server.cpu_during(lambda: asyncio.run(load(
+                f"http://127.0.0.1:{openai_port}/v1", "demo", args.requests, args.concurrency, args.max_tokens,
+                args.rounds)))
         except BaseException:
             _keep_logs(Path(tmp) / "ws", server, f"{backend}-{mode}")
             raise
         finally:
             server.stop()
-    return dict(result, startup=startup, startup_cpu=startup_cpu)
+    return dict(result, startup=startup, startup_cpu=startup_cpu, cpu_ms_token=1000 * cpu / max(1, result["tokens"]))
 
 
 def _keep_logs(workspace: Path, server: Process, name: str) -> None:
@@ -247,8 +261,10 @@ def write_report(args, header: list[str], lines: list[list[str]]) -> None:
         f"sends {args.rounds} rounds of {args.requests} streaming requests at concurrency {args.concurrency} to each, "
         "one new 224 px image per request (no cache hit on either side), "
         f"{args.max_tokens} new tokens (greedy, `ignore_eos`); {model}. Start-up: until `[trident] ready`, or until "
-        "vLLM's `/v1/models` answers; start-up CPU: the CPU time the server's processes used until then. Each ratio "
-        "is to vLLM's server, the first row.",
+        "vLLM's `/v1/models` answers; start-up CPU: the CPU time the server's processes used until then. CPU "
+        "ms/token: the CPU time all the server's processes used during the rounds, per output token; on cores the "
+        "load keeps busy, tokens/s follows it (`vLLM's CPU/token / its` is the tokens/s ratio that CPU alone would "
+        "give). Each ratio is to vLLM's server, the first row.",
         "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
         *("| " + " | ".join(line) + " |" for line in lines),
     ]
@@ -287,12 +303,14 @@ def main() -> int:
             print(f"[bench] trident --backend {backend} --mode {mode}", flush=True)
             rows.append((f"trident {backend}", mode, bench_trident(args, args.model, backend, mode)))
 
-    header = ["server", "mode", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "startup s", "startup CPU s",
-              "TTFT p50 vs vLLM", "TTFT p99 vs vLLM", "tok/s vs vLLM", "startup vs vLLM", "startup CPU vs vLLM"]
+    header = ["server", "mode", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "CPU ms/token", "startup s", "startup CPU s",
+              "TTFT p50 vs vLLM", "TTFT p99 vs vLLM", "tok/s vs vLLM", "vLLM's CPU/token / its", "startup vs vLLM",
+              "startup CPU vs vLLM"]
     lines = [[
-        name, mode, f"{r['ttft_p50']:.0f}", f"{r['ttft_p99']:.0f}", f"{r['tok_s']:.1f}", f"{r['startup']:.1f}",
-        f"{r['startup_cpu']:.0f}", f"{r['ttft_p50'] / reference['ttft_p50']:.2f}x",
+        name, mode, f"{r['ttft_p50']:.0f}", f"{r['ttft_p99']:.0f}", f"{r['tok_s']:.1f}", f"{r['cpu_ms_token']:.1f}",
+        f"{r['startup']:.1f}", f"{r['startup_cpu']:.0f}", f"{r['ttft_p50'] / reference['ttft_p50']:.2f}x",
         f"{r['ttft_p99'] / reference['ttft_p99']:.2f}x", f"{r['tok_s'] / reference['tok_s']:.2f}x",
+        f"{reference['cpu_ms_token'] / r['cpu_ms_token']:.2f}x",
         f"{r['startup'] / reference['startup']:.2f}x", f"{r['startup_cpu'] / reference['startup_cpu']:.2f}x",
     ] for name, mode, r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
