@@ -41,6 +41,7 @@ from PIL import Image
 
 from report import read_section, settings_text, write_section
 from trident.launcher import descendants
+from trident.launcher.processes import cpu_seconds
 from trident.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
@@ -78,14 +79,7 @@ class Process:
 
     def cpu_by_pid(self) -> dict[int, float]:
         """CPU seconds (user + system) each of the server's processes has used so far."""
-        tick, out = os.sysconf("SC_CLK_TCK"), {}
-        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[pid] = (int(fields[11]) + int(fields[12])) / tick
-        return out
+        return cpu_seconds([self.proc.pid, *descendants(self.proc.pid)])
 
     def cpu_during(self, work):
         """``work()``'s result, and the CPU seconds the server's processes used meanwhile (those alive at the

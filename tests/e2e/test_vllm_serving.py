@@ -7,13 +7,13 @@ test`` sets it)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from trident.launcher.processes import cpu_seconds
 from support import (
     ADDITIONAL, LOGPROB_FLAGS, credential,
     MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, decode_kv, descendants, drain_kv,
@@ -312,17 +312,8 @@ def test_an_idle_server_leaves_the_cores_free(server, reference):
     wait_drained(server, _kv_stages(server), timeout=30)
     time.sleep(2)  # vLLM's engine loops spin for a second after their last message
     tree = [p for pid in server.worker_pids() for p in (pid, *descendants(pid))]
-    tick = os.sysconf("SC_CLK_TCK")
-
     def cpu_s() -> dict[int, float]:
-        out = {}
-        for pid in tree:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[pid] = (int(fields[11]) + int(fields[12])) / tick
-        return out
+        return cpu_seconds(tree)
 
     before, start = cpu_s(), time.monotonic()
     time.sleep(3)

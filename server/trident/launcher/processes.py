@@ -49,6 +49,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cpu_seconds(pids) -> dict[int, float]:
+    """The CPU seconds (user + system) each of ``pids`` still running has used so far."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def kill_left(pids: list[int], grace_s: float = 3.0, running=None) -> int:
     """SIGKILL those of ``pids`` still running (``running(pid)``, by default any live process) after
     ``grace_s``; how many were."""
