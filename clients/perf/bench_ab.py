@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -239,7 +238,7 @@ def main() -> int:
     if regressions:
         print(f"[bench-ab] below {FLOOR} of the base, outside the spread: {', '.join(regressions)}")
         return 1
-    print(json.dumps({"regressions": []}))
+    print(f"[bench-ab] every row at {FLOOR} of the base or within the spread")
     return 0
 
 

@@ -37,7 +37,9 @@ from .gate import GATE, close_gate, open_gate
 from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .quiet import quiet
 from .startup import StartupError
-from .processes import OWN_GROUP, descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of
+from .processes import (
+    OWN_GROUP, descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
+)
 from . import triton_shim
 from .joined import JoinedWatch
 from .warmup import warm_up

@@ -17,7 +17,7 @@ from ..protocol import WORKER_FILE
 # the launcher alone, which then stops them in order. Not in a session of its own: where the kernel groups sessions
 # for scheduling (autogroup, on in most distributions' kernels), the cores are shared between sessions first, and a
 # worker in a session of its own got a share as one process whatever it ran; a vLLM E/P/D or EP/D server gave about
-# half its tokens/s at concurrency 8 (docs/benchmarks.md, bench-ab).
+# half its tokens/s at concurrency 8 (the A/B: `git show 59aa600`).
 OWN_GROUP = {"process_group": 0}
 
 

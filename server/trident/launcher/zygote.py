@@ -185,8 +185,8 @@ _CLASS_KEYS = ("processor_class", "image_processor_type", "video_processor_type"
 
 
 def _become_worker(sock: socket.socket, argv: list[str]) -> None:
-    """In the forked child: a process group of its own (in the launcher's session: :data:`~trident.launcher.processes.OWN_GROUP`), the
-    default signal handlers, ``trident <argv>``; never returns."""
+    """In the forked child: a process group of its own in the launcher's session (:data:`.processes.OWN_GROUP`),
+    the default signal handlers, ``trident <argv>``; never returns."""
     code = 1
     try:
         sock.close()
