@@ -322,6 +322,25 @@ def test_an_idle_server_leaves_the_cores_free(server, reference):
     assert max(busy.values()) < 0.25, f"cores used per process while idle: {busy}"
 
 
+def test_every_engine_thread_may_run_on_every_core(server):
+    """No thread of a worker or of its vLLM engine is pinned to fewer cores than the server was given. (vLLM's
+    NixlConnector pins the thread that builds it, on a CPU the one that runs the model, to the last core: every KV
+    engine of a host then shared that one core, and E/P/D and EP/D ran at about 0.7 of their speed.)"""
+    import os
+
+    cores = os.sched_getaffinity(0)
+    pinned = {}
+    for pid in [p for pid in server.worker_pids() for p in (pid, *descendants(pid))]:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                allowed = os.sched_getaffinity(int(task.name))
+            except OSError:  # (a thread that ended meanwhile)
+                continue
+            if allowed != cores:
+                pinned[(pid, (task / "comm").read_text().strip())] = sorted(allowed)
+    assert server.worker_pids() and not pinned, f"threads pinned to fewer than the cores {sorted(cores)}: {pinned}"
+
+
 @pytest.mark.parametrize("mode", ["e_p_d", "ep_d"])
 def test_a_cancelled_stream_frees_its_kv_blocks_within_a_second(server, reference, mode):
     """A client that cancels its gRPC stream mid-answer: the decode engine stops the request within 1 s, and

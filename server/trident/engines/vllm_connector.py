@@ -1,5 +1,5 @@
-"""vLLM's NIXL KV connector as Trident's vLLM stage workers run it: NIXL's progress thread off by default, and the
-transport of each KV peer's READs counted and logged.
+"""vLLM's NIXL KV connector as Trident's vLLM stage workers run it: NIXL's progress thread off by default, the
+engine's model thread left on every core, and the transport of each KV peer's READs counted and logged.
 
 vLLM's ``NixlConnector`` builds its NIXL agent with NIXL's defaults, which start a UCX progress thread that
 polls without pausing: a whole CPU core per KV worker, busy or idle. On a GPU host with dozens of cores that
@@ -69,8 +69,13 @@ class TridentNixlConnector(NixlPullConnector):
     the transport to each peer it READs from in its statistics and in a log line."""
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        cores = os.sched_getaffinity(0)
         with _agents_without_progress_thread():
             super().__init__(vllm_config, role, kv_cache_config)
+        # on a CPU, vLLM's connector worker pins the thread that builds it to the last core of each NUMA node (its
+        # comment: "reserve different cores for start_load_kv() from model_forward()"), but that thread is the one
+        # that then runs the model: every KV engine of a host would share one core. It keeps the cores it had.
+        os.sched_setaffinity(0, cores)
         self._peer_metadata: dict[str, bytes] = {}  # engine id -> its NIXL agent metadata
         self._transports: dict[str, str] = {}  # engine id -> transport.TCP / NOT_TCP, after a first READ from it
         worker = self.connector_worker
