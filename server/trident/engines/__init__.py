@@ -14,18 +14,22 @@ if TYPE_CHECKING:
 
 
 def build_engine(settings: "WorkerSettings") -> "StageEngine":
-    """The stage engine a worker serves: ``settings.backend``'s for its stage (the vllm backend encodes with
-    transformers' vision tower)."""
+    """The stage engine a worker serves: ``settings.backend``'s for its stage (the vllm backend's encode stage is
+    an encode-only vLLM engine)."""
     from ..protocol import STAGES
     from ..transfer import data_plane
 
     data_plane.bind(settings.transfer.data_address)  # before any NIXL agent or vLLM engine listens
     spec = STAGES[settings.stage]
     if settings.backend == "vllm":
-        from .vllm import VLLMStageEngine, runs_on_vllm
+        if spec.roles == ("encode",):
+            from .vllm_encoder import VLLMEncodeEngine
 
-        if runs_on_vllm(spec):
-            return VLLMStageEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads)
+            return VLLMEncodeEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads,
+                                    settings.embedding_cache_bytes)
+        from .vllm import VLLMStageEngine
+
+        return VLLMStageEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads)
     from .hf.stage import HFStageEngine
 
     return HFStageEngine(spec, settings.model, settings.transfer, settings.embedding_cache_bytes)

@@ -13,9 +13,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import PoolExhausted
 from ..transfer import MemoryPool, Region
@@ -186,3 +189,17 @@ class EmbeddingCache:
                 "cache_bytes": self._bytes, "cache_entries": len(self._lru), "cache_capacity": self.capacity,
                 "encodes_shared": c.shared, "vision_runs": c.vision_runs, "images_encoded": c.images_encoded,
             }
+
+
+def settings_digest(model_path: str) -> str:
+    """What an embedding depends on besides the image: the checkpoint's weights and processor settings."""
+    h = hashlib.blake2b(digest_size=8)
+    root = Path(model_path)
+    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
+        if (root / name).is_file():
+            h.update(name.encode() + (root / name).read_bytes())
+    for weights in sorted(root.glob("*.safetensors")):
+        stat = weights.stat()
+        h.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h.update(json.dumps(str(root.resolve())).encode())
+    return h.hexdigest()

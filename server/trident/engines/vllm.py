@@ -3,8 +3,8 @@
 What each stage runs:
 
 - ``generate`` (EPD) and ``encode_prefill`` (EP/D): raw media into vLLM, which runs its own vision or audio tower.
-- ``encode``: transformers' vision tower + projector (:class:`~trident.engines.hf.stage.HFStageEngine`),
-  the embeddings published through :mod:`trident.engines.handoff` exactly as with the ``hf`` engine.
+- ``encode``: an encode-only vLLM engine, vLLM's own encoders (:mod:`trident.engines.vllm_encoder`), the
+  embeddings published through :mod:`trident.engines.handoff` exactly as with the ``hf`` engine.
 - ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through
   :mod:`trident.engines.handoff` and given to vLLM as image embeddings.
 - ``prefill`` / ``encode_prefill`` -> ``decode``: vLLM's ``NixlConnector`` moves the KV cache (producer on
@@ -57,11 +57,6 @@ FIRST_OUTPUT_WAIT_S = 10.0  # how long a cancelled request may wait for vLLM's f
 log = logging.getLogger("trident.vllm")
 
 
-def runs_on_vllm(spec: StageSpec) -> bool:
-    """Every stage but a bare encoder runs a vLLM engine (encode runs the hf vision tower)."""
-    return spec.roles != ("encode",)
-
-
 def kv_role(spec: StageSpec) -> str | None:
     """The stage's NixlConnector role: producer when it hands on KV, consumer when it takes KV."""
     if spec.hands_on == "kv":
@@ -100,6 +95,46 @@ def _executor(config: VLLMConfig, cpu: bool) -> dict:
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return {"distributed_executor_backend": UniProcExecutor}
+
+
+def start_engine(args, cpu: bool, stat_loggers=None):
+    """An ``AsyncLLM`` from engine arguments; call before this process opens a NIXL agent."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    if cpu:
+        # vLLM's CPU platform makes its engine-core process a spawned one, which imports vLLM afresh (tens of
+        # seconds of CPU per engine on a small machine); this process has imported it, run no OpenMP region
+        # and opened no NIXL agent yet (the caller's endpoint comes after), so a fork is safe here and starts
+        # the engine core without the imports
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
+
+
+def decode_media(processor: Processor, media: list) -> tuple[dict, MediaEmbeddings, list[str]]:
+    """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
+    counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
+    family = processor.family
+    with tracing.step("media_decode"):
+        decoded = processor.open(media)
+    mm: dict = {}
+    counts: list[int] = []
+    grids: list = []
+    seconds: list[float] = []
+    for kind in dict.fromkeys(item.kind for item in media):
+        items = [d for d, item in zip(decoded, media) if item.kind == kind]
+        mm[kind] = family.vllm_inputs(processor, kind, items)
+        c, g = family.layout(processor, kind, items)
+        counts += c
+        grids += g if g is not None else [None] * len(c)
+        seconds += family.clip_seconds(processor, kind, items) or [0.0] * len(c)
+    layout = MediaEmbeddings(
+        torch.empty(0), counts, grids if any(g is not None for g in grids) else None,
+        [item.kind for item in media], seconds if any(seconds) else None,
+    )
+    ids = [image_digest(d) if item.kind == "image" else item.content_id for d, item in zip(decoded, media)]
+    return mm, layout, ids
 
 
 class _EngineStats:
@@ -188,13 +223,11 @@ class VLLMStageEngine:
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         from ..transfer import TransferEndpoint
 
-        if not runs_on_vllm(spec):
-            raise ValueError(f"the vllm engine has no {spec.name!r} stage engine; encode runs the hf encoder")
+        if spec.roles == ("encode",):
+            raise ValueError("the vllm engine's encode stage is trident.engines.vllm_encoder.VLLMEncodeEngine")
         self.kv_role = kv_role(spec)
         self.embeddings_in = "encode" not in spec.roles  # images arrive as embeddings, or as placeholders
         self.stage = stage = spec.name
@@ -234,14 +267,7 @@ class VLLMStageEngine:
             **_executor(config, cpu),
         )
         log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, self.kv_role, self.embeddings_in)
-        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
-        if cpu:
-            # vLLM's CPU platform makes its engine-core process a spawned one, which imports vLLM afresh (tens of
-            # seconds of CPU per engine on a small machine); this process has imported it, run no OpenMP region
-            # and opened no NIXL agent yet (the endpoint below comes after), so a fork is safe here and starts
-            # the engine core without the imports
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._stats.factory])
+        self.llm = start_engine(args, cpu, stat_loggers=[self._stats.factory])
         takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
         self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
         self._first_token_rules(
@@ -293,35 +319,12 @@ class VLLMStageEngine:
         finally:
             release()
 
-    def _decoded(self, media: list) -> tuple[dict, MediaEmbeddings, list[str]]:
-        """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
-        counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
-        with tracing.step("media_decode"):
-            decoded = self.processor.open(media)
-        mm: dict = {}
-        counts: list[int] = []
-        grids: list = []
-        seconds: list[float] = []
-        for kind in dict.fromkeys(item.kind for item in media):
-            items = [d for d, item in zip(decoded, media) if item.kind == kind]
-            mm[kind] = self.family.vllm_inputs(self.processor, kind, items)
-            c, g = self.family.layout(self.processor, kind, items)
-            counts += c
-            grids += g if g is not None else [None] * len(c)
-            seconds += self.family.clip_seconds(self.processor, kind, items) or [0.0] * len(c)
-        layout = MediaEmbeddings(
-            torch.empty(0), counts, grids if any(g is not None for g in grids) else None,
-            [item.kind for item in media], seconds if any(seconds) else None,
-        )
-        ids = [image_digest(d) if item.kind == "image" else item.content_id for d, item in zip(decoded, media)]
-        return mm, layout, ids
-
     async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
         """vLLM's prompt and what the decode side needs: (prompt, expanded length, the media's layout (token
         counts, grids, kinds, seconds), the items' ids)."""
         if media:
             self.processor.check_placeholders(text, media_counts(media))
-            mm, layout, ids = await asyncio.to_thread(self._decoded, media)
+            mm, layout, ids = await asyncio.to_thread(decode_media, self.processor, media)
             prompt, length = self._prompt(text, layout.token_counts, layout.item_kinds, mm, ids)
             return prompt, length, layout, ids
         if embedding_meta is not None:

@@ -17,8 +17,6 @@ prefill -> decode here reproduces ``model.generate()`` token for token under gre
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +39,8 @@ from ...transfer import TransferEndpoint
 from ...transfer.tensors import dtype_name
 from .. import handoff
 from ..base import DecodeRequest, Encoded, Fork, MediaEmbeddings, PrefillResult
-from ..embedding_cache import CachedEmbedding, EmbeddingCache
+from ..embedding_cache import CachedEmbedding, EmbeddingCache, settings_digest
+from ..encode_stage import EncodeStage
 from .sampling import candidates, new_seed, sample
 
 
@@ -239,7 +238,11 @@ class HFStageEngine:
         self.prefiller = HFPrefiller(self.model) if {"prefill", "decode"} & set(spec.roles) else None
         self.decoder = HFDecoder(self.model) if "decode" in spec.roles else None
         self.cache = (
-            EmbeddingCache(self.endpoint.sender.pool, embedding_cache_bytes, _settings_digest(model_path))
+            EmbeddingCache(self.endpoint.sender.pool, embedding_cache_bytes, settings_digest(model_path))
+            if publishes_embeddings else None
+        )
+        self.encode_stage = (
+            EncodeStage(self.processor, self.cache, self.endpoint, lambda claimed: self._start(self._encode_into_cache, claimed))
             if publishes_embeddings else None
         )
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trident-compute")
@@ -265,80 +268,7 @@ class HFStageEngine:
 
     # -- stage operations ----------------------------------------------------------------------------------
     async def encode(self, media: list[MediaItem]) -> Encoded:
-        """Each distinct item of the request from the cache, from another request's encode in flight, or
-        from one encoder pass over the rest; the record points at the cached regions."""
-        self.processor.check_kinds(counts(media))
-        cache, loop = self.cache, asyncio.get_running_loop()
-        keys = [cache.key(item.content_id) for item in media]
-        held: dict[str, CachedEmbedding] = {}
-        waits: dict[str, asyncio.Future] = {}
-        mine: dict[str, MediaItem] = {}
-        report = {"hits": 0, "misses": 0, "shared": 0}
-        for key, item in zip(keys, media):
-            if key in held or key in waits or key in mine:  # the same image again in this request
-                report["shared"] += 1
-                cache.counters.shared += 1
-                continue
-            claim = cache.claim(key, loop)
-            if claim.entry is not None:
-                held[key] = claim.entry
-                report["hits"] += 1
-            elif claim.pending is not None:
-                waits[key] = claim.pending
-                report["shared"] += 1
-            else:
-                mine[key] = item
-                report["misses"] += 1
-        try:
-            if mine:
-                held.update(await self._encode_claimed(mine))
-            for key, pending in waits.items():
-                held[key] = await cache.wait(pending)
-        except BaseException:
-            for entry in held.values():
-                cache.release(entry)
-            for key, pending in waits.items():  # the reference taken for us when that encode ends
-                if key not in held:
-                    pending.add_done_callback(lambda f: f.exception() is None and cache.release(f.result()))
-            raise
-        entries = [held[key] for key in keys]
-        seen: set[str] = set()
-        for key in keys:  # a record holds one reference per image it lists, repeats included
-            if key in seen:
-                cache.retain(held[key])
-            seen.add(key)
-        record = handoff.publish_cached_embeddings(
-            self.endpoint.sender, cache, entries, [i.content_id for i in media], [i.kind for i in media]
-        )
-        report.update(vision_runs=int(bool(mine)), cache_bytes=cache.bytes, evictions=cache.counters.evictions)
-        with tracing.step("record_encode"):
-            return Encoded(record.encode(), report)
-
-    async def _encode_claimed(self, claimed: dict[str, MediaItem]) -> dict[str, CachedEmbedding]:
-        """Encode the items this request claimed, in one encoder pass on the compute thread, and wake
-        the requests waiting on them whatever happens to this one."""
-        cache, keys = self.cache, list(claimed)
-        run = self._start(self._encode_into_cache, list(claimed.items()))
-
-        def settle(done: asyncio.Future) -> None:
-            if done.cancelled() or done.exception() is not None:
-                error = done.exception() if not done.cancelled() else asyncio.CancelledError()
-                for key in keys:
-                    cache.fail(key, error)
-            else:
-                for key, entry in zip(keys, done.result()):
-                    cache.fulfil(key, entry)
-
-        if run.done():  # encoded on the event loop: wake the waiters before anything else runs
-            settle(run)
-        else:
-            run.add_done_callback(settle)
-        try:
-            entries = await asyncio.shield(run)
-        except asyncio.CancelledError:  # this request went away: its references go when the encode ends
-            run.add_done_callback(lambda f: f.exception() is None and [cache.release(e) for e in f.result()])
-            raise
-        return dict(zip(keys, entries))
+        return await self.encode_stage.encode(media)
 
     def _encode_into_cache(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
         with tracing.step("media_decode"):
@@ -526,17 +456,3 @@ def _release_unused(fetch: asyncio.Future) -> None:
         for request in fetch.result():
             if request.on_admit is not None:
                 request.on_admit()
-
-
-def _settings_digest(model_path: str) -> str:
-    """What an embedding depends on besides the image: the checkpoint's weights and processor settings."""
-    h = hashlib.blake2b(digest_size=8)
-    root = Path(model_path)
-    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
-        if (root / name).is_file():
-            h.update(name.encode() + (root / name).read_bytes())
-    for weights in sorted(root.glob("*.safetensors")):
-        stat = weights.stat()
-        h.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    h.update(json.dumps(str(root.resolve())).encode())
-    return h.hexdigest()

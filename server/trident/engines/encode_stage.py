@@ -1,0 +1,106 @@
+"""The encode stage's request flow around an encoder, for every engine: the embedding cache's claims, encodes
+shared between requests, and the record over the cached regions.
+
+An engine gives :class:`EncodeStage` one thing, ``start``: a function that starts encoding the items a request
+claimed and returns a future of their cache entries (the hf engine runs transformers' encoder; the vllm engine an
+encode-only vLLM engine, :mod:`trident.engines.vllm_encoder`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from .. import tracing
+from ..media import MediaItem, counts
+from ..processor import Processor
+from ..transfer import TransferEndpoint
+from . import handoff
+from .base import Encoded
+from .embedding_cache import CachedEmbedding, EmbeddingCache
+
+Start = Callable[[list[tuple[str, MediaItem]]], asyncio.Future]  # (cache key, item) pairs -> future of entries
+
+
+class EncodeStage:
+    def __init__(self, processor: Processor, cache: EmbeddingCache, endpoint: TransferEndpoint, start: Start) -> None:
+        self.processor = processor
+        self.cache = cache
+        self.endpoint = endpoint
+        self._start = start
+
+    async def encode(self, media: list[MediaItem]) -> Encoded:
+        """Each distinct item of the request from the cache, from another request's encode in flight, or
+        from one encoder pass over the rest; the record points at the cached regions."""
+        self.processor.check_kinds(counts(media))
+        cache, loop = self.cache, asyncio.get_running_loop()
+        keys = [cache.key(item.content_id) for item in media]
+        held: dict[str, CachedEmbedding] = {}
+        waits: dict[str, asyncio.Future] = {}
+        mine: dict[str, MediaItem] = {}
+        report = {"hits": 0, "misses": 0, "shared": 0}
+        for key, item in zip(keys, media):
+            if key in held or key in waits or key in mine:  # the same image again in this request
+                report["shared"] += 1
+                cache.counters.shared += 1
+                continue
+            claim = cache.claim(key, loop)
+            if claim.entry is not None:
+                held[key] = claim.entry
+                report["hits"] += 1
+            elif claim.pending is not None:
+                waits[key] = claim.pending
+                report["shared"] += 1
+            else:
+                mine[key] = item
+                report["misses"] += 1
+        try:
+            if mine:
+                held.update(await self._encode_claimed(mine))
+            for key, pending in waits.items():
+                held[key] = await cache.wait(pending)
+        except BaseException:
+            for entry in held.values():
+                cache.release(entry)
+            for key, pending in waits.items():  # the reference taken for us when that encode ends
+                if key not in held:
+                    pending.add_done_callback(lambda f: f.exception() is None and cache.release(f.result()))
+            raise
+        entries = [held[key] for key in keys]
+        seen: set[str] = set()
+        for key in keys:  # a record holds one reference per image it lists, repeats included
+            if key in seen:
+                cache.retain(held[key])
+            seen.add(key)
+        record = handoff.publish_cached_embeddings(
+            self.endpoint.sender, cache, entries, [i.content_id for i in media], [i.kind for i in media]
+        )
+        report.update(vision_runs=int(bool(mine)), cache_bytes=cache.bytes, evictions=cache.counters.evictions)
+        with tracing.step("record_encode"):
+            return Encoded(record.encode(), report)
+
+    async def _encode_claimed(self, claimed: dict[str, MediaItem]) -> dict[str, CachedEmbedding]:
+        """Encode the items this request claimed, in one encoder pass, and wake the requests waiting on them
+        whatever happens to this one."""
+        cache, keys = self.cache, list(claimed)
+        run = self._start(list(claimed.items()))
+
+        def settle(done: asyncio.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+                for key in keys:
+                    cache.fail(key, error)
+            else:
+                for key, entry in zip(keys, done.result()):
+                    cache.fulfil(key, entry)
+
+        if run.done():  # encoded on the event loop: wake the waiters before anything else runs
+            settle(run)
+        else:
+            run.add_done_callback(settle)
+        try:
+            entries = await asyncio.shield(run)
+        except asyncio.CancelledError:  # this request went away: its references go when the encode ends
+            run.add_done_callback(lambda f: f.exception() is None and [cache.release(e) for e in f.result()])
+            raise
+        return dict(zip(keys, entries))

@@ -1,0 +1,139 @@
+"""The vllm engine's ``encode`` stage: vLLM's own encoders, in an encode-only vLLM engine.
+
+The engine (``ECTransferConfig(ec_role="ec_producer")``) runs the model's vision and audio encoders and no language
+model or KV cache. Each encode call is one vLLM request whose prompt is the items' placeholders, with the items'
+embedding cache keys as their ``multi_modal_uuids``; :class:`~trident.engines.vllm_ec_connector.TridentECConnector`
+hands the encoder outputs back to this worker when the request finishes. From there the stage is the hf engine's:
+the outputs go into this worker's embedding cache (the one cache: vLLM is asked only for what it lacks), and the
+next stage READs them over Trident's NIXL layer from a sealed record (:class:`~trident.engines.encode_stage.EncodeStage`).
+No transformers model is built here: the worker has the tokenizer and the media processors, for the items'
+layout (token counts, grids), which is checked against vLLM's outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from .. import tracing
+from ..config import TransferConfig, VLLMConfig
+from ..media import MediaItem
+from ..processor import Processor
+from ..protocol import StageSpec
+from ..transfer import TransferEndpoint
+from .base import Encoded
+from .embedding_cache import CachedEmbedding, EmbeddingCache, settings_digest
+from .encode_stage import EncodeStage
+from .vllm import _environment, _executor, decode_media, start_engine
+from .vllm_ec_connector import outputs_of
+
+log = logging.getLogger("trident.vllm")
+
+
+class VLLMEncodeEngine:
+    """The encode stage's :class:`~trident.engines.base.StageEngine` on the vllm engine."""
+
+    calls_at_once = 1
+    kv_claims = None
+
+    def __init__(
+        self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None,
+        threads: int = 1, embedding_cache_bytes: int = 0,
+    ) -> None:
+        _environment(config, threads)  # (before vLLM's import: its logging level is read then)
+        from vllm.config import ECTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        if spec.roles != ("encode",):
+            raise ValueError(f"VLLMEncodeEngine serves the encode stage, not {spec.name!r}")
+        self.processor = Processor(model_path)
+        cpu = current_platform.is_cpu()
+        max_len = min(config.max_model_len or self.processor.max_model_len, self.processor.max_model_len)
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=config.dtype or ("float32" if cpu else "auto"),
+            max_model_len=max_len,
+            enforce_eager=config.enforce_eager if config.enforce_eager is not None else cpu,
+            kv_cache_memory_bytes=1 << 26,  # (an encode-only engine allocates no KV cache; this skips the memory probe)
+            ec_transfer_config=ECTransferConfig(
+                ec_connector="TridentECConnector", ec_connector_module_path="trident.engines.vllm_ec_connector",
+                ec_role="ec_producer", ec_buffer_device="cpu" if cpu else "cuda",
+            ),
+            use_tqdm_on_load=False,
+            seed=0,
+            **_executor(config, cpu),
+        )
+        if config.executor == "mp" and cpu:
+            raise ValueError("the vllm encode stage runs its engine's model in the engine core (vllm.executor 'uni')")
+        log.info("starting an encode-only vLLM engine for %s", spec.name)
+        self.llm = start_engine(args, cpu)
+        self.endpoint = TransferEndpoint(transfer, extra_send_bytes=embedding_cache_bytes)  # (after the fork)
+        self.cache = EmbeddingCache(self.endpoint.sender.pool, embedding_cache_bytes, settings_digest(model_path))
+        self.encode_stage = EncodeStage(
+            self.processor, self.cache, self.endpoint, lambda claimed: asyncio.ensure_future(self._encode(claimed))
+        )
+
+    async def encode(self, media: list[MediaItem]) -> Encoded:
+        return await self.encode_stage.encode(media)
+
+    async def _encode(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
+        """One vLLM request over the claimed items; their outputs into the cache, in order."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        keys = [key for key, _ in claimed]
+        items = [item for _, item in claimed]
+        mm, layout, _ = await asyncio.to_thread(decode_media, self.processor, items)
+        kinds = list(dict.fromkeys(layout.item_kinds))
+        order = [i for kind in kinds for i, item in enumerate(items) if item.kind == kind]  # vLLM's: by kind
+        placeholders = "".join(self.processor.family.placeholders[items[i].kind].text for i in order)
+        prompt = {
+            "prompt_token_ids": self.processor.tokenizer(placeholders, add_special_tokens=False)["input_ids"],
+            "multi_modal_data": mm,
+            "multi_modal_uuids": {kind: [keys[i] for i in order if items[i].kind == kind] for kind in kinds},
+        }
+        params = VSamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        with tracing.step("vllm_encoder"):
+            async for final in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+                pass
+        outputs = outputs_of(final.ec_transfer_params if final is not None else None)
+        grids = layout.grid_thw or [None] * len(items)
+        seconds = layout.seconds or [0.0] * len(items)
+        entries = []
+        try:
+            with tracing.step("publish"):  # the copy into the send pool
+                for key, count, grid, secs in zip(keys, layout.token_counts, grids, seconds):
+                    rows = outputs.get(key)
+                    if rows is None or rows.dim() != 2 or rows.shape[0] != count:
+                        raise RuntimeError(f"vLLM's encoder gave {None if rows is None else tuple(rows.shape)} for an "
+                                           f"item of {count} embeddings")
+                    entries.append(self.cache.store(key, rows, grid, secs))
+        except BaseException:
+            for entry in entries:
+                self.cache.release(entry)
+            raise
+        self.cache.counters.vision_runs += 1
+        self.cache.counters.images_encoded += len(items)
+        return entries
+
+    async def prefill(self, *args, **kwargs) -> bytes:
+        raise NotImplementedError("the encode stage does not prefill")
+
+    async def generate(self, *args, **kwargs):
+        raise NotImplementedError("the encode stage does not generate")
+
+    def discard(self, record: bytes) -> None:
+        return None  # (the encode stage takes no record)
+
+    def stats(self) -> dict:
+        out = dict(self.endpoint.stats())
+        out.update(self.cache.stats())
+        out["encoder"] = "vllm"
+        return out
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self.endpoint.close()
