@@ -322,6 +322,17 @@ def test_an_idle_server_leaves_the_cores_free(server, reference):
     assert max(busy.values()) < 0.25, f"cores used per process while idle: {busy}"
 
 
+def test_the_encode_worker_runs_vllm_s_encoder(server, reference):
+    """The encode stage's worker runs an encode-only vLLM engine (its engine-core process beside it), and every
+    image the requests so far brought was encoded there (tests/integration/test_vllm_encoder.py checks that no
+    transformers vision model is built in it)."""
+    stats = server.stats()["encode"]  # (both servers run E/P/D)
+    assert stats["encoder"] == "vllm" and stats["images_encoded"] > 0, stats
+    engines = [p for p in descendants(server.worker_pid("encode"))
+               if Path(f"/proc/{p}/comm").read_text().strip().startswith("VLLM::EngineCor")]
+    assert len(engines) == 1, engines
+
+
 def test_every_engine_thread_may_run_on_every_core(server):
     """No thread of a worker or of its vLLM engine is pinned to fewer cores than the server was given. (vLLM's
     NixlConnector pins the thread that builds it, on a CPU the one that runs the model, to the last core: every KV
