@@ -251,6 +251,9 @@ def _add_frontend_flags(g) -> None:
 
 def _frontend(args: argparse.Namespace) -> int:
     from .frontend.app import run_frontend
+    from .launcher.processes import end_with_head
+
+    end_with_head()  # (started by serve: it ends with the head)
 
     if args.settings:
         settings = FrontendSettings.model_validate_json(args.settings)

@@ -120,6 +120,34 @@ def test_triton_dying_stops_everything_and_exits_non_zero(server):
     assert not alive, [_cmdline(p)[:80] for p in alive]
 
 
+def test_a_killed_head_leaves_nothing_and_its_ports_serve_again(demo_models, tmp_path):
+    """`trident serve` killed with SIGKILL (the OOM killer's way): within seconds no process it started is left (the
+    OpenAI frontend and the workers used to live on, holding their ports), and a new server starts on the same
+    ports."""
+    from support import descendants
+
+    srv = Server(demo_models["llava"], tmp_path / "ws", modes=["e_pd"])
+    try:
+        srv.wait_ready()
+        tree = descendants(srv.proc.pid)
+        names = {pid: _cmdline(pid) for pid in tree}
+        assert any(" frontend " in n for n in names.values()) and len(srv.worker_pids()) == 2, names
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in tree if os.path.exists(f"/proc/{p}") and _cmdline(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, {p: names[p][:80] for p in alive}
+    finally:
+        srv.stop()
+    again = Server(demo_models["llava"], tmp_path / "ws2", modes=["e_pd"],
+                   ports=(srv.http_port, srv.grpc_port, srv.metrics_port, srv.openai_port))
+    try:
+        again.wait_ready()
+    finally:
+        again.stop()
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -38,7 +38,7 @@ from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .quiet import quiet
 from .startup import StartupError
 from .processes import (
-    OWN_GROUP, descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
+    HEAD_PID_ENV, OWN_GROUP, descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
 )
 from . import triton_shim
 from .joined import JoinedWatch
@@ -304,7 +304,7 @@ class Launcher:
         """The process the workers are forked from (:mod:`.zygote`), importing while Triton starts; its environment,
         taken now, is theirs (the stage directory's included). A worker may run from another environment (e.g. an engine needing numpy 2, which the Triton python-backend stub cannot
         take): the zygote runs the workers' Python."""
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", **{HEAD_PID_ENV: str(os.getpid())})
         quiet(env, self.s.vllm.log_level)
         self._zygote = Zygote(self.s.worker_python or sys.executable, env, self.s.backend, str(self.model_path))
 
@@ -327,7 +327,8 @@ class Launcher:
         cmd = [sys.executable, "-m", "trident.cli", "frontend", "--settings", settings.model_dump_json()]
         # it calls the entry models, as any client: no secret of the deployment's
         env = {k: v for k, v in os.environ.items() if k != auth.ENV}
-        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=dict(env, HF_HUB_OFFLINE="1"), **OWN_GROUP)
+        env.update(HF_HUB_OFFLINE="1", **{HEAD_PID_ENV: str(os.getpid())})
+        self.workers["frontend"] = proc = subprocess.Popen(cmd, env=env, **OWN_GROUP)
         self._restarts.started("frontend")
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
         return proc

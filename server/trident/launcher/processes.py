@@ -20,6 +20,35 @@ from ..protocol import WORKER_FILE
 # half its tokens/s at concurrency 8 (the A/B: `git show 59aa600`).
 OWN_GROUP = {"process_group": 0}
 
+# The head's pid, in the environment of each process it starts (the zygote passes it on to the workers): a process
+# that finds it there ends, with its process group (a vLLM worker's engine processes), when the head ends, even
+# killed with SIGKILL as the OOM killer does; the OpenAI frontend used to live on, holding its port, and the next
+# start failed with "ports in use". (tritonserver gets the same from PyTriton's
+# PR_SET_PDEATHSIG, its python-backend stubs from Triton.)
+HEAD_PID_ENV = "TRIDENT_HEAD_PID"
+
+
+def end_with_head() -> None:
+    """When this process was started by a head (:data:`HEAD_PID_ENV`), a thread that waits on the head's pidfd and
+    kills this process's group the moment the head is gone. Call once the process has its own group."""
+    import select
+    import threading
+
+    pid = os.environ.get(HEAD_PID_ENV, "")
+    if not pid.isdigit():
+        return
+    try:
+        head = os.pidfd_open(int(pid))
+    except ProcessLookupError:  # gone already
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([head], [], [])
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="trident-head-watch", daemon=True).start()
+
 
 def remove_direct_socket(model_dir: Path) -> None:
     """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could

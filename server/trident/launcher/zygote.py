@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .processes import OWN_GROUP
+from .processes import OWN_GROUP, end_with_head
 
 SPAWN_TIMEOUT_S = 300.0  # a first spawn waits for the imports (vLLM's take tens of seconds on a small machine)
 
@@ -186,11 +186,13 @@ _CLASS_KEYS = ("processor_class", "image_processor_type", "video_processor_type"
 
 def _become_worker(sock: socket.socket, argv: list[str]) -> None:
     """In the forked child: a process group of its own in the launcher's session (:data:`.processes.OWN_GROUP`),
-    the default signal handlers, ``trident <argv>``; never returns."""
+    ended with the head (:func:`.processes.end_with_head`), the default signal handlers, ``trident <argv>``; never
+    returns."""
     code = 1
     try:
         sock.close()
         os.setpgid(0, 0)
+        end_with_head()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         import setproctitle
