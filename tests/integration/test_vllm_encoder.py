@@ -7,6 +7,7 @@ here."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -102,7 +103,8 @@ def test_the_vllm_encode_stage_is_vllm_s_encoder(arch, demo_models, tmp_path):
         [vllm_python(), "-c", ENCODE, model, str(tmp_path / "inputs.json"), str(tmp_path / "rows.pt"),
          ",".join(VLLM_BUILDS.get(arch, []))],
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO / "server")},
+        # (vLLM's ZeroMQ IPC socket files go in the test's folder, as a server's go in its workspace)
+        env={**os.environ, "PYTHONPATH": str(REPO / "server"), "VLLM_RPC_BASE_PATH": str(tmp_path)},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
