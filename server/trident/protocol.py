@@ -383,7 +383,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 8  # 8: vLLM KV records name the claim at their producer
+RECORD_VERSION = 9  # 9: the vllm engine's records carry media stand-ins
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
 MAX_TENSOR_RANK = 8
@@ -471,6 +471,36 @@ class _Record(msgspec.Struct, array_like=True, frozen=True, tag=True):
         pass
 
 
+MAX_STAND_IN_ELEMENTS = 1 << 28  # a stand-in's zeros: at most 256 Mi elements (a 1 GiB clip of uint8 frames x 4)
+StandInMeta = dict[str, int | float | str | bool | list[int]]
+
+
+class StandIn(msgspec.Struct, array_like=True, frozen=True):
+    """One media item as the vllm engine's consumers give it to vLLM: the item's shape with zeros for its values.
+
+    vLLM sizes a prompt's placeholders (and Qwen's 3-D positions) from an item's shape alone, whatever the model;
+    the embeddings themselves reach the engine from the encode stage (prefill) or are not needed (decode, whose KV
+    covers them). What ``vllm_inputs`` gave vLLM at the encode stage: an RGB image (``image``: shape (h, w)), or an
+    array (shape, dtype), alone or with a sample rate (``rate``) or a metadata dict (``meta``)."""
+
+    shape: list[int]
+    image: bool = False
+    dtype: str = "uint8"
+    rate: int | None = None
+    meta: StandInMeta | None = None
+
+    def validate(self) -> None:
+        elements = 1
+        for n in self.shape:
+            elements *= n
+        if not 0 < len(self.shape) <= MAX_TENSOR_RANK or any(n <= 0 for n in self.shape):
+            raise MalformedRecord(f"a media stand-in has shape {self.shape}")
+        if elements > MAX_STAND_IN_ELEMENTS or (self.image and len(self.shape) != 2):
+            raise MalformedRecord(f"a media stand-in of shape {self.shape} is not one a request could bring")
+        if self.dtype not in ("uint8", "float32", "int16"):
+            raise MalformedRecord(f"a media stand-in has dtype {self.dtype!r}")
+
+
 class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
     """``embedding_meta``: a request's media embeddings, all items back to back ``(sum(token_counts), hidden)``."""
 
@@ -480,10 +510,12 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
     image_ids: list[str] = []  # content ids of the items, for caches keyed by content
     kinds: list[str] | None = None  # each item's modality; None: all images
     seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
+    stand_ins: list[StandIn] | None = None  # the vllm engine's: each item's shape, for vLLM's placeholders
 
     def validate(self) -> None:
         self.transfer.validate()
         _check_seconds(self.seconds, len(self.token_counts))
+        _check_stand_ins(self.stand_ins, len(self.token_counts))
         if not self.token_counts or any(c <= 0 for c in self.token_counts):
             raise MalformedRecord(f"embeddings record has invalid token counts {self.token_counts}")
         if self.image_ids and len(self.image_ids) != len(self.token_counts):
@@ -551,6 +583,7 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     image_ids: list[str]
     kinds: list[str] | None = None  # each item's modality; None: all images
     seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
+    stand_ins: list[StandIn] | None = None  # each media item's shape, for the decode engine's placeholders
     first_token: int | None = None  # the prefill's greedy token (None: not sampled)
     first_text: str | None = None  # as in HFKVRecord
     # the first token's logprob entries when the request asked for logprobs: (token id, logprob, rank), the
@@ -571,6 +604,7 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
             raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")
         _check_kinds(self.kinds, len(self.token_counts))
         _check_seconds(self.seconds, len(self.token_counts))
+        _check_stand_ins(self.stand_ins, len(self.token_counts))
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default max_logprobs)
@@ -587,6 +621,15 @@ def _check_logprobs(entries: list[tuple[int, float, int]] | None, token: int | N
         or not isinstance(e[1], float) or not e[1] <= 0.0 for e in entries
     ):
         raise MalformedRecord("kv record has invalid first-token logprobs")
+
+
+def _check_stand_ins(stand_ins: list[StandIn] | None, items: int) -> None:
+    if stand_ins is None:
+        return
+    if len(stand_ins) != items:
+        raise MalformedRecord(f"record has {len(stand_ins)} media stand-ins for {items} items")
+    for stand_in in stand_ins:
+        stand_in.validate()
 
 
 def _check_seconds(seconds: list[float] | None, items: int) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 import textwrap
 from pathlib import Path
@@ -99,13 +101,15 @@ def test_the_vllm_encode_stage_is_vllm_s_encoder(arch, demo_models, tmp_path):
         path.write_bytes(_media(kind, size, seed))
         listed.append([kind, str(path), index])
     (tmp_path / "inputs.json").write_text(json.dumps(listed))
+    ipc = tempfile.mkdtemp(prefix="vllm-ipc-")  # (short: a Unix socket's path has at most 107 bytes)
     run = subprocess.run(
         [vllm_python(), "-c", ENCODE, model, str(tmp_path / "inputs.json"), str(tmp_path / "rows.pt"),
          ",".join(VLLM_BUILDS.get(arch, []))],
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        # (vLLM's ZeroMQ IPC socket files go in the test's folder, as a server's go in its workspace)
-        env={**os.environ, "PYTHONPATH": str(REPO / "server"), "VLLM_RPC_BASE_PATH": str(tmp_path)},
+        # (vLLM's ZeroMQ IPC socket files go in a folder of the test's, as a server's go in its workspace)
+        env={**os.environ, "PYTHONPATH": str(REPO / "server"), "VLLM_RPC_BASE_PATH": ipc},
     )
+    shutil.rmtree(ipc, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     n = len(CASES[arch])

@@ -11,7 +11,7 @@ from trident.errors import (
     ReplayedRecord, TransferTimeout, TridentError, Unavailable,
 )
 from trident.protocol import (
-    MODES, RECORD_VERSION, STAGES, EmbeddingsRecord, HFKVRecord, TensorSpec, Transfer, VLLMKVRecord, decode_record,
+    MODES, RECORD_VERSION, STAGES, EmbeddingsRecord, HFKVRecord, StandIn, TensorSpec, Transfer, VLLMKVRecord, decode_record,
     stages_for, instance_name, parse_instance,
 )
 
@@ -52,6 +52,27 @@ def test_records_round_trip_small_and_typed(record):
     assert msgspec.msgpack.decode(auth.verify(data))[0] == f"{type(record).__struct_config__.tag}"
     assert record.transfer.agent_meta not in data and record.transfer.lease_id.encode() not in data  # sealed
     assert type(record).__struct_config__.tag.endswith(f"/{RECORD_VERSION}")
+
+
+def test_media_stand_ins_round_trip_and_bad_ones_are_refused():
+    """The vllm engine's records carry each item's shape (an image's, a clip's frames with their metadata, an audio
+    clip's samples with its rate), small; a stand-in no request could bring is refused before anything is made."""
+    good = [StandIn([224, 300], image=True), StandIn([8, 56, 56, 3], meta={"fps": 2.0, "frames_indices": [0, 1]}),
+            StandIn([32000], dtype="float32", rate=16000)]
+    record = _embeddings(token_counts=[196, 16, 50], image_ids=["a" * 32, "b" * 32, "c" * 32], stand_ins=good,
+                         transfer=_transfer(262 * 512 * 4, (TensorSpec("float32", (262, 512)),)))
+    data = record.encode()
+    assert len(data) <= 1024 and decode_record(data, EmbeddingsRecord).stand_ins == good
+    for bad, problem in [
+        ([StandIn([1 << 15, 1 << 15], image=True)] + good[1:], "not one a request could bring"),
+        ([StandIn([224, 0], image=True)] + good[1:], "has shape"),
+        ([StandIn([4, 4, 4], image=True)] + good[1:], "not one a request could bring"),
+        ([StandIn([16], dtype="object")] + good[1:], "dtype"),
+        (good[:2], "2 media stand-ins for 3 items"),
+    ]:
+        with pytest.raises(MalformedRecord, match=problem):
+            decode_record(_embeddings(token_counts=[196, 16, 50], image_ids=["a" * 32, "b" * 32, "c" * 32],
+                                      stand_ins=bad, transfer=record.transfer).encode(), EmbeddingsRecord)
 
 
 def test_a_record_of_the_wrong_kind_is_refused_by_name():

@@ -8,7 +8,7 @@ import pytest
 from trident.engines.vllm import VLLMStageEngine, prompt_digest
 from trident.errors import InvalidRequest, MalformedRecord
 from trident.processor import Processor
-from trident.protocol import VLLMKVRecord, decode_record
+from trident.protocol import StandIn, VLLMKVRecord, decode_record
 from trident.auth import sign
 
 
@@ -58,7 +58,7 @@ def _decode_side(model_path: str) -> VLLMStageEngine:
     """The decode engine's prompt handling alone (no vLLM engine started)."""
     engine = object.__new__(VLLMStageEngine)
     engine.processor = Processor(model_path)
-    engine.kv_role, engine.embeddings_in, engine.hidden_size = "kv_consumer", True, 8
+    engine.kv_role = "kv_consumer"
     engine.family = engine.processor.family
     return engine
 
@@ -68,10 +68,10 @@ def test_decode_checks_text_input_against_the_prefilled_prompt(demo_models):
     text = "USER: <image>\nWhat is it? ASSISTANT:"
     ids = engine.processor.tokenizer(text)["input_ids"]
     length = len(engine.processor.prompt_ids(text, [196]))
-    record = _record(prompt_len=length, prompt_digest=prompt_digest(ids))
+    record = _record(prompt_len=length, prompt_digest=prompt_digest(ids), stand_ins=[StandIn([300, 200], image=True)])
     prompt, got = engine._decode_inputs(text, record)
     assert got == length and prompt["prompt_token_ids"] == ids
-    assert prompt["multi_modal_data"]["image"][0].shape == (196, 8)
+    assert prompt["multi_modal_data"]["image"][0].size == (200, 300)  # (PIL: width, height) the item's own
     assert prompt["multi_modal_uuids"] == {"image": record.image_ids}
     with pytest.raises(InvalidRequest, match="not the prompt this kv_meta was prefilled from"):
         engine._decode_inputs(text.replace("What", "Who"), record)
@@ -81,16 +81,16 @@ def test_decode_checks_text_input_against_the_prefilled_prompt(demo_models):
 
 def test_decode_refuses_image_counts_beyond_the_prompt_before_allocating(demo_models):
     engine = _decode_side(demo_models["llava"])
-    engine.hidden_size = 4096
     text = "USER: <image>\nWhat is it? ASSISTANT:"
     for counts, prompt_len in (([10**12], 220), ([300], 220), ([196], 10**9)):
-        with pytest.raises(InvalidRequest, match="context window"):  # once: zeros(10**12, 4096) first
+        with pytest.raises(InvalidRequest, match="context window"):
             engine._decode_inputs(text, _record(token_counts=counts, prompt_len=prompt_len))
 
 
-def test_decode_gives_vllm_each_clip_s_seconds_per_temporal_patch(demo_models):
-    """Qwen2.5-VL's positions after a clip follow its sampling rate: the decode side hands vLLM the seconds the
-    prefill side recorded, or its positions would not continue the prefilled ones."""
+def test_decode_gives_vllm_each_item_s_stand_in(demo_models):
+    """The decode side gives vLLM zeros of each item's own shape, with what came with it (a clip's sampling
+    metadata, from which Qwen2.5-VL's positions after it follow), in the prompt's order by kind: vLLM places the
+    items from them as the prefill's engine did, whatever the model."""
     from transformers import AutoTokenizer
 
     from support import media_prompt
@@ -100,12 +100,17 @@ def test_decode_gives_vllm_each_clip_s_seconds_per_temporal_patch(demo_models):
     ids = engine.processor.tokenizer(text)["input_ids"]
     counts, kinds = [16, 30], ["image", "video"]
     length = len(engine.processor.prompt_ids(text, counts, kinds))
+    clip = {"fps": 2.0, "duration": 5.0, "total_num_frames": 10, "frames_indices": list(range(10))}
     record = _record(prompt_len=length, prompt_digest=prompt_digest(ids), token_counts=counts, kinds=kinds,
-                     grid_thw=[[1, 8, 8], [5, 4, 6]], image_ids=["a" * 32, "b" * 32], seconds=[0.0, 1.0])
+                     grid_thw=[[1, 8, 8], [5, 4, 6]], image_ids=["a" * 32, "b" * 32], seconds=[0.0, 1.0],
+                     stand_ins=[StandIn([112, 112], image=True), StandIn([10, 56, 84, 3], meta=clip)])
     mm = engine._decode_inputs(text, record)[0]["multi_modal_data"]
-    assert mm["video"]["second_per_grid_ts"].tolist() == [1.0]
-    assert mm["video"]["video_embeds"].shape == (30, 8) and mm["video"]["video_grid_thw"].tolist() == [[5, 4, 6]]
-    assert "second_per_grid_ts" not in mm["image"]
+    assert mm["image"][0].size == (112, 112)
+    frames, meta = mm["video"][0]
+    assert frames.shape == (10, 56, 84, 3) and not frames.any() and meta == clip
+    with pytest.raises(InvalidRequest, match="no media stand-ins"):
+        engine._decode_inputs(text, _record(prompt_len=length, prompt_digest=prompt_digest(ids), token_counts=counts,
+                                            kinds=kinds, grid_thw=[[1, 8, 8], [5, 4, 6]], image_ids=["a" * 32, "b" * 32]))
 
 
 def _first_token_side(model_path: str, block_size: int = 16) -> VLLMStageEngine:

@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import PoolExhausted
 from ..transfer import MemoryPool, Region
@@ -37,6 +38,7 @@ class CachedEmbedding:
     refs: int = 0
     seconds: float = 0.0  # Qwen2.5-VL: a clip's seconds per temporal patch
     indexed: bool = False  # in the LRU (else freed when the last reference goes)
+    stand_in: Any = None  # the vllm engine's: the item's shape for vLLM's placeholders (trident.protocol.StandIn)
 
 
 @dataclass
@@ -135,13 +137,14 @@ class EmbeddingCache:
             self.pool.free(entry.region)
 
     # -- stores (compute thread) -----------------------------------------------------------------------
-    def store(self, key: str, tensor, grid: list[int] | None, seconds: float = 0.0) -> CachedEmbedding:
+    def store(self, key: str, tensor, grid: list[int] | None, seconds: float = 0.0, stand_in: Any = None) -> CachedEmbedding:
         """Copy one item's rows into the pool (evicting unused entries for room); held once for the caller."""
         nbytes = tensor.numel() * tensor.element_size()
         region = self._alloc(nbytes)
         flat = self.pool.view(region)
         flat.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1, seconds=seconds)
+        entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1, seconds=seconds,
+                                stand_in=stand_in)
         with self._lock:
             if 0 < nbytes <= self.capacity:
                 entry.indexed = True

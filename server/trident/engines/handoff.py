@@ -59,6 +59,7 @@ def publish_cached_embeddings(
         image_ids=list(item_ids),
         kinds=kinds if kinds and set(kinds) != {"image"} else None,
         seconds=[e.seconds for e in entries] if any(e.seconds for e in entries) else None,
+        stand_ins=[e.stand_in for e in entries] if all(e.stand_in is not None for e in entries) else None,
     )
 
 

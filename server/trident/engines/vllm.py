@@ -5,15 +5,17 @@ What each stage runs:
 - ``generate`` (EPD) and ``encode_prefill`` (EP/D): raw media into vLLM, which runs its own vision or audio tower.
 - ``encode``: an encode-only vLLM engine, vLLM's own encoders (:mod:`trident.engines.vllm_encoder`), the
   embeddings published through :mod:`trident.engines.handoff` exactly as with the ``hf`` engine.
-- ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through
-  :mod:`trident.engines.handoff` and given to vLLM as image embeddings.
+- ``prefill`` (E/P/D) and ``prefill_decode`` (E/PD): the embeddings READ through :mod:`trident.engines.handoff`
+  and given to the engine through Trident's EC connector (:mod:`trident.engines.vllm_ec_connector`, consumer
+  role), the prompt's media as stand-ins of their shapes (:mod:`trident.engines.vllm_media`).
 - ``prefill`` / ``encode_prefill`` -> ``decode``: vLLM's ``NixlConnector`` moves the KV cache (producer on
   the prefill side, consumer on the decode side); ``kv_meta`` carries its ``kv_transfer_params``.
 
-The decode side tokenizes ``text_input`` again with the image token counts in ``kv_meta`` and checks the
-result against the prefill's prompt length and digest. It hands vLLM zero-filled image embeddings of the
-right shapes under the images' content ids: the KV of those positions comes from the prefill worker, the
-shapes give Qwen2-VL its M-RoPE positions, and the ids keep vLLM's prefix cache keyed by image content.
+The decode side tokenizes ``text_input`` again with the media token counts in ``kv_meta`` and checks the
+result against the prefill's prompt length and digest. It hands vLLM the media's stand-ins (zeros of their
+shapes, from ``kv_meta``) under the items' content ids: the KV of those positions comes from the prefill worker,
+the shapes give vLLM the placeholders (and Qwen its M-RoPE positions), whatever the model, and the ids keep
+vLLM's prefix cache keyed by content.
 vLLM computes the prompt's last position on the decode side, so that position must not be an image token.
 
 First token first: the prefill samples the first token greedily and ``kv_meta`` carries it. For a greedy
@@ -43,12 +45,12 @@ from .. import tracing
 from ..config import TransferConfig, VLLMConfig
 from ..errors import InvalidRequest
 from ..media import counts as media_counts
-from ..media.image import image_digest
 from ..output import DecodeEvent, Generation, TokenLogprob, early_text, logprob_entry
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from ..stagecall.client import StageClient
 from . import handoff
+from .vllm_media import decode_media, mm_of, outputs_param, stand_ins_of
 from .base import MediaEmbeddings
 from .kv_claims import KVClaims
 
@@ -110,31 +112,6 @@ def start_engine(args, cpu: bool, stat_loggers=None):
         # the engine core without the imports
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
-
-
-def decode_media(processor: Processor, media: list) -> tuple[dict, MediaEmbeddings, list[str]]:
-    """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
-    counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
-    family = processor.family
-    with tracing.step("media_decode"):
-        decoded = processor.open(media)
-    mm: dict = {}
-    counts: list[int] = []
-    grids: list = []
-    seconds: list[float] = []
-    for kind in dict.fromkeys(item.kind for item in media):
-        items = [d for d, item in zip(decoded, media) if item.kind == kind]
-        mm[kind] = family.vllm_inputs(processor, kind, items)
-        c, g = family.layout(processor, kind, items)
-        counts += c
-        grids += g if g is not None else [None] * len(c)
-        seconds += family.clip_seconds(processor, kind, items) or [0.0] * len(c)
-    layout = MediaEmbeddings(
-        torch.empty(0), counts, grids if any(g is not None for g in grids) else None,
-        [item.kind for item in media], seconds if any(seconds) else None,
-    )
-    ids = [image_digest(d) if item.kind == "image" else item.content_id for d, item in zip(decoded, media)]
-    return mm, layout, ids
 
 
 class _EngineStats:
@@ -220,7 +197,7 @@ class VLLMStageEngine:
         self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
     ) -> None:
         _environment(config, threads)  # (before vLLM's import: its logging level is read then)
-        from vllm.config import KVTransferConfig
+        from vllm.config import ECTransferConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
@@ -229,13 +206,10 @@ class VLLMStageEngine:
         if spec.roles == ("encode",):
             raise ValueError("the vllm engine's encode stage is trident.engines.vllm_encoder.VLLMEncodeEngine")
         self.kv_role = kv_role(spec)
-        self.embeddings_in = "encode" not in spec.roles  # images arrive as embeddings, or as placeholders
         self.stage = stage = spec.name
         self.calls_at_once = 1 if spec.decoupled else config.prefill_calls
         self.processor = Processor(model_path)
         self.family = self.processor.family
-        text_config = getattr(self.processor.config, "text_config", self.processor.config)
-        self.hidden_size: int = text_config.hidden_size
         self._io = ThreadPoolExecutor(1, thread_name_prefix="trident-read")
         self.kv_claims = KVClaims() if self.kv_role == "kv_producer" else None
         self._producers = StageClient()  # a consumer's connections to the producers it claims KV at
@@ -253,22 +227,28 @@ class VLLMStageEngine:
                 # always READ the prefill's KV: recomputing it here would run on placeholder embeddings
                 kv_connector_extra_config={"num_threads": config.nixl_threads, "kv_recompute_threshold": 0},
             )
+        takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
+        ec_transfer = None
+        if takes_embeddings:  # the encode stage's embeddings reach the engine through Trident's EC connector
+            ec_transfer = ECTransferConfig(
+                ec_connector="TridentECConnector", ec_connector_module_path="trident.engines.vllm_ec_connector",
+                ec_role="ec_consumer", ec_buffer_device="cpu" if cpu else "cuda",
+            )
         args = AsyncEngineArgs(
             model=model_path,
             dtype=config.dtype or ("float32" if cpu else "auto"),
             max_model_len=max_len,
             enforce_eager=config.enforce_eager if config.enforce_eager is not None else cpu,
             kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
-            enable_mm_embeds=self.embeddings_in,
             kv_transfer_config=kv_transfer,
+            ec_transfer_config=ec_transfer,
             disable_log_stats=False,
             use_tqdm_on_load=False,  # (a progress bar per checkpoint load, in every engine's output)
             seed=0,
             **_executor(config, cpu),
         )
-        log.info("starting a vLLM engine for %s (kv role %s, image embeddings in: %s)", stage, self.kv_role, self.embeddings_in)
+        log.info("starting a vLLM engine for %s (kv role %s, embeddings in: %s)", stage, self.kv_role, takes_embeddings)
         self.llm = start_engine(args, cpu, stat_loggers=[self._stats.factory])
-        takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
         self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
         self._first_token_rules(
             self.llm.vllm_config.cache_config.block_size,
@@ -321,21 +301,26 @@ class VLLMStageEngine:
 
     async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
         """vLLM's prompt and what the decode side needs: (prompt, expanded length, the media's layout (token
-        counts, grids, kinds, seconds), the items' ids)."""
+        counts, grids, kinds, seconds), the items' ids, the ``extra_args`` that carry the embeddings of
+        ``embedding_meta`` to the engine's EC connector, the items' stand-ins)."""
         if media:
             self.processor.check_placeholders(text, media_counts(media))
             mm, layout, ids = await asyncio.to_thread(decode_media, self.processor, media)
             prompt, length = self._prompt(text, layout.token_counts, layout.item_kinds, mm, ids)
-            return prompt, length, layout, ids
+            return prompt, length, layout, ids, {}, stand_ins_of(mm, layout.item_kinds)
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
+            if record.stand_ins is None or not record.image_ids:
+                handoff.discard(self.endpoint, embedding_meta)  # (its producer frees it now)
+                raise InvalidRequest("embedding_meta carries no media stand-ins: it is not a vllm encode stage's")
             loop = asyncio.get_running_loop()
             emb = await loop.run_in_executor(self._io, tracing.carry(self._read_embeddings), text, record)
-            ids = list(record.image_ids) or [uuid.uuid4().hex for _ in emb.token_counts]
-            prompt, length = self._prompt(text, emb.token_counts, emb.item_kinds, self.family.vllm_embeddings(emb), ids)
-            return prompt, length, emb, ids
+            ids = list(record.image_ids)
+            mm = mm_of(record.stand_ins, emb.item_kinds)
+            prompt, length = self._prompt(text, emb.token_counts, emb.item_kinds, mm, ids)
+            return prompt, length, emb, ids, {"ec_transfer_params": outputs_param(ids, emb)}, list(record.stand_ins)
         prompt, length = self._prompt(text, [], [], None, [])
-        return prompt, length, MediaEmbeddings(torch.empty(0), [], kinds=[]), []
+        return prompt, length, MediaEmbeddings(torch.empty(0), [], kinds=[]), [], {}, []
 
     def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> tuple[dict, int]:
         if text is None:
@@ -349,11 +334,9 @@ class VLLMStageEngine:
         kinds = list(record.kinds) if record.kinds is not None else ["image"] * len(record.token_counts)
         if record.token_counts:
             self.processor.check_kinds(dict.fromkeys(kinds, 1))
-            placeholders = MediaEmbeddings(
-                torch.zeros(sum(record.token_counts), self.hidden_size), list(record.token_counts),
-                record.grid_thw, kinds, record.seconds,
-            )
-            mm = self.family.vllm_embeddings(placeholders)
+            if record.stand_ins is None:
+                raise InvalidRequest("kv_meta carries no media stand-ins for its media items")
+            mm = mm_of(record.stand_ins, kinds)  # (the KV covers the media: vLLM places them by their shapes)
         prompt, length = self._prompt(text, record.token_counts, kinds, mm, record.image_ids)
         if length != record.prompt_len or prompt_digest(prompt["prompt_token_ids"]) != record.prompt_digest:
             raise InvalidRequest("text_input is not the prompt this kv_meta was prefilled from")
@@ -367,9 +350,9 @@ class VLLMStageEngine:
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
         self._one_choice(params, embedding_meta)
-        prompt, length, layout, image_ids = await self._inputs(text, list(media), embedding_meta)
+        prompt, length, layout, image_ids, extra, stand_ins = await self._inputs(text, list(media), embedding_meta)
         sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True, n=1,
-                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                             extra_args={"kv_transfer_params": {"do_remote_decode": True}, **extra})
         final = None
         async for final in self._run(prompt, sampling):
             pass
@@ -386,7 +369,7 @@ class VLLMStageEngine:
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
             token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
             kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
-            first_token=first_token, first_logprobs=first_logprobs,
+            stand_ins=stand_ins or None, first_token=first_token, first_logprobs=first_logprobs,
             first_text=early_text(self._first_event(prompt, length, first_token, params, first_logprobs)),
         ).encode()
 
@@ -413,8 +396,8 @@ class VLLMStageEngine:
                 return Generation(length, self._events(prompt, sampling, first))
             sampling = _sampling(params, extra_args=extra)
         else:
-            prompt, length, *_ = await self._inputs(text, list(media), embedding_meta)
-            sampling = _sampling(params)
+            prompt, length, _, _, extra, _ = await self._inputs(text, list(media), embedding_meta)
+            sampling = _sampling(params, extra_args=extra or None)
         return Generation(length, self._events(prompt, sampling))
 
     async def _run(self, prompt: dict, sampling):

@@ -5,7 +5,9 @@ model or KV cache. Each encode call is one vLLM request whose prompt is the item
 embedding cache keys as their ``multi_modal_uuids``; :class:`~trident.engines.vllm_ec_connector.TridentECConnector`
 hands the encoder outputs back to this worker when the request finishes. From there the stage is the hf engine's:
 the outputs go into this worker's embedding cache (the one cache: vLLM is asked only for what it lacks), and the
-next stage READs them over Trident's NIXL layer from a sealed record (:class:`~trident.engines.encode_stage.EncodeStage`).
+next stage READs them over Trident's NIXL layer from a sealed record (:class:`~trident.engines.encode_stage.EncodeStage`),
+which also carries each item's stand-in (its shape: :mod:`trident.engines.vllm_media`), what the consumer's vLLM
+engine needs to place them.
 No transformers model is built here: the worker has the tokenizer and the media processors, for the items'
 layout (token counts, grids), which is checked against vLLM's outputs.
 """
@@ -25,7 +27,8 @@ from ..transfer import TransferEndpoint
 from .base import Encoded
 from .embedding_cache import CachedEmbedding, EmbeddingCache, settings_digest
 from .encode_stage import EncodeStage
-from .vllm import _environment, _executor, decode_media, start_engine
+from .vllm import _environment, _executor, start_engine
+from .vllm_media import decode_media, stand_ins_of
 from .vllm_ec_connector import outputs_of
 
 log = logging.getLogger("trident.vllm")
@@ -86,6 +89,7 @@ class VLLMEncodeEngine:
         keys = [key for key, _ in claimed]
         items = [item for _, item in claimed]
         mm, layout, _ = await asyncio.to_thread(decode_media, self.processor, items)
+        stand_ins = stand_ins_of(mm, layout.item_kinds)
         kinds = list(dict.fromkeys(layout.item_kinds))
         order = [i for kind in kinds for i, item in enumerate(items) if item.kind == kind]  # vLLM's: by kind
         placeholders = "".join(self.processor.family.placeholders[items[i].kind].text for i in order)
@@ -105,12 +109,12 @@ class VLLMEncodeEngine:
         entries = []
         try:
             with tracing.step("publish"):  # the copy into the send pool
-                for key, count, grid, secs in zip(keys, layout.token_counts, grids, seconds):
+                for key, count, grid, secs, stand_in in zip(keys, layout.token_counts, grids, seconds, stand_ins):
                     rows = outputs.get(key)
                     if rows is None or rows.dim() != 2 or rows.shape[0] != count:
                         raise RuntimeError(f"vLLM's encoder gave {None if rows is None else tuple(rows.shape)} for an "
                                            f"item of {count} embeddings")
-                    entries.append(self.cache.store(key, rows, grid, secs))
+                    entries.append(self.cache.store(key, rows, grid, secs, stand_in))
         except BaseException:
             for entry in entries:
                 self.cache.release(entry)

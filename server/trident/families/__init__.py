@@ -95,12 +95,6 @@ class Family:
         """vLLM's ``multi_modal_data[kind]`` for decoded items (vLLM preprocesses and encodes them itself)."""
         return list(items)
 
-    def vllm_embeddings(self, media) -> dict:
-        """vLLM's ``multi_modal_data`` for precomputed embeddings (a
-        :class:`~trident.engines.base.MediaEmbeddings`): per kind, one tensor per item by default."""
-        return {kind: rows for kind, (rows, _) in media.by_kind().items()}
-
-
 def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
     for info in pkgutil.iter_modules(__path__):

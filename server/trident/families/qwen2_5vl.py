@@ -44,16 +44,6 @@ class Qwen25VL(Qwen2VL):
             for clip, video in zip(frames, items)
         ]
 
-    def vllm_embeddings(self, media):
-        import torch
-
-        out = super().vllm_embeddings(media)
-        seconds = _video_seconds(media)
-        if "video" in out and seconds:
-            out["video"]["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
-        return out
-
-
 
 def _video_seconds(media) -> list[float]:
     """Seconds per temporal patch of a request's clips (a MediaEmbeddings), in order; empty without them."""

@@ -70,8 +70,4 @@ class Qwen2Audio(Family):
     def vllm_inputs(self, processor, kind, items):
         return [(wave, processor.audio_rate) for wave in items]
 
-    def vllm_embeddings(self, media):
-        return {"audio": {"audio_embeds": media.by_kind()["audio"][0]}}
-
-
 FAMILY = Qwen2Audio()

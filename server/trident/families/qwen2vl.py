@@ -74,15 +74,6 @@ class Qwen2VL(Family):
             return [np.stack(resized_frames(processor, video.frames)) for video in items]
         return list(items)
 
-    def vllm_embeddings(self, media):
-        import torch
-
-        return {
-            kind: {f"{kind}_embeds": torch.cat(rows), f"{kind}_grid_thw": torch.tensor(grids)}
-            for kind, (rows, grids) in media.by_kind().items()
-        }
-
-
 # -- video preprocessing without torchvision ---------------------------------------------------------------
 # transformers' Qwen2-VL video processor needs torchvision, which has no CPU build on PyPI. A clip is
 # preprocessed here with the (PIL) image processor instead: every frame resized to the clip's size,
