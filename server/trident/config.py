@@ -27,11 +27,9 @@ SCHEDULING_ENV = "TRIDENT_SCHEDULING"
 """The BLS schedulers' settings (:class:`SchedulerConfig` as JSON), set by ``trident serve`` for Triton like
 :data:`MODEL_ENV`; an entry model's config parameter ``scheduler`` (an operator's config override) overrides fields
 of it for that model."""
-INTERNAL = {"internal": True}
-"""``json_schema_extra`` of a field that is no user's choice (side-by-side benchmarks, tests): a config file may set
-it, the reference (docs/configuration.md) leaves it out."""
 SECRET = {"internal": True, "secret": True}
-"""A secret: never read from a config file or the command line (``--*-file`` and environment variables instead)."""
+"""A secret: never read from a config file or the command line (``--*-file`` and environment variables instead); the
+reference (docs/configuration.md) leaves it out."""
 SET_BY_SERVE = {"set_by_serve": True}
 """A field of a process's settings that ``trident serve`` fills in itself (not a key of its config file)."""
 
@@ -78,18 +76,8 @@ class VLLMConfig(_Settings):
         2, ge=1, le=16, description="prefill requests a vLLM prefill engine (E/P/D's prefill, EP/D's encode_prefill) "
         "takes at once, to batch a burst's prefills; each is a python-backend stub in Triton (~75 MiB)"
     )
-    executor: Literal["uni", "mp"] = Field(
-        "uni", json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; where an engine runs "
-        "its model on a CPU: 'uni' in its engine-core process, 'mp' in a "
-        "worker process of its own (vLLM's CPU default: one more process per engine to start and to hand each step to)"
-    )
     nixl_port: int | None = Field(None, gt=0, description="NixlConnector side-channel port (one per KV worker)")
     nixl_threads: int = Field(1, ge=1, description="UCX worker threads of the NixlConnector's NIXL agent")
-    nixl_progress_thread: bool = Field(
-        False, json_schema_extra=INTERNAL, description="internal: side-by-side benchmarks only; NIXL's progress "
-        "thread in the KV workers (it polls without pausing: a core each); "
-        "off, the engine's steps progress the KV transfers"
-    )
     log_level: str = Field("ERROR", description="VLLM_LOGGING_LEVEL of the engines (WARNING shows vLLM's warnings "
                            "about its environment, several per engine at start-up)")
 

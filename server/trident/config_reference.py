@@ -3,7 +3,7 @@ serve``'s config file (and of the settings serve hands its processes) with its t
 
     trident config-reference > docs/configuration.md      (or: python -m trident.config_reference)
 
-Fields marked internal (``json_schema_extra=INTERNAL``: side-by-side benchmarks, tests, secrets) are left out;
+Fields marked internal (secrets: ``json_schema_extra=SECRET``) are left out;
 a unit test fails when docs/configuration.md is not what this prints.
 """
 
@@ -53,8 +53,7 @@ The same as JSON: `{"backend": "vllm", "scheduling": {"routing": "least_loaded"}
 
 Flags override environment variables (`TRIDENT_WORKER_PYTHON`), which override the file; a key left out
 keeps its default. An unknown key or a bad value is refused before anything starts, naming the key
-(`trident serve: invalid settings: scheduling.routin: unknown key`), with exit code 2. A few keys kept for
-side-by-side benchmarks and tests (marked internal in `server/trident/config.py`) are accepted but not listed.
+(`trident serve: invalid settings: scheduling.routin: unknown key`), with exit code 2.
 
 Secrets are never read from the config file or the command line: the repository API's token comes from
 `--access-token-file PATH` or `TRIDENT_ACCESS_TOKEN`, the record-signing key from `--transfer-secret-file

@@ -78,21 +78,18 @@ def _environment(config: VLLMConfig, threads: int) -> None:
         "OMP_NUM_THREADS": str(threads),
         "VLLM_LOGGING_LEVEL": config.log_level,
     }
-    from .vllm_connector import PROGRESS_THREAD_ENV
-
-    defaults[PROGRESS_THREAD_ENV] = "1" if config.nixl_progress_thread else "0"
     if config.nixl_port:
         defaults["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_port)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
 
 
-def _executor(config: VLLMConfig, cpu: bool) -> dict:
-    """The engine's executor argument. On a CPU, vLLM turns its single-process default ("uni") into "mp"
-    (a worker process beside the engine core, so that it can set OpenMP's environment before torch starts);
-    the workers here set that environment before vLLM starts, so "uni" is passed as the class, which vLLM
-    takes as given."""
-    if not cpu or config.executor == "mp":
+def _executor(cpu: bool) -> dict:
+    """The engine's executor argument. On a CPU, vLLM turns its single-process default ("uni") into "mp" (a worker
+    process beside the engine core, so that it can set OpenMP's environment before torch starts); the workers here
+    set that environment before vLLM starts, so "uni" is passed as the class, which vLLM takes as given: the model
+    runs in the engine core, as on a GPU (one process fewer per engine, and 0.05-0.17x more tokens/s here)."""
+    if not cpu:
         return {}
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
@@ -245,7 +242,7 @@ class VLLMStageEngine:
             disable_log_stats=False,
             use_tqdm_on_load=False,  # (a progress bar per checkpoint load, in every engine's output)
             seed=0,
-            **_executor(config, cpu),
+            **_executor(cpu),
         )
         log.info("starting a vLLM engine for %s (kv role %s, embeddings in: %s)", stage, self.kv_role, takes_embeddings)
         self.llm = start_engine(args, cpu, stat_loggers=[self._stats.factory])

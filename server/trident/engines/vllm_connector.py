@@ -1,4 +1,4 @@
-"""vLLM's NIXL KV connector as Trident's vLLM stage workers run it: NIXL's progress thread off by default, the
+"""vLLM's NIXL KV connector as Trident's vLLM stage workers run it: NIXL's progress thread off, the
 engine's model thread left on every core, and the transport of each KV peer's READs counted and logged.
 
 vLLM's ``NixlConnector`` builds its NIXL agent with NIXL's defaults, which start a UCX progress thread that
@@ -13,9 +13,6 @@ READ from a peer, the connector tells which transport UCX took to it (:func:`tri
 as Trident's agent does for its own READs), logs it once per peer, and adds the count of peers by transport to
 the transfer statistics vLLM already sends from its engine to its stat loggers; the worker's stat logger
 (:mod:`trident.engines.vllm`) adds those and the READs' bytes and seconds to its transfer counters.
-
-vLLM imports this module by name in its engine processes (``kv_connector_module_path``), so the choice is
-carried to them in :data:`PROGRESS_THREAD_ENV`, which :class:`~trident.engines.vllm.VLLMStageEngine` sets.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 
 from ..transfer import transport
 
-PROGRESS_THREAD_ENV = "TRIDENT_NIXL_PROGRESS_THREAD"
 PEER_KEYS = {transport.TCP: "peers_tcp", transport.NOT_TCP: "peers_not_tcp"}
 
 log = logging.getLogger("trident.transfer")
@@ -42,7 +38,7 @@ log = logging.getLogger("trident.transfer")
 def _agents_without_progress_thread():
     """NIXL agents made inside this block get ``enable_prog_thread=False`` (vLLM passes no such option)."""
     made = base_worker.nixl_agent_config
-    if made is None or os.environ.get(PROGRESS_THREAD_ENV) == "1":
+    if made is None:
         yield
         return
     base_worker.nixl_agent_config = functools.partial(made, enable_prog_thread=False)

@@ -66,10 +66,8 @@ class VLLMEncodeEngine:
             ),
             use_tqdm_on_load=False,
             seed=0,
-            **_executor(config, cpu),
+            **_executor(cpu),
         )
-        if config.executor == "mp" and cpu:
-            raise ValueError("the vllm encode stage runs its engine's model in the engine core (vllm.executor 'uni')")
         log.info("starting an encode-only vLLM engine for %s", spec.name)
         self.llm = start_engine(args, cpu)
         self.endpoint = TransferEndpoint(transfer, extra_send_bytes=embedding_cache_bytes)  # (after the fork)
