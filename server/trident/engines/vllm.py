@@ -194,7 +194,7 @@ class VLLMStageEngine:
         self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
     ) -> None:
         _environment(config, threads)  # (before vLLM's import: its logging level is read then)
-        from vllm.config import ECTransferConfig, KVTransferConfig
+        from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
@@ -227,10 +227,9 @@ class VLLMStageEngine:
         takes_embeddings = "embeddings" in (spec.takes, spec.also_takes)
         ec_transfer = None
         if takes_embeddings:  # the encode stage's embeddings reach the engine through Trident's EC connector
-            ec_transfer = ECTransferConfig(
-                ec_connector="TridentECConnector", ec_connector_module_path="trident.engines.vllm_ec_connector",
-                ec_role="ec_consumer", ec_buffer_device="cpu" if cpu else "cuda",
-            )
+            from . import vllm_ec_connector
+
+            ec_transfer = vllm_ec_connector.config("ec_consumer", cpu)
         args = AsyncEngineArgs(
             model=model_path,
             dtype=config.dtype or ("float32" if cpu else "auto"),

@@ -143,10 +143,22 @@ class TridentECConnector(ECConnectorBase):
             if output is None:
                 missing.append(feature.identifier)
                 continue
-            output = output.detach().to("cpu").contiguous()
-            items.append([feature.identifier, str(output.dtype).removeprefix("torch."), list(output.shape),
-                          output.view(torch.uint8).numpy().tobytes()])
+            items.append(rows_param(feature.identifier, output))
         return False, {PARAMS_KEY: items, MISSING_KEY: missing}
+
+
+def config(role: str, cpu: bool):
+    """vLLM's ``ECTransferConfig`` of an engine that runs this connector in ``role`` (ec_producer, ec_consumer)."""
+    from vllm.config import ECTransferConfig
+
+    return ECTransferConfig(ec_connector="TridentECConnector", ec_connector_module_path=__name__, ec_role=role,
+                            ec_buffer_device="cpu" if cpu else "cuda")
+
+
+def rows_param(identifier: str, rows: torch.Tensor) -> list:
+    """One item's embedding rows as ``ec_transfer_params`` carry them: [identifier, dtype, shape, bytes]."""
+    rows = rows.detach().to("cpu").contiguous()
+    return [identifier, str(rows.dtype).removeprefix("torch."), list(rows.shape), rows.view(torch.uint8).numpy().tobytes()]
 
 
 def outputs_of(params: dict | None) -> dict[str, torch.Tensor]:

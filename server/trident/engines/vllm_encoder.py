@@ -29,6 +29,7 @@ from .embedding_cache import CachedEmbedding, EmbeddingCache, settings_digest
 from .encode_stage import EncodeStage
 from .vllm import _environment, _executor, start_engine
 from .vllm_media import decode_media, stand_ins_of
+from . import vllm_ec_connector
 from .vllm_ec_connector import outputs_of
 
 log = logging.getLogger("trident.vllm")
@@ -45,7 +46,6 @@ class VLLMEncodeEngine:
         threads: int = 1, embedding_cache_bytes: int = 0,
     ) -> None:
         _environment(config, threads)  # (before vLLM's import: its logging level is read then)
-        from vllm.config import ECTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
@@ -60,10 +60,7 @@ class VLLMEncodeEngine:
             max_model_len=max_len,
             enforce_eager=config.enforce_eager if config.enforce_eager is not None else cpu,
             kv_cache_memory_bytes=1 << 26,  # (an encode-only engine allocates no KV cache; this skips the memory probe)
-            ec_transfer_config=ECTransferConfig(
-                ec_connector="TridentECConnector", ec_connector_module_path="trident.engines.vllm_ec_connector",
-                ec_role="ec_producer", ec_buffer_device="cpu" if cpu else "cuda",
-            ),
+            ec_transfer_config=vllm_ec_connector.config("ec_producer", cpu),
             use_tqdm_on_load=False,
             seed=0,
             **_executor(cpu),

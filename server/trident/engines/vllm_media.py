@@ -95,11 +95,7 @@ def mm_of(stand_ins: list[StandIn], kinds: list[str]) -> dict:
 
 def outputs_param(ids: list[str], emb: MediaEmbeddings) -> dict:
     """``ec_transfer_params`` carrying each item's embedding rows to the engine's EC connector, by item id."""
-    from .vllm_ec_connector import PARAMS_KEY
+    from .vllm_ec_connector import PARAMS_KEY, rows_param
 
-    items = {}
-    for item_id, rows in zip(ids, emb.embeddings.split(emb.token_counts)):
-        rows = rows.contiguous()
-        items[item_id] = [item_id, str(rows.dtype).removeprefix("torch."), list(rows.shape),
-                          rows.view(torch.uint8).numpy().tobytes()]
+    items = {item_id: rows_param(item_id, rows) for item_id, rows in zip(ids, emb.embeddings.split(emb.token_counts))}
     return {PARAMS_KEY: list(items.values())}
