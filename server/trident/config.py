@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
+from .device import DType, check_device
 from .protocol import MODES, STAGES, parse_instance
 
 MiB = 1 << 20
@@ -64,7 +65,6 @@ class TransferConfig(_Settings):
 class VLLMConfig(_Settings):
     """Settings of the ``vllm`` engine's stage workers; the defaults run the demo on a CPU or a GPU."""
 
-    dtype: str | None = Field(None, description="model dtype (default: float32 on CPU, the checkpoint's on GPU)")
     max_model_len: int | None = Field(None, gt=0, description="context window (default: the model's)")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache memory per engine, GiB")
     enforce_eager: bool | None = Field(None, description="run without compiled graphs (default: on CPU only)")
@@ -198,6 +198,16 @@ class WorkerSettings(_Settings):
     transfer: TransferConfig = Field(TransferConfig(), description="its NIXL transfer endpoint")
     vllm: VLLMConfig = Field(VLLMConfig(), description="its vLLM engine (backend vllm)")
     embedding_cache_bytes: ByteSize = Field(256 * MiB, ge=0, description="encode stage: embedding cache size (0: off)")
+    device: str = Field(
+        "auto", description="where the stage computes: auto (a GPU when the worker sees one, else the CPU), cpu, "
+        "cuda or cuda:N"
+    )
+    dtype: DType = Field("auto", description="what the hf engine computes in and hands on: auto (bfloat16 on a GPU, "
+                         "float32 on a CPU), float32, bfloat16 or float16; a vLLM engine's dtype")
+    cuda_visible_devices: str | None = Field(
+        None, json_schema_extra=SET_BY_SERVE, description="the GPU(s) this worker sees, as CUDA_VISIBLE_DEVICES (trident serve places each of its "
+        "workers on one)"
+    )
     max_inflight: int = Field(
         64, ge=1, description="requests this worker takes at once; one more is refused at once with 503 and "
         "Retry-After rather than queued"
@@ -206,6 +216,11 @@ class WorkerSettings(_Settings):
         None, ge=1, le=65535, description="port of its GET /health on its data address (200 while it serves; for a "
         "cluster's probes)"
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        return check_device(v)
 
     @field_validator("stage")
     @classmethod
@@ -345,6 +360,16 @@ class ServeSettings(_Settings):
         "stage's instances join from other hosts (`trident worker STAGE --join URL`) and serve waits for one"
     )
     embedding_cache_mib: int = Field(256, ge=0, description="encode workers' embedding cache, MiB (0: off)")
+    device: str = Field(
+        "auto", description="where the stage workers compute: auto (a GPU when the worker sees one, else the CPU), cpu, "
+        "cuda or cuda:N"
+    )
+    dtype: DType = Field("auto", description="what the hf engine computes in and hands on: auto (bfloat16 on a GPU, "
+                         "float32 on a CPU), float32, bfloat16 or float16; a vLLM engine's dtype")
+    gpus: dict[str, str] = Field(
+        default_factory=dict, description="CUDA_VISIBLE_DEVICES of named worker instances (e.g. prefill: '0', "
+        "decode-2: '3'); the other workers get one visible GPU each, round-robin in start order"
+    )
     max_inflight: int = Field(
         64, ge=1, description="requests each stage worker takes at once; one more is refused at once with 503 "
         "and Retry-After rather than queued"
@@ -358,6 +383,11 @@ class ServeSettings(_Settings):
         "serving, so that the first client request pays no first-call costs (NIXL connections, lazy set-up)"
     )
     tracing: TracingConfig = Field(TracingConfig(), description="OpenTelemetry traces of every request")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        return check_device(v)
 
     @field_validator("instances")
     @classmethod

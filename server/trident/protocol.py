@@ -383,9 +383,11 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 9  # 9: the vllm engine's records carry media stand-ins
+RECORD_VERSION = 10  # 10: a transfer names its regions' memory type (DRAM or VRAM) and device
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
+MEMORY_TYPES = ("DRAM", "VRAM")  # where a transfer's regions lie (NIXL's memory types Trident registers)
+MAX_DEVICES = 1024  # a VRAM region's device id is below this
 MAX_TENSOR_RANK = 8
 
 DTYPE_SIZES: dict[str, int] = {
@@ -425,6 +427,8 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
     # what the consumer's release notification carries after the lease id: only a party that holds the record
     # (sealed: only the deployment's processes can open it) can end the lease early
     release_key: bytes = b""
+    memory: str = "DRAM"  # NIXL memory type of the regions: DRAM, or VRAM (a producer's GPU memory)
+    device: int = 0  # the GPU of VRAM regions, as the producer's process numbers its GPUs
 
     @property
     def nbytes(self) -> int:
@@ -437,6 +441,9 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
             raise MalformedRecord("transfer record has no lease stamp")
         if len(self.release_key) != RELEASE_KEY_BYTES:
             raise MalformedRecord("transfer record has no release key")
+        if self.memory not in MEMORY_TYPES or not 0 <= self.device < MAX_DEVICES:
+            raise MalformedRecord(f"transfer record names memory {self.memory!r} on device {self.device}; a record's "
+                                  f"regions are {' or '.join(MEMORY_TYPES)} on a device 0..{MAX_DEVICES - 1}")
         start, size = self.pool
         if any(addr < start or addr + length > start + size for addr, length in self.regions):
             raise ForgedRecord(

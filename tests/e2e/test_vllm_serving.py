@@ -271,8 +271,10 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
     wait_drained(server, _kv_stages(server), timeout=30)
 
     def value(name: str, model: str):
+        # (a READ counter is labelled with the memory it came from and went to: on a CPU, DRAM both)
+        memory = (("from_memory", "DRAM"), ("to_memory", "DRAM")) if name.startswith("trident_transfer_read") else ()
         return server.metrics("vllm:" if name.startswith("vllm:") else "trident").get(
-            (name, (("model", model), ("version", "1"))))
+            (name, tuple(sorted((("model", model), ("version", "1"), *memory)))))
 
     want = {("vllm:prefix_cache_queries_total", "prefill"), ("vllm:prefix_cache_queries_total", "decode"),
             ("vllm:mm_cache_queries_total", "encode"), ("trident_transfer_read_bytes_total", "prefill"),

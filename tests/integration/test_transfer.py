@@ -1,8 +1,13 @@
-"""trident.transfer: real NIXL READs between two OS processes."""
+"""trident.transfer: real NIXL READs between two OS processes.
+
+The endpoints' pools are on ``TRIDENT_TEST_DEVICE`` (default cpu: DRAM); ``make gpu-check`` runs this module again
+with ``cuda`` (VRAM), where a producer on the CPU is read into a consumer on the GPU too.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import msgspec
@@ -16,6 +21,8 @@ from trident.transfer import MemoryPool, TransferEndpoint
 
 # (an expired region is freed read_timeout_s + 1 s after its expiry: when no READ of it can still run)
 CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002, read_timeout_s=1.0)
+DEVICE = os.environ.get("TRIDENT_TEST_DEVICE", "cpu")
+MEMORY = "VRAM" if DEVICE.startswith("cuda") else "DRAM"
 
 
 def _tensors(seed: int) -> dict[str, list[torch.Tensor]]:
@@ -25,9 +32,9 @@ def _tensors(seed: int) -> dict[str, list[torch.Tensor]]:
     return {"embeddings": [emb], "kv": kv}
 
 
-def _producer(conn, config: TransferConfig) -> None:
+def _producer(conn, config: TransferConfig, device: str) -> None:
     """Child process: publishes on request and answers with the record, stats on request."""
-    ep = TransferEndpoint(config)
+    ep = TransferEndpoint(config, device=device)
     while True:
         cmd, arg = conn.recv()
         if cmd == "publish":
@@ -42,10 +49,10 @@ def _producer(conn, config: TransferConfig) -> None:
 
 
 class Producer:
-    def __init__(self, config: TransferConfig = CONFIG) -> None:
+    def __init__(self, config: TransferConfig = CONFIG, device: str = DEVICE) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer, args=(child, config), daemon=True)
+        self.proc = ctx.Process(target=_producer, args=(child, config, device), daemon=True)
         self.proc.start()
 
     def call(self, cmd, arg=None, timeout=60):
@@ -75,7 +82,7 @@ class Producer:
 
 @pytest.fixture(scope="module")
 def consumer():
-    ep = TransferEndpoint(CONFIG)
+    ep = TransferEndpoint(CONFIG, device=DEVICE)
     yield ep
     ep.close()
 
@@ -96,16 +103,19 @@ def test_byte_exact_and_pools_return_to_zero(consumer, producer, layout):
     data = producer.call("publish", (layout, None))
     record = _read(data)
     assert len(data) < 1024
+    assert (record.memory, record.device) == (MEMORY, 0)
     assert producer.call("stats")["send_regions_in_use"] == 1
     expected = _tensors(0)[layout]
+    before = consumer.stats().get(f"read_bytes_from_{MEMORY}_to_{MEMORY}", 0)
     with consumer.fetch(record) as got:
         assert consumer.stats()["recv_regions_in_use"] == 1
         assert len(got.tensors) == len(expected)
         for a, b in zip(got.tensors, expected):
-            assert a.shape == b.shape and a.dtype == b.dtype
-            assert a.numpy().tobytes() == b.numpy().tobytes()
+            assert a.shape == b.shape and a.dtype == b.dtype and a.device.type == DEVICE.split(":")[0]
+            assert a.cpu().numpy().tobytes() == b.numpy().tobytes()
         assert sum(t.numel() * 4 for t in got.tensors) == record.nbytes
     assert consumer.stats()["recv_regions_in_use"] == 0
+    assert consumer.stats()[f"read_bytes_from_{MEMORY}_to_{MEMORY}"] - before == record.nbytes
     stats = producer.stats_when(lambda s: s["send_regions_in_use"] == 0)
     assert stats["send_regions_in_use"] == 0
     assert stats["released"] == 1 and stats["expired"] == 0
@@ -124,9 +134,25 @@ def test_the_transport_to_a_peer_on_this_host_is_told_once(consumer, producer, c
     assert consumer.agent.transports[record.agent] == transport.NOT_TCP
     told = [r.getMessage() for r in caplog.records if "go over" in r.getMessage()]
     assert told == [f"READs from NIXL agent {record.agent} go over shared memory or cma on this host (no TCP "
-                    "connection)"]
+                    f"connection) ({MEMORY} to {MEMORY})"]
     after = consumer.stats()
     assert (after["peers_tcp"] - before["peers_tcp"], after["peers_not_tcp"] - before["peers_not_tcp"]) == (0, 1)
+
+
+@pytest.mark.skipif(MEMORY == "DRAM", reason="with TRIDENT_TEST_DEVICE=cuda only (make gpu-check): both ends are on "
+                    "the CPU here, which every other test of this module covers")
+def test_a_producer_on_the_cpu_is_read_into_the_consumer_s_gpu(consumer):
+    """Memory types that differ: the producer's DRAM regions are READ into the consumer's own VRAM, byte-exact."""
+    producer = Producer(device="cpu")
+    try:
+        record = _read(producer.call("publish", ("kv", None)))
+        assert record.memory == "DRAM"
+        with consumer.fetch(record) as got:
+            assert all(t.is_cuda for t in got.tensors)
+            assert [t.cpu().numpy().tobytes() for t in got.tensors] == [t.numpy().tobytes() for t in _tensors(0)["kv"]]
+        assert consumer.stats()["read_bytes_from_DRAM_to_VRAM"] >= record.nbytes
+    finally:
+        producer.stop()
 
 
 def test_expired_lease_frees_region_and_is_refused(consumer, producer):

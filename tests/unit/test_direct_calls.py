@@ -392,7 +392,8 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
     from pydantic import ByteSize
 
     counters = {"vllm_running": 3, "vllm_waiting": 1, "kv_cache_usage": 0.25, "prefix_cache_queries": 40,
-                "prefix_cache_hits": 16, "fetched_bytes": 4096, "fetch_seconds": 0.5}
+                "prefix_cache_hits": 16, "read_bytes_from_DRAM_to_DRAM": 4096, "read_seconds_from_DRAM_to_DRAM": 0.5,
+                "read_bytes_from_VRAM_to_DRAM": 512}
     capacity = ByteSize(1 << 20)  # (an embedding cache's capacity is one: msgpack takes plain numbers only)
     handler = StageHandler(STAGES["decode"], infer=None, counters=lambda: {**counters, "cache_capacity": capacity})
     worker["hooks"]["control"] = handler.control
@@ -427,8 +428,11 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
             self.name = name
 
         def Metric(self, labels):
-            assert labels == {"model": "decode-2", "version": "1"}
-            return Family.made.setdefault(self.name, Metric())
+            memory = {k: v for k, v in labels.items() if k not in ("model", "version")}
+            assert {k: labels[k] for k in ("model", "version")} == {"model": "decode-2", "version": "1"}
+            assert set(memory) in (set(), {"from_memory", "to_memory"}), labels
+            name = self.name + "".join(f"{{{memory[k]}}}" for k in ("from_memory", "to_memory") if k in memory)
+            return Family.made.setdefault(name, Metric())
 
     class PbUtils:
         MetricFamily = Family
@@ -440,7 +444,10 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
     assert made["vllm:num_requests_running"].value == 3 and made["vllm:num_requests_waiting"].value == 1
     assert made["vllm:kv_cache_usage_perc"].value == 0.25
     assert made["vllm:prefix_cache_queries_total"].incremented == [40]
-    assert made["trident_transfer_read_bytes_total"].incremented == [4096]
+    # the READs by the memory they came from and went to (labels from_memory, to_memory)
+    assert made["trident_transfer_read_bytes_total{DRAM}{DRAM}"].incremented == [4096]
+    assert made["trident_transfer_read_bytes_total{VRAM}{DRAM}"].incremented == [512]
+    assert made["trident_transfer_read_seconds_total{DRAM}{DRAM}"].incremented == [0.5]
     assert "vllm:mm_cache_queries_total" not in made  # (no series for what this engine does not count)
     metrics.update({**counters, "prefix_cache_queries": 50})
     metrics.update({**counters, "prefix_cache_queries": 7})  # restarted

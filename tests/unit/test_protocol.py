@@ -76,7 +76,7 @@ def test_media_stand_ins_round_trip_and_bad_ones_are_refused():
 
 
 def test_a_record_of_the_wrong_kind_is_refused_by_name():
-    with pytest.raises(MalformedRecord, match=r"expected a hf_kv/\d record, got embeddings/\d"):
+    with pytest.raises(MalformedRecord, match=r"expected a hf_kv/\d+ record, got embeddings/\d+"):
         decode_record(_embeddings().encode(), HFKVRecord)
     with pytest.raises(MalformedRecord, match="expected a vllm_kv"):
         decode_record(_kv().encode(), VLLMKVRecord)
@@ -95,6 +95,11 @@ def test_a_record_of_the_wrong_kind_is_refused_by_name():
         (_embeddings(transfer=_transfer(16, (TensorSpec("complex", (4,)),))).encode(), "dtype"),
         (_embeddings(transfer=_transfer(16, (TensorSpec("float32", (4,)),))).encode(), "do not hold 196 rows"),
         (_embeddings(image_ids=["a", "b"]).encode(), "token counts and image ids"),
+        # where the regions lie: DRAM or a GPU's VRAM, on a device number that can be one
+        (_embeddings(transfer=msgspec.structs.replace(_embeddings().transfer, memory="HBM")).encode(),
+         "names memory 'HBM' on device 0"),
+        (_embeddings(transfer=msgspec.structs.replace(_embeddings().transfer, memory="VRAM", device=-1)).encode(),
+         "names memory 'VRAM' on device -1"),
         (_embeddings(token_counts=[0]).encode(), "invalid token counts"),
         (_embeddings(transfer=_transfer(8, (TensorSpec("float16", (1,)), TensorSpec("float32", (1,)), TensorSpec("float16", (1,))))).encode(),
          "float32 tensor at byte 2, not a multiple of its element size"),

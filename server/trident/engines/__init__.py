@@ -26,10 +26,11 @@ def build_engine(settings: "WorkerSettings") -> "StageEngine":
             from .vllm_encoder import VLLMEncodeEngine
 
             return VLLMEncodeEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads,
-                                    settings.embedding_cache_bytes)
+                                    settings.embedding_cache_bytes, settings.dtype)
         from .vllm import VLLMStageEngine
 
-        return VLLMStageEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads)
+        return VLLMStageEngine(spec, settings.model, settings.vllm, settings.transfer, settings.threads, settings.dtype)
     from .hf.stage import HFStageEngine
 
-    return HFStageEngine(spec, settings.model, settings.transfer, settings.embedding_cache_bytes)
+    return HFStageEngine(spec, settings.model, settings.transfer, settings.embedding_cache_bytes, settings.device,
+                         settings.dtype)

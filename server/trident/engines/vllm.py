@@ -187,11 +187,24 @@ def _sampling(params: SamplingParams, **overrides):
     return VSamplingParams(**args)
 
 
+def engine_dtype(dtype: str, cpu: bool) -> str:
+    """vLLM's ``dtype`` for the ``dtype`` setting: ``auto`` is float32 on a CPU, bfloat16 on a GPU (as the hf
+    engine's)."""
+    return ("float32" if cpu else "bfloat16") if dtype == "auto" else dtype
+
+
+def engine_device(cpu: bool) -> str:
+    """Where a vLLM engine's process keeps the tensors it hands on or takes (its transfer pools): the GPU it
+    computes on (the first it sees), else the CPU."""
+    return "cpu" if cpu else "cuda:0"
+
+
 class VLLMStageEngine:
     """One vLLM engine configured for one stage (see the module docstring)."""
 
     def __init__(
-        self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1
+        self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None, threads: int = 1,
+        dtype: str = "auto",
     ) -> None:
         _environment(config, threads)  # (before vLLM's import: its logging level is read then)
         from vllm.config import KVTransferConfig
@@ -213,7 +226,7 @@ class VLLMStageEngine:
         self._stats = _EngineStats()
         self._first_tokens_sent = 0  # decodes that started from the prefill's token
 
-        cpu = current_platform.is_cpu()
+        self._cpu = cpu = current_platform.is_cpu()
         max_len = min(config.max_model_len or self.processor.max_model_len, self.processor.max_model_len)
         self.processor.max_model_len = max_len  # prompts are checked against what the engine accepts
         kv_transfer = None
@@ -232,7 +245,7 @@ class VLLMStageEngine:
             ec_transfer = vllm_ec_connector.config("ec_consumer", cpu)
         args = AsyncEngineArgs(
             model=model_path,
-            dtype=config.dtype or ("float32" if cpu else "auto"),
+            dtype=engine_dtype(dtype, cpu),
             max_model_len=max_len,
             enforce_eager=config.enforce_eager if config.enforce_eager is not None else cpu,
             kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
@@ -245,7 +258,7 @@ class VLLMStageEngine:
         )
         log.info("starting a vLLM engine for %s (kv role %s, embeddings in: %s)", stage, self.kv_role, takes_embeddings)
         self.llm = start_engine(args, cpu, stat_loggers=[self._stats.factory])
-        self.endpoint = TransferEndpoint(transfer) if takes_embeddings else None
+        self.endpoint = TransferEndpoint(transfer, device=engine_device(cpu)) if takes_embeddings else None
         self._first_token_rules(
             self.llm.vllm_config.cache_config.block_size,
             self.llm.model_config.try_get_generation_config().get("eos_token_id"),
@@ -510,6 +523,10 @@ class VLLMStageEngine:
         # the engine's own KV READs (vLLM's connector, in the engine process): apart, and in the transfer counters
         # with the records' (Trident's agent)
         tcp, not_tcp = st.kv_peers.get("peers_tcp", 0), st.kv_peers.get("peers_not_tcp", 0)
+        if st.kv_read_bytes:  # (vLLM's KV cache is in the engine's device memory at both ends)
+            pair = "DRAM_to_DRAM" if self._cpu else "VRAM_to_VRAM"
+            out[f"read_bytes_from_{pair}"] = out.get(f"read_bytes_from_{pair}", 0) + st.kv_read_bytes
+            out[f"read_seconds_from_{pair}"] = out.get(f"read_seconds_from_{pair}", 0.0) + st.kv_read_seconds
         out.update(kv_read_bytes=st.kv_read_bytes, kv_read_seconds=st.kv_read_seconds, kv_peers_tcp=tcp,
                    kv_peers_not_tcp=not_tcp, fetched_bytes=out.get("fetched_bytes", 0) + st.kv_read_bytes,
                    fetch_seconds=out.get("fetch_seconds", 0.0) + st.kv_read_seconds,

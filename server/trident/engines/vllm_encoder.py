@@ -27,7 +27,7 @@ from ..transfer import TransferEndpoint
 from .base import Encoded
 from .embedding_cache import CachedEmbedding, EmbeddingCache, settings_digest
 from .encode_stage import EncodeStage
-from .vllm import _environment, _executor, start_engine
+from .vllm import _environment, _executor, engine_device, engine_dtype, start_engine
 from .vllm_media import decode_media, stand_ins_of
 from . import vllm_ec_connector
 from .vllm_ec_connector import outputs_of
@@ -43,7 +43,7 @@ class VLLMEncodeEngine:
 
     def __init__(
         self, spec: StageSpec, model_path: str, config: VLLMConfig, transfer: TransferConfig | None,
-        threads: int = 1, embedding_cache_bytes: int = 0,
+        threads: int = 1, embedding_cache_bytes: int = 0, dtype: str = "auto",
     ) -> None:
         _environment(config, threads)  # (before vLLM's import: its logging level is read then)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -56,7 +56,7 @@ class VLLMEncodeEngine:
         max_len = min(config.max_model_len or self.processor.max_model_len, self.processor.max_model_len)
         args = AsyncEngineArgs(
             model=model_path,
-            dtype=config.dtype or ("float32" if cpu else "auto"),
+            dtype=engine_dtype(dtype, cpu),
             max_model_len=max_len,
             enforce_eager=config.enforce_eager if config.enforce_eager is not None else cpu,
             kv_cache_memory_bytes=1 << 26,  # (an encode-only engine allocates no KV cache; this skips the memory probe)
@@ -67,7 +67,8 @@ class VLLMEncodeEngine:
         )
         log.info("starting an encode-only vLLM engine for %s", spec.name)
         self.llm = start_engine(args, cpu)
-        self.endpoint = TransferEndpoint(transfer, extra_send_bytes=embedding_cache_bytes)  # (after the fork)
+        self.endpoint = TransferEndpoint(  # (after the fork)
+            transfer, extra_send_bytes=embedding_cache_bytes, device=engine_device(cpu))
         self.cache = EmbeddingCache(self.endpoint.sender.pool, embedding_cache_bytes, settings_digest(model_path))
         self.encode_stage = EncodeStage(
             self.processor, self.cache, self.endpoint, lambda claimed: asyncio.ensure_future(self._encode(claimed))

@@ -29,7 +29,7 @@ class Qwen25VL(Qwen2VL):
         kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
         seconds = _video_seconds(media)
         if seconds:
-            kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32, device=input_ids.device)
         return kwargs
 
     def vllm_inputs(self, processor, kind, items):

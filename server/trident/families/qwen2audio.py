@@ -37,9 +37,10 @@ class Qwen2Audio(Family):
         tower = model.model.audio_tower
         feat_lengths, out_lengths = tower._get_feat_extract_output_lengths(mask.sum(-1))
         frames = (features.shape[-1] - 2) // 2 + 1
-        keep = (torch.arange(frames)[None, :] < feat_lengths[:, None]).long()
+        keep = (torch.arange(frames, device=features.device)[None, :] < feat_lengths[:, None]).long()
         attn = create_bidirectional_mask(
-            config=tower.config, inputs_embeds=torch.zeros(len(features), frames, 1, dtype=features.dtype),
+            config=tower.config, inputs_embeds=torch.zeros(len(features), frames, 1, dtype=features.dtype,
+                                                                  device=features.device),
             attention_mask=keep,
         )
         hidden = tower(features, attention_mask=attn).last_hidden_state

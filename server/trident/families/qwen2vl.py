@@ -54,7 +54,7 @@ class Qwen2VL(Family):
         kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
         types = torch.zeros_like(input_ids, dtype=torch.int)
         for kind, (_, grids) in media.by_kind().items():
-            kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+            kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)
             types[input_ids == token_ids[kind]] = _TOKEN_TYPE[kind]
         kwargs["mm_token_type_ids"] = types
         return kwargs

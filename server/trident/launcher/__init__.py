@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from .. import auth, drain, tracing
+from ..device import place, visible_gpus
 from ..config import MEDIA_LIMITS_ENV, MODEL_ENV, SCHEDULING_ENV, MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
 from ..netutil import listen_ports, port_taken
 from ..protocol import BIND_MODEL, MODES, NAME_TAKEN_EXIT, STAGES, instance_name, parse_instance, stages_for
@@ -91,6 +92,7 @@ class Launcher:
         self._stopping = False
         self._restarts = Restarts()  # when a worker (or the frontend) that exited starts again
         self._coming_back: set[str] = set()  # restarted workers whose stage model is not ready yet
+        self._gpus: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES by worker (device.place); none on a CPU host
 
     def _make_tmp(self) -> str:
         self._tmp = tempfile.mkdtemp(prefix="trident-")
@@ -122,6 +124,9 @@ class Launcher:
         counts = {stage: self.s.instances.get(stage, 1) for stage in stages_for(self.s.modes)}  # (0: they join)
         names = [instance_name(stage, i) for stage, count in counts.items() for i in range(1, count + 1)]
         joining = [stage for stage, count in counts.items() if count == 0]
+        self._gpus = place(names, visible_gpus(), self.s.gpus, self.s.device)
+        if self._gpus:
+            self.out("[trident] GPUs: " + ", ".join(f"{name} {gpu}" for name, gpu in self._gpus.items()))
         probe = self._probe_backend() if names else None  # answered while the model folder is found
         if self.model_path is None:
             from ..dev.demo import default_demo_model
@@ -297,7 +302,8 @@ class Launcher:
             stage=stage, name=name, model=str(self.model_path), url=self.http_url, backend=self.s.backend,
             threads=self.s.threads_per_worker, same_host=True, stats_dir=str(self.stats_dir),
             transfer=self.s.transfer, vllm=vllm, embedding_cache_bytes=self.s.embedding_cache_mib * MiB,
-            max_inflight=self.s.max_inflight,
+            max_inflight=self.s.max_inflight, device=self.s.device, dtype=self.s.dtype,
+            cuda_visible_devices=self._gpus.get(name),
         )
 
     def _start_zygote(self) -> None:

@@ -42,8 +42,11 @@ def _nixl_api():
     return nixl_agent, nixl_agent_config
 
 
+DRAM = ("DRAM", 0)
+
+
 class NixlAgent:
-    """A NIXL agent with a UCX backend, DRAM buffers and blocking READs."""
+    """A NIXL agent with a UCX backend, buffers in DRAM or a GPU's memory (VRAM), and blocking READs."""
 
     def __init__(self, name: str | None = None, backend: str = "UCX") -> None:
         nixl_agent, nixl_agent_config = _nixl_api()
@@ -59,7 +62,8 @@ class NixlAgent:
         log.info("NIXL agent %s ready (%s backend, metadata %d bytes)", self.name, backend, len(self.metadata))
 
     def register(self, buffer: torch.Tensor) -> None:
-        """Register a CPU tensor's memory for transfers (do it once, at start-up).
+        """Register a tensor's memory for transfers (do it once, at start-up): DRAM for a CPU tensor, VRAM for a
+        GPU's (NIXL takes the type and the GPU from the tensor).
 
         The agent's metadata, which peers load to READ from us, covers the memory registered so far.
         """
@@ -91,24 +95,30 @@ class NixlAgent:
         local_address: int,
         notify: bytes,
         timeout_s: float,
+        *,
+        local_memory: tuple[str, int] = DRAM,
+        remote_memory: tuple[str, int] = DRAM,
     ) -> None:
         """READ ``remote_regions`` back to back into local memory at ``local_address``; block until done.
 
-        The producer gets ``notify`` as a notification once the data has arrived.
+        ``local_memory`` / ``remote_memory``: each side's NIXL memory type and device id (``("VRAM", 0)``: the
+        first GPU the process sees); UCX picks the transport (cuda_ipc between GPUs of one host, RDMA or TCP
+        across hosts). The producer gets ``notify`` as a notification once the data has arrived.
         """
+        (local_type, local_dev), (remote_type, remote_dev) = local_memory, remote_memory
         local, offset = [], 0
         for _, length in remote_regions:
-            local.append((local_address + offset, length, 0))
+            local.append((local_address + offset, length, local_dev))
             offset += length
-        remote_descs = [(addr, length, 0) for addr, length in remote_regions]
+        remote_descs = [(addr, length, remote_dev) for addr, length in remote_regions]
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._connect(remote, metadata)
             try:
                 handle = self._agent.initialize_xfer(
                     "READ",
-                    self._agent.get_xfer_descs(local, "DRAM"),
-                    self._agent.get_xfer_descs(remote_descs, "DRAM"),
+                    self._agent.get_xfer_descs(local, local_type),
+                    self._agent.get_xfer_descs(remote_descs, remote_type),
                     remote,
                     notify,
                 )
@@ -136,17 +146,18 @@ class NixlAgent:
                 self._forget(remote)
                 raise PeerUnavailable(f"READ from NIXL agent {remote!r} ended in state {state}")
             if remote not in self.transports:
-                self._tell_transport(remote, metadata)
+                self._tell_transport(remote, metadata, f"{remote_type} to {local_type}")
         finally:
             if not released:
                 with self._lock:
                     self._release(handle)
 
-    def _tell_transport(self, remote: str, metadata: bytes) -> None:
-        """Log, once per peer (and again after it restarts), which transport its READs took."""
+    def _tell_transport(self, remote: str, metadata: bytes, memory: str) -> None:
+        """Log, once per peer (and again after it restarts), which transport its READs took, and between which
+        memory types."""
         kind, shown = transport.transport_to(metadata)
         self.transports[remote] = kind
-        log.info("READs from NIXL agent %s go over %s", remote, shown)
+        log.info("READs from NIXL agent %s go over %s (%s)", remote, shown, memory)
 
     def transport_counts(self) -> dict[str, int]:
         """How many peers this agent READs from over TCP and without it (``peers_tcp``, ``peers_not_tcp``)."""

@@ -97,10 +97,12 @@ class TransferSender:
     halves, for callers that keep regions beyond one READ (the embedding cache).
     """
 
-    def __init__(self, agent: NixlAgent, config: TransferConfig, extra_pool_bytes: int = 0) -> None:
+    def __init__(
+        self, agent: NixlAgent, config: TransferConfig, extra_pool_bytes: int = 0, device: torch.device | str = "cpu"
+    ) -> None:
         self.agent = agent
         self.config = config
-        self.pool = MemoryPool("send", config.send_pool_bytes + extra_pool_bytes, register=agent.register)
+        self.pool = MemoryPool("send", config.send_pool_bytes + extra_pool_bytes, register=agent.register, device=device)
         self.stamps = StampTable(agent)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
@@ -157,6 +159,8 @@ class TransferSender:
             expires_at=expires_at,
             stamp=self.stamps.address_of(slot),
             release_key=release_key,
+            memory=self.pool.memory[0],
+            device=self.pool.memory[1],
         )
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
@@ -274,13 +278,15 @@ class Received:
 class TransferReceiver:
     """Reads the tensors a :class:`~trident.protocol.Transfer` describes, each record once."""
 
-    def __init__(self, agent: NixlAgent, config: TransferConfig) -> None:
+    def __init__(self, agent: NixlAgent, config: TransferConfig, device: torch.device | str = "cpu") -> None:
         self.agent = agent
         self.config = config
-        self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register)
+        self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register, device=device)
         self.fetched = 0
         self.fetched_bytes = 0  # of the records read (their regions: the stamp aside)
         self.fetch_seconds = 0.0  # spent in their READs
+        # the same two, by the memory types a READ went between ("VRAM_to_VRAM", "DRAM_to_VRAM", ...)
+        self.by_memory: dict[str, list[float]] = {}
         self.quarantined = 0  # regions a timed-out READ that NIXL could not stop may still write into
         self._used = SingleUse()  # (agent, lease id) of each record read or discarded
 
@@ -316,11 +322,14 @@ class TransferReceiver:
         release = lease + record.release_key  # the producer ends the lease on this alone
         started = time.monotonic()
         deadline = started + self.config.read_timeout_s  # both READs together
+        mine = self.pool.memory
         try:
-            self.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"", self.config.read_timeout_s)
+            self.agent.read(record.agent, record.agent_meta, list(record.regions), local, b"", self.config.read_timeout_s,
+                            local_memory=mine, remote_memory=(record.memory, record.device))
+            # (the producer's stamps are in DRAM, whatever its regions' memory)
             self.agent.read(record.agent, record.agent_meta, [(record.stamp, STAMP_BYTES)], local + record.nbytes,
-                            release, max(deadline - time.monotonic(), 0.001))
-            stamp = ctypes.string_at(local + record.nbytes, STAMP_BYTES)  # (our own pool's memory, just READ)
+                            release, max(deadline - time.monotonic(), 0.001), local_memory=mine)
+            stamp = self._stamp(region, record.nbytes)
             if stamp != lease:
                 raise ReplayedRecord(
                     f"record of lease {record.lease_id} from {record.agent} was read after its lease ended (it was "
@@ -338,10 +347,20 @@ class TransferReceiver:
         except BaseException:
             self.pool.free(region)
             raise
+        seconds = time.monotonic() - started
         self.fetched += 1
         self.fetched_bytes += record.nbytes
-        self.fetch_seconds += time.monotonic() - started
+        self.fetch_seconds += seconds
+        pair = self.by_memory.setdefault(f"{record.memory}_to_{mine[0]}", [0, 0.0])
+        pair[0] += record.nbytes
+        pair[1] += seconds
         return received
+
+    def _stamp(self, region: Region, offset: int) -> bytes:
+        """The stamp just READ to ``offset`` in ``region`` of the receive pool (in DRAM or on the GPU)."""
+        if self.pool.memory[0] == "DRAM":
+            return ctypes.string_at(self.pool.address_of(region) + offset, STAMP_BYTES)
+        return self.pool.view(region)[offset : offset + STAMP_BYTES].cpu().numpy().tobytes()
 
     def discard(self, record: Transfer, *, claimed: bool = False) -> None:
         """Tell the producer its regions will not be read, so it frees them now rather than at expiry."""
@@ -355,12 +374,14 @@ class TransferEndpoint:
     """A process's sender and receiver on its one NIXL agent."""
 
     def __init__(
-        self, config: TransferConfig | None = None, agent: NixlAgent | None = None, extra_send_bytes: int = 0
+        self, config: TransferConfig | None = None, agent: NixlAgent | None = None, extra_send_bytes: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """``device``: where both pools lie, the stage's device (a GPU's pools are registered as VRAM)."""
         self.config = config or TransferConfig()
         self.agent = agent or process_agent(self.config.backend)
-        self.sender = TransferSender(self.agent, self.config, extra_send_bytes)
-        self.receiver = TransferReceiver(self.agent, self.config)
+        self.sender = TransferSender(self.agent, self.config, extra_send_bytes, device)
+        self.receiver = TransferReceiver(self.agent, self.config, device)
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
         return self.sender.publish(tensors, lease_s=lease_s)
@@ -375,7 +396,8 @@ class TransferEndpoint:
         self.receiver.discard(transfer, claimed=claimed)
 
     def stats(self) -> dict[str, float]:
-        """Counters for tests and metrics: regions in use per pool and lease outcomes."""
+        """Counters for tests and metrics: regions in use per pool, lease outcomes, and the READs' bytes and
+        seconds, also by the memory types they went between (``read_bytes_from_VRAM_to_VRAM``, ...)."""
         s = self.sender
         return {
             "send_regions_in_use": s.pool.in_use,
@@ -388,6 +410,8 @@ class TransferEndpoint:
             "fetched": self.receiver.fetched,
             "fetched_bytes": self.receiver.fetched_bytes,
             "fetch_seconds": self.receiver.fetch_seconds,
+            **{f"read_{what}_from_{pair}": v[i] for pair, v in self.receiver.by_memory.items()
+               for i, what in enumerate(("bytes", "seconds"))},
             "recv_quarantined": self.receiver.quarantined,
             **self.agent.transport_counts(),
         }

@@ -1,4 +1,4 @@
-"""A block of registered DRAM handed out as regions.
+"""A block of registered memory handed out as regions: DRAM, or a GPU's memory (VRAM) for a stage on a GPU.
 
 Registering memory with NIXL is slow, so each pool registers one buffer once, at start-up, and
 allocates regions inside it (first fit over a sorted free list, regions aligned to 256 bytes).
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import memory_type
 from ..errors import PoolExhausted
 
 ALIGN = 256
@@ -28,10 +29,11 @@ class Region:
 class MemoryPool:
     """Registered memory split into regions; ``in_use`` counts the regions handed out."""
 
-    def __init__(self, name: str, nbytes: int, register=None) -> None:
+    def __init__(self, name: str, nbytes: int, register=None, device: torch.device | str = "cpu") -> None:
         self.name = name
         self.capacity = _aligned(nbytes)
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        self.memory: tuple[str, int] = memory_type(self.buffer)  # NIXL's memory type and device id
         if register is not None:
             register(self.buffer)
         self.address = self.buffer.data_ptr()

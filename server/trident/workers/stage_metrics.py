@@ -24,6 +24,24 @@ def _first(*keys: str) -> Callable[[dict], float | None]:
     return lambda stats: next((stats[k] for k in keys if k in stats), None)
 
 
+def _by_memory(what: str) -> Callable[[dict], dict[tuple[str, str], float] | None]:
+    """A READ counter by the memory types it went between: ``{(from, to): value}`` from the worker's
+    ``read_<what>_from_<FROM>_to_<TO>`` counters (DRAM or VRAM each side)."""
+    prefix = f"read_{what}_from_"
+
+    def value_of(stats: dict) -> dict[tuple[str, str], float] | None:
+        out = {}
+        for key, value in stats.items():
+            if key.startswith(prefix):
+                src, _, dst = key[len(prefix):].partition("_to_")
+                out[(src, dst)] = value
+        return out or None
+    return value_of
+
+
+MEMORY_LABELS = ("from_memory", "to_memory")  # the labels of a by-memory counter, beside model and version
+
+
 def _mm_queries(stats: dict) -> float | None:
     """vLLM's multimodal-cache queries, or an hf encode worker's embedding-cache lookups (hits and misses)."""
     if "mm_cache_queries" in stats:
@@ -50,10 +68,11 @@ FAMILIES: dict[str, tuple[str, str, Callable[[dict], float | None]]] = {
     "vllm:mm_cache_hits_total": ("COUNTER", "Multi-modal cache hits, in terms of number of cached items.",
                                  _first("mm_cache_hits", "cache_hits")),
     "trident_transfer_read_bytes_total": ("COUNTER", "bytes a stage instance's worker READ over NIXL (records' "
-                                          "embeddings and KV, and a vLLM engine's own KV READs)",
-                                          _first("fetched_bytes")),
-    "trident_transfer_read_seconds_total": ("COUNTER", "seconds a stage instance's worker spent in those READs",
-                                            _first("fetch_seconds")),
+                                          "embeddings and KV, and a vLLM engine's own KV READs), by the memory they "
+                                          "came from and went to (from_memory, to_memory: DRAM or VRAM)",
+                                          _by_memory("bytes")),
+    "trident_transfer_read_seconds_total": ("COUNTER", "seconds a stage instance's worker spent in those READs, by "
+                                            "the same labels", _by_memory("seconds")),
     "trident_transfer_peers_tcp": ("GAUGE", "NIXL peers a stage instance's worker (or its vLLM engine) READs "
                                    "from over TCP (UCX's TCP transport: a peer on another host without RDMA)", _first("peers_tcp")),
     "trident_transfer_peers_not_tcp": ("GAUGE", "NIXL peers a stage instance's worker (or its vLLM engine) READs from "
@@ -71,8 +90,8 @@ class StageMetrics:
         self._ask = ask
         self._labels = {"model": model, "version": "1"}
         self._families: dict[str, Any] = {}
-        self._metrics: dict[str, Any] = {}  # made at a family's first value: none for what the engine does not count
-        self._seen: dict[str, float] = {}
+        self._metrics: dict[tuple, Any] = {}  # made at a metric's first value: none for what the engine does not count
+        self._seen: dict[tuple, float] = {}
         self._stop = threading.Event()
         if pb_utils is None or not hasattr(pb_utils, "MetricFamily"):
             return
@@ -101,17 +120,25 @@ class StageMetrics:
             value = value_of(stats)
             if value is None or name not in self._families:
                 continue
-            metric = self._metrics.get(name)
-            if metric is None:
-                metric = self._metrics[name] = self._families[name].Metric(labels=self._labels)
-            if kind == "GAUGE":
-                metric.set(float(value))
-                continue
-            seen = self._seen.get(name, 0.0)
-            delta = value - seen if value >= seen else value  # (a restarted worker counts from 0 again)
-            self._seen[name] = value
-            if delta > 0:
-                metric.increment(float(delta))
+            if isinstance(value, dict):  # by memory types
+                for labels, v in value.items():
+                    self._set(name, kind, v, dict(zip(MEMORY_LABELS, labels)))
+            else:
+                self._set(name, kind, value, {})
+
+    def _set(self, name: str, kind: str, value: float, labels: dict[str, str]) -> None:
+        key = (name, *labels.values())
+        metric = self._metrics.get(key)
+        if metric is None:
+            metric = self._metrics[key] = self._families[name].Metric(labels={**self._labels, **labels})
+        if kind == "GAUGE":
+            metric.set(float(value))
+            return
+        seen = self._seen.get(key, 0.0)
+        delta = value - seen if value >= seen else value  # (a restarted worker counts from 0 again)
+        self._seen[key] = value
+        if delta > 0:
+            metric.increment(float(delta))
 
     def stop(self) -> None:
         self._stop.set()

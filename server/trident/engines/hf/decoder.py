@@ -36,9 +36,10 @@ class BatchKV:
     transformers' ``Cache`` the attention layers call: :meth:`update` and :meth:`get_seq_length`.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype=torch.float32) -> None:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype=torch.float32, device="cpu") -> None:
         self.shape = (kv_heads, head_dim)
         self.dtype = dtype
+        self.device = device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.num_layers = num_layers
@@ -52,8 +53,8 @@ class BatchKV:
     def _alloc(self, rows: int, length: int) -> None:
         h, d = self.shape
         old_k, old_v = self.k, self.v
-        self.k = [torch.zeros(rows, h, length, d, dtype=self.dtype) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(rows, h, length, d, dtype=self.dtype) for _ in range(self.num_layers)]
+        self.k = [torch.zeros(rows, h, length, d, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(rows, h, length, d, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         if old_k and self.lens:
             n, span = self.n, max(self.lens)
             for layer in range(self.num_layers):
@@ -92,9 +93,9 @@ class BatchKV:
         """Prepare for a step that appends one token per row; returns the attention mask."""
         self._span = max(self.lens) + 1
         self._ensure(self.n, self._span)
-        self._lens_t = torch.tensor(self.lens, dtype=torch.long)
-        self._rows = torch.arange(self.n)
-        positions = torch.arange(self._span)
+        self._lens_t = torch.tensor(self.lens, dtype=torch.long, device=self.device)
+        self._rows = torch.arange(self.n, device=self.device)
+        positions = torch.arange(self._span, device=self.device)
         return (positions[None, :] <= self._lens_t[:, None])[:, None, None, :]  # (n, 1, 1, span)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -177,12 +178,15 @@ class HFDecoder:
         self.max_batch = max_batch
         self._pending: queue.Queue[tuple[DecodeRequest, TokenStream, object]] = queue.Queue()
         self._active: list[_Active] = []  # index == row in the BatchKV
-        self._kv = BatchKV(model.num_layers, model.kv_heads, model.head_dim)
+        self._kv = self._new_kv()
         self._stop = threading.Event()
         self.steps = 0
         self.max_batch_seen = 0
         self._thread = threading.Thread(target=self._loop, name="trident-decode", daemon=True)
         self._thread.start()
+
+    def _new_kv(self) -> BatchKV:
+        return BatchKV(self.m.num_layers, self.m.kv_heads, self.m.head_dim, self.m.dtype, self.m.device)
 
     def submit(self, request: DecodeRequest, loop: asyncio.AbstractEventLoop | None = None) -> TokenStream:
         """Queue a request; it joins the batch before the next step."""
@@ -217,7 +221,7 @@ class HFDecoder:
                 for a in self._active:
                     a.stream.put(e)
                 self._active.clear()
-                self._kv = BatchKV(self.m.num_layers, self.m.kv_heads, self.m.head_dim)
+                self._kv = self._new_kv()
 
     def _admit(self, block: bool) -> None:
         while len(self._active) < self.max_batch:
@@ -258,9 +262,10 @@ class HFDecoder:
     @torch.inference_mode()
     def _step(self) -> None:
         model, kv = self.m.model, self._kv
-        tokens = torch.tensor([[a.last_token] for a in self._active], dtype=torch.long)
+        device = self.m.device
+        tokens = torch.tensor([[a.last_token] for a in self._active], dtype=torch.long, device=device)
         mask = kv.begin_step()
-        positions = kv._lens_t + torch.tensor([a.req.rope_delta for a in self._active], dtype=torch.long)
+        positions = kv._lens_t + torch.tensor([a.req.rope_delta for a in self._active], dtype=torch.long, device=device)
         lm = model.model.language_model
         hidden = lm(
             inputs_embeds=lm.embed_tokens(tokens),

@@ -19,8 +19,9 @@ def new_seed(params: SamplingParams) -> int:
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
     """Next token from one row of logits.
 
-    Seeded sampling draws from a generator seeded with ``(seed, step)``, so the same request gives the same
-    tokens whether its steps run in one process or two, alone or in a batch.
+    Seeded sampling draws from a CPU generator seeded with ``(seed, step)``, so the same request gives the same
+    tokens whether its steps run in one process or two, alone or in a batch (on a GPU the probabilities are
+    computed there and drawn from on the CPU).
     """
     if params.greedy:
         return int(torch.argmax(logits))
@@ -36,7 +37,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) & 0xFFFF_FFFF_FFFF)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
 def candidates(logits: torch.Tensor, token: int, top: int) -> list[TokenLogprob]:

@@ -8,7 +8,8 @@ backend). Each stage operation is one function here:
 - :meth:`HFStageEngine.generate`: ``kv_meta``, or a local prefill (also on the decode stage, for a short
   prompt a scheduler sends it), -> the decoder's token stream
 
-The roles run on the checkpoint loaded with transformers (CPU, fp32): :class:`HFModel`, its :class:`HFEncoder` and
+The roles run on the checkpoint loaded with transformers, on the stage's device in its dtype (``device`` and
+``dtype`` settings: float32 on a CPU, bfloat16 on a GPU by default): :class:`HFModel`, its :class:`HFEncoder` and
 :class:`HFPrefiller` here (one request at a time), its batched decoder in :mod:`.decoder`; family differences
 (vision call, multimodal inputs, positions) come from the family adapter. It is the correctness oracle: encode ->
 prefill -> decode here reproduces ``model.generate()`` token for token under greedy sampling.
@@ -28,6 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ... import tracing
 from ...config import TransferConfig
+from ...device import resolve_device, resolve_dtype
 from ...errors import InvalidRequest, MalformedRecord
 from ...heap import keep_freed_memory
 from ...media import MediaItem, counts
@@ -45,25 +47,24 @@ from .sampling import candidates, new_seed, sample
 
 
 # -- the model and its roles ---------------------------------------------------------------------------------------
-DTYPE = torch.float32  # what the hf engine computes in, and so the dtype of every KV cache it hands on
-
-
-def load_model(model_path: str | Path, processor: Processor | None = None):
-    """A checkpoint's transformers model in fp32 with SDPA attention, in eval mode."""
+def load_model(model_path: str | Path, processor: Processor | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu"):
+    """A checkpoint's transformers model in ``dtype`` on ``device`` with SDPA attention, in eval mode."""
     family = (processor or Processor(model_path)).family
-    return family.load_model(model_path, DTYPE).eval()
+    return family.load_model(model_path, dtype).to(device).eval()
 
 
 class HFModel:
-    """A loaded checkpoint: processor + model, shared by the roles one worker serves."""
+    """A loaded checkpoint: processor + model, shared by the roles one worker serves. ``dtype`` is what the model
+    computes in, and so the dtype of every embedding and KV cache it hands on."""
 
-    dtype = DTYPE
-
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto") -> None:
         keep_freed_memory()  # every request makes and drops tensors of some MiB (see :mod:`trident.heap`)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.processor = Processor(model_path)
         self.family = self.processor.family
-        self.model = load_model(model_path, self.processor)
+        self.model = load_model(model_path, self.processor, self.dtype, self.device)
         text = self.model.config.text_config
         self.num_layers: int = text.num_hidden_layers
         self.kv_heads: int = text.num_key_value_heads
@@ -71,6 +72,16 @@ class HFModel:
         self.vocab_size: int = self.model.get_output_embeddings().out_features
         self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
         self.grammars = Grammars(self.processor.tokenizer, self.vocab_size, sorted(self.processor.eos_token_ids))
+
+    def on_device(self, inputs: dict) -> dict:
+        """A processor's tensors on the model's device, the floating ones in its dtype (pixels, audio features)."""
+        out = {}
+        for key, value in inputs.items():
+            if isinstance(value, torch.Tensor):
+                # (pixels and features in the model's dtype; a 1-D float, such as seconds per grid, keeps its own)
+                value = value.to(self.device, self.dtype if value.is_floating_point() and value.ndim > 1 else None)
+            out[key] = value
+        return out
 
     def kv_spec(self, prompt_len: int) -> TensorSpec:
         """A prompt's KV cache as it is handed on: ``2 * num_layers`` tensors (keys, values of each layer)."""
@@ -113,7 +124,7 @@ class HFEncoder:
         for kind in dict.fromkeys(kind for kind, _ in items):
             where = [i for i, (k, _) in enumerate(items) if k == kind]
             with tracing.step(f"{kind}_preprocess"):
-                inputs = self.m.processor.media_inputs(kind, [items[i][1] for i in where])
+                inputs = self.m.on_device(self.m.processor.media_inputs(kind, [items[i][1] for i in where]))
             with tracing.step("vision_tower" if kind == "image" else f"{kind}_encoder"):
                 features, grid = self.m.family.encode(self.m.model, kind, inputs)
             for j, i in enumerate(where):
@@ -145,7 +156,7 @@ class HFPrefiller:
         the send pool, :meth:`HFModel.kv_spec`); the result's ``kv`` is them when the model wrote there (check with
         ``is``), else tensors of its own."""
         self.m.processor.check_length(len(prompt_ids))
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.m.device)
         kwargs: dict = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
         family, token_ids = self.m.family, self.m.processor.token_ids
         if media is not None and media.token_counts:
@@ -222,17 +233,19 @@ class HFStageEngine:
     kv_claims = None  # (a READ of its KV is claimed through the transfer lease itself)
 
     def __init__(
-        self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None, embedding_cache_bytes: int = 0
+        self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None, embedding_cache_bytes: int = 0,
+        device: str = "cpu", dtype: str = "auto",
     ) -> None:
         from .decoder import HFDecoder
 
         self.spec = spec
-        self.model = HFModel(model_path)
+        self.model = HFModel(model_path, device, dtype)
         self.processor = self.model.processor
         moves_records = spec.takes is not None or spec.hands_on != "tokens"  # (decode: also short prompts' embeddings)
         publishes_embeddings = spec.hands_on == "embeddings"
         extra = embedding_cache_bytes if publishes_embeddings else 0  # the cache lives in the send pool
-        self.endpoint = TransferEndpoint(transfer, extra_send_bytes=extra) if moves_records else None
+        # (its pools on the model's device: on a GPU, embeddings and KV are published and read as VRAM)
+        self.endpoint = TransferEndpoint(transfer, extra_send_bytes=extra, device=self.model.device) if moves_records else None
         self.encoder = HFEncoder(self.model) if "encode" in spec.roles else None
         # a decode stage prefills the short prompts a scheduler keeps off the prefill stage
         self.prefiller = HFPrefiller(self.model) if {"prefill", "decode"} & set(spec.roles) else None
