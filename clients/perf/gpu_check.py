@@ -68,7 +68,7 @@ class Checks:
             ok = True
         except Exception as e:  # noqa: BLE001 - a failed check is reported, the others still run
             ok = False
-            detail.append(f"{type(e).__name__}: {e}".strip()[:600])
+            detail.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300])
             traceback.print_exc()
         seconds = time.monotonic() - t0
         self.rows.append((name, ok, seconds, "; ".join(detail)))
@@ -119,20 +119,42 @@ def serve(args, engine: str, model: str, workspace: Path) -> tuple[Process, dict
     http, grpc, metrics, openai_port = free_ports(4)
     config = workspace / "serve.json"
     config.write_text(json.dumps({"device": args.device, "frontend": {"default_mode": "epd"}}))
-    cmd = [sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", "all", "--backend", engine,
+    cmd = [args.serve_python or sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", "all",
+           "--backend", engine,
            "--workspace", str(workspace / "ws"), "--http-port", str(http), "--grpc-port", str(grpc),
            "--metrics-port", str(metrics), "--openai-port", str(openai_port), "--served-model-name", "demo",
            "--config", str(config)]
     if engine == "vllm":
         cmd += ["--worker-python", args.vllm_python]
-    server = Process(cmd)
+    elif args.serve_python:  # (this script's Python, the workers' environment)
+        cmd += ["--worker-python", sys.executable]
+    # (a worker that never binds shows where it waits: SIGABRT dumps its threads' stacks)
+    server = Process(cmd, {"PYTHONFAULTHANDLER": "1"})
     deadline = time.monotonic() + args.startup_timeout
     while not any(line.startswith("[trident] ready") for line in server.lines):
         if server.proc.poll() is not None or time.monotonic() > deadline:
+            if server.proc.poll() is None:
+                _dump_stacks(server)
             server.stop()
-            raise RuntimeError("trident serve did not start:\n" + "".join(server.lines[-40:]))
+            (workspace / "serve.log").write_text("".join(server.lines))
+            raise RuntimeError("trident serve did not start (its output: serve.log):\n" + "".join(server.lines[-40:]))
         time.sleep(0.2)
     return server, {"http": http, "metrics": metrics, "openai": openai_port}
+
+
+def _dump_stacks(server: Process) -> None:
+    """Every stage worker of a server that did not start, made to print its threads' stacks (faulthandler)."""
+    import signal
+
+    from trident.launcher import descendants
+
+    for pid in descendants(server.proc.pid):
+        try:
+            if b"trident worker" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "):
+                os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+    time.sleep(3)
 
 
 def check_engine(args, checks: Checks, engine: str, model: str, tables: dict) -> None:
@@ -230,6 +252,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--report", help="write the results here (docs/benchmarks-gpu.md)")
     ap.add_argument("--vllm-python", help="Python of the vllm engine's workers (checked when it imports vllm)")
+    ap.add_argument("--serve-python", help="Python that runs trident serve (Triton's stubs: numpy 1), when it is not "
+                    "this one; the hf workers then run from this one")
     ap.add_argument("--model", help="checkpoint (default: the LLaVA demo model)")
     ap.add_argument("--device", default="auto", help="the serve's device setting (cpu: a dry run of this script)")
     ap.add_argument("--exact", type=int, default=4, help="images for the exact-token check")
@@ -237,6 +261,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--startup-timeout", type=float, default=240)
+    ap.add_argument("--transfer-tests", help="pytest -k expression: the transfer tests to run (default: all)")
     args = ap.parse_args()
     if args.device != "cpu" and (shutil.which("nvidia-smi") is None
                                  or subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode != 0):
@@ -252,6 +277,7 @@ def main() -> int:
     with checks.check("NIXL READs between two processes, pools on the GPU (tests/integration/test_transfer.py)") as detail:
         env = dict(os.environ, TRIDENT_TEST_DEVICE="cpu" if args.device == "cpu" else "cuda")
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                               *(["-k", args.transfer_tests] if args.transfer_tests else []),
                                str(ROOT / "tests/integration/test_transfer.py")], env=env, cwd=ROOT,
                               capture_output=True, text=True)
         detail.append(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:])

@@ -102,7 +102,7 @@ def producer():
 def test_byte_exact_and_pools_return_to_zero(consumer, producer, layout):
     data = producer.call("publish", (layout, None))
     record = _read(data)
-    assert len(data) < 1024
+    assert len(data) - len(record.agent_meta) < 512  # (the agent's metadata: ~700 bytes, ~1.2 KB with a GPU's pools)
     assert (record.memory, record.device) == (MEMORY, 0)
     assert producer.call("stats")["send_regions_in_use"] == 1
     expected = _tensors(0)[layout]
@@ -194,7 +194,7 @@ def test_a_record_replayed_to_a_second_consumer_after_its_release_is_refused(con
     finally:
         other.close()
     with consumer.fetch(second) as got:  # the new owner's read is not disturbed
-        assert all(a.numpy().tobytes() == b.numpy().tobytes() for a, b in zip(got.tensors, _tensors(1)["kv"]))
+        assert all(a.cpu().numpy().tobytes() == b.numpy().tobytes() for a, b in zip(got.tensors, _tensors(1)["kv"]))
 
 
 def test_dead_peer_is_a_clear_error(consumer):
