@@ -18,7 +18,7 @@ NEW_TOKENS = 24
 GREEDY = '{"max_tokens": %d, "temperature": 0}' % NEW_TOKENS
 
 
-def _stage(conn, stage: str, model_path: str) -> None:
+def _stage(conn, stage: str, model_path: str, dtype: str = "auto") -> None:
     """Child process serving one stage's engine (the same object a stage worker serves) over a pipe."""
     import asyncio
 
@@ -29,7 +29,14 @@ def _stage(conn, stage: str, model_path: str) -> None:
     from trident.processor import SamplingParams
     from trident.protocol import STAGES
 
-    engine = HFStageEngine(STAGES[stage], model_path, TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB))
+    engine = HFStageEngine(STAGES[stage], model_path, TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB),
+                           dtype=dtype)
+
+    async def generate(text: str, pngs: list, params: SamplingParams):
+        """The whole request in this one engine (the EPD stage)."""
+        media = [MediaItem(raw, i) for i, raw in enumerate(pngs)]
+        generation = await engine.generate(text, params, media=media)
+        return [t async for event in generation.events for t in event.token_ids]
 
     async def decode(kv: bytes, params: SamplingParams):
         generation = await engine.generate(None, params, kv_meta=kv)
@@ -60,6 +67,9 @@ def _stage(conn, stage: str, model_path: str) -> None:
             elif cmd == "decode":
                 kv, params = arg
                 out = asyncio.run(decode(kv, SamplingParams.from_json(params)))
+            elif cmd == "generate":
+                text, pngs, params = arg
+                out = asyncio.run(generate(text, pngs, SamplingParams.from_json(params)))
             elif cmd == "decode_first":
                 kv, params = arg
                 out = asyncio.run(first_only(kv, SamplingParams.from_json(params)))
@@ -77,10 +87,10 @@ def _stage(conn, stage: str, model_path: str) -> None:
 
 
 class Stage:
-    def __init__(self, stage: str, model_path: str) -> None:
+    def __init__(self, stage: str, model_path: str, dtype: str = "auto") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_stage, args=(child, stage, model_path), daemon=True)
+        self.proc = ctx.Process(target=_stage, args=(child, stage, model_path, dtype), daemon=True)
         self.proc.start()
 
     def wait_ready(self) -> None:
@@ -223,3 +233,27 @@ def _assert_pools_drained(stages, timeout: float = 5.0) -> None:
         time.sleep(0.02)
     assert not busy, busy
     assert all(st["expired"] == 0 for st in stats.values()), stats
+
+
+def test_in_bfloat16_three_processes_equal_one(demo_models, references):
+    """``dtype: bfloat16`` (a GPU's default), here on the CPU: the embeddings and the KV cache are handed on in
+    bfloat16, and encode -> prefill -> decode in three processes gives the tokens the one-process EPD engine gives
+    in bfloat16."""
+    from trident.protocol import EmbeddingsRecord
+
+    c = references["one-image"]
+    stages = {stage: Stage(stage, demo_models["llava"], "bfloat16") for stage in ("encode", "prefill", "decode", "generate")}
+    try:
+        for s in stages.values():
+            s.wait_ready()
+        emb = stages["encode"]("encode", c["pngs"])
+        assert {t.dtype for t in decode_record(emb, EmbeddingsRecord).transfer.tensors} == {"bfloat16"}
+        kv = stages["prefill"]("prefill", (c["text"], emb, GREEDY))
+        assert {t.dtype for t in decode_record(kv, HFKVRecord).transfer.tensors} == {"bfloat16"}
+        tokens, _, reason, _ = stages["decode"]("decode", (kv, GREEDY))
+        assert reason == "length" and len(tokens) == NEW_TOKENS
+        assert tokens == stages["generate"]("generate", (c["text"], c["pngs"], GREEDY))
+        _assert_pools_drained({k: v for k, v in stages.items() if k != "generate"})
+    finally:
+        for s in stages.values():
+            s.stop()

@@ -78,6 +78,16 @@ def test_values_place_and_size_each_stage_and_pass_ucx_and_the_backend():
     assert worker["command"] == worker_argv("decode", "/models/demo-llava", "http://demo-trident-head:8000", "vllm")
 
 
+def test_a_stage_given_gpus_requests_them_and_runs_the_gpu_image():
+    docs = render("--set-json", 'modes=["e_p_d"]', "--set", "stages.decode.gpus=2",
+                  "--set", "stages.prefill.gpus=1", "--set", "stages.prefill.resources.limits.memory=8Gi")
+    decode, prefill, encode = (_container(docs[("Deployment", f"demo-trident-{s}")]) for s in ("decode", "prefill", "encode"))
+    assert decode["image"] == "trident-gpu:0.1.0" and decode["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert prefill["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}}
+    assert encode["image"] == "trident:0.1.0" and "resources" not in encode
+    assert _container(docs[("Deployment", "demo-trident-head")])["image"] == "trident:0.1.0"
+
+
 def test_secrets_come_from_a_secret_by_environment_never_from_a_command():
     docs = render("--set-json", 'modes=["e_p_d"]')
     secret = docs[("Secret", "demo-trident-secrets")]

@@ -72,3 +72,14 @@ def test_the_visible_gpus_are_cuda_visible_devices_when_it_is_set():
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-5ad1c0de"}) == ["GPU-5ad1c0de"]  # (UUIDs too)
+
+
+def test_serve_hands_each_worker_its_gpu_and_the_device_settings(tmp_path):
+    from trident.launcher import Launcher
+
+    launcher = Launcher(ServeSettings(model=str(tmp_path), workspace=str(tmp_path), device="cuda", dtype="float16",
+                                      gpus={"decode": "3"}))
+    launcher._gpus = place(["encode", "prefill", "decode"], ["0", "1"], launcher.s.gpus, launcher.s.device)
+    got = {name: launcher.worker_settings(name) for name in ("encode", "prefill", "decode")}
+    assert {name: s.cuda_visible_devices for name, s in got.items()} == {"encode": "0", "prefill": "1", "decode": "3"}
+    assert {(s.device, s.dtype) for s in got.values()} == {("cuda", "float16")}
