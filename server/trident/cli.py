@@ -283,6 +283,8 @@ def _add_frontend(sub) -> None:
 def _worker(args: argparse.Namespace) -> int:
     from .launcher.quiet import quiet
 
+    os.umask(0o077)  # (its files: stats, its Unix socket's folder, vLLM's IPC folder; as serve's, its user's alone)
+
     quiet(os.environ)  # (as the workers serve starts)
     import torch
 
@@ -325,6 +327,7 @@ def _end_process(code: int) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
+    os.umask(0o077)  # (the workers' files, as serve's: its user's alone)
     from .config import VLLMConfig
     from .launcher import own_side_channel
     from .launcher.node import Node

@@ -87,3 +87,19 @@ def test_rotation_opens_records_of_the_previous_key(monkeypatch):
     with pytest.raises(ForgedRecord):
         auth.verify(old)
     assert auth.verify(new) == b"payload"
+
+
+@pytest.mark.parametrize("argv", [["worker"], ["node", "encode", "--model", "/nonexistent", "--join", "http://127.0.0.1:1",
+                                   "--threads", "0"]],
+                         ids=["worker", "node"])
+def test_a_joining_worker_and_a_node_keep_their_files_their_user_s_alone(argv):
+    """``trident worker`` and ``trident node`` start under a 0077 umask, as ``trident serve`` does (their stats, Unix
+    socket folders and vLLM IPC folders are then no other user's): set before anything else, so also when they
+    then refuse their arguments."""
+    import subprocess
+    import sys
+
+    probe = ("import os\nfrom trident.cli import main\nos.umask(0o022)\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+             "except Exception:\n    pass\nprint(oct(os.umask(0)))" % argv)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "0o77", done.stdout + done.stderr
