@@ -3,6 +3,7 @@ secret, a wrong secret on either side is refused, and nothing but the challenge 
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 
@@ -103,3 +104,34 @@ def test_a_joining_worker_and_a_node_keep_their_files_their_user_s_alone(argv):
              "except Exception:\n    pass\nprint(oct(os.umask(0)))" % argv)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "0o77", done.stdout + done.stderr
+
+
+def test_the_head_removes_only_a_direct_socket_folder_its_own_worker_made(tmp_path):
+    """A worker file is written from what a bind said: the head removes the socket folder it names only when the
+    file names the worker the head started (its pid) and the folder is one of this user's trident-calls-* folders
+    in the temporary folder; any other folder a worker file names stays."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from trident.launcher.processes import remove_direct_socket
+    from trident.protocol import WORKER_FILE
+    from trident.stagecall.server import DIR_PREFIX, SOCKET_NAME
+
+    def bound(folder: Path, pid: int) -> Path:
+        model = tmp_path / f"model-{len(list(tmp_path.iterdir()))}"
+        (model / "1").mkdir(parents=True)
+        (model / "1" / WORKER_FILE).write_text(json.dumps({"pid": pid, "direct": str(folder / SOCKET_NAME)}))
+        return model
+
+    own = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
+    elsewhere = tmp_path / f"{DIR_PREFIX}victim"  # the right name, not in the temporary folder
+    elsewhere.mkdir()
+    try:
+        remove_direct_socket(bound(own, 4242), pid=4343)  # another worker's file
+        remove_direct_socket(bound(elsewhere, 4242), pid=4242)
+        assert own.exists() and elsewhere.exists()
+        remove_direct_socket(bound(own, 4242), pid=4242)
+        assert not own.exists()
+    finally:
+        shutil.rmtree(own, ignore_errors=True)

@@ -470,15 +470,15 @@ class Launcher:
             for name, proc in list(self.workers.items()):
                 if proc.poll() is not None:
                     self.workers.pop(name)
-                    self._worker_exited(name, proc.returncode)
+                    self._worker_exited(name, proc.returncode, proc.pid)
             self._restart_due()
             time.sleep(0.2)
         self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
         return 0
 
-    def _worker_exited(self, name: str, code: int) -> None:
+    def _worker_exited(self, name: str, code: int, pid: int) -> None:
         self._coming_back.discard(name)
-        remove_direct_socket(self.model_store / name)
+        remove_direct_socket(self.model_store / name, pid)
         if name == "frontend":  # Triton's own endpoints serve on meanwhile
             self.out(f"[trident] the OpenAI frontend exited with code {code}; Triton keeps serving")
         elif code == NAME_TAKEN_EXIT:  # its stage model is another worker's now: leave it loaded
@@ -561,8 +561,8 @@ class Launcher:
             if regions := remove_shm_regions(os.getpid()):
                 self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
         stop_all(self.workers, lambda line: self.out(f"[trident] {line}"))
-        for stage in self.workers:
-            remove_direct_socket(self.model_store / stage)
+        for stage, proc in self.workers.items():
+            remove_direct_socket(self.model_store / stage, proc.pid)
         if self._zygote is not None:
             self._zygote.close()
         if self._tmp:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,17 +51,28 @@ def end_with_head() -> None:
     threading.Thread(target=wait, name="trident-head-watch", daemon=True).start()
 
 
-def remove_direct_socket(model_dir: Path) -> None:
-    """The folder of a stopped worker's direct socket (named in its worker file), which a killed worker could
-    not remove itself."""
+def remove_direct_socket(model_dir: Path, pid: int) -> None:
+    """The folder of the direct socket of a stopped worker this process started (``pid``), which a killed worker
+    could not remove itself. Only a folder that worker made: its worker file names that pid, and the folder is one
+    of this user's ``trident-calls-*`` folders in the temporary folder (a worker file naming another path, or
+    another worker's, removes nothing)."""
     from ..stagecall.server import DIR_PREFIX, SOCKET_NAME
 
     try:
-        path = Path(json.loads((model_dir / "1" / WORKER_FILE).read_text())["direct"])
+        worker = json.loads((model_dir / "1" / WORKER_FILE).read_text())
+        path = Path(worker["direct"])
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if path.name == SOCKET_NAME and path.parent.name.startswith(DIR_PREFIX):
-        shutil.rmtree(path.parent, ignore_errors=True)
+    folder = path.parent
+    if worker.get("pid") != pid or path.name != SOCKET_NAME or not folder.name.startswith(DIR_PREFIX) \
+            or folder.parent != Path(tempfile.gettempdir()):
+        return
+    try:
+        mine = not folder.is_symlink() and folder.lstat().st_uid == os.getuid()
+    except OSError:
+        return
+    if mine:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def descendants(pid: int) -> list[int]:
