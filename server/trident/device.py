@@ -14,7 +14,6 @@ import shutil
 import subprocess
 from typing import Iterable, Literal
 
-DeviceName = str  # "auto", "cpu", "cuda" or "cuda:N"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

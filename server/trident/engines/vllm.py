@@ -528,9 +528,7 @@ class VLLMStageEngine:
             out[f"read_bytes_from_{pair}"] = out.get(f"read_bytes_from_{pair}", 0) + st.kv_read_bytes
             out[f"read_seconds_from_{pair}"] = out.get(f"read_seconds_from_{pair}", 0.0) + st.kv_read_seconds
         out.update(kv_read_bytes=st.kv_read_bytes, kv_read_seconds=st.kv_read_seconds, kv_peers_tcp=tcp,
-                   kv_peers_not_tcp=not_tcp, fetched_bytes=out.get("fetched_bytes", 0) + st.kv_read_bytes,
-                   fetch_seconds=out.get("fetch_seconds", 0.0) + st.kv_read_seconds,
-                   peers_tcp=out.get("peers_tcp", 0) + tcp, peers_not_tcp=out.get("peers_not_tcp", 0) + not_tcp)
+                   kv_peers_not_tcp=not_tcp, peers_tcp=out.get("peers_tcp", 0) + tcp, peers_not_tcp=out.get("peers_not_tcp", 0) + not_tcp)
         out.update(
             kv_cache_usage=st.kv_cache_usage, vllm_running=st.running, vllm_waiting=st.waiting,
             prefix_cache_queries=st.prefix_queries, prefix_cache_hits=st.prefix_hits,
