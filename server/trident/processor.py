@@ -141,14 +141,15 @@ class Processor:
 
         self.path = Path(model_path)
         self.config = AutoConfig.from_pretrained(self.path)
-        self.family: Family = family_of(self.config)
+        # (a model no family adapter lists: its placeholders as its chat template writes them, for the vllm engine)
+        self.family: Family = family_of(self.config, self.path)
         # Loaded apart rather than through AutoProcessor: Qwen2-VL's processor needs a video processor,
         # which needs torchvision, which has no CPU build on PyPI.
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.modalities = self.family.modalities
         self.image_processor = None
         self.feature_extractor = None
-        if "image" in self.modalities or "video" in self.modalities:
+        if self.family.listed and ("image" in self.modalities or "video" in self.modalities):  # (the adapters' own)
             from transformers import AutoImageProcessor
 
             self.image_processor = AutoImageProcessor.from_pretrained(self.path)
@@ -157,7 +158,7 @@ class Processor:
 
             self.feature_extractor = AutoFeatureExtractor.from_pretrained(self.path)
         self.token_ids = {
-            kind: self.tokenizer.convert_tokens_to_ids(p.token) for kind, p in self.family.placeholders.items()
+            kind: self.tokenizer.convert_tokens_to_ids(p.token) for kind, p in self.family.placeholders.items() if p.token
         }
         self.image_token_id = self.token_ids.get("image")
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
@@ -221,6 +222,8 @@ class Processor:
         The prompt must carry each kind's placeholder exactly once per item, and fit the context window.
         """
         kinds = list(kinds) if kinds is not None else ["image"] * len(token_counts)
+        if not self.family.listed:
+            self.family.layout()  # (refused: only the engine that processes its media expands its placeholders)
         per_kind: dict[str, list[int]] = {}
         for kind, count in zip(kinds, token_counts, strict=True):
             per_kind.setdefault(kind, []).append(count)

@@ -383,7 +383,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 10  # 10: a transfer names its regions' memory type (DRAM or VRAM) and device
+RECORD_VERSION = 11  # 11: vllm_kv carries no grids or clip seconds (vLLM places media from their stand-ins)
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
 MEMORY_TYPES = ("DRAM", "VRAM")  # where a transfer's regions lie (NIXL's memory types Trident registers)
@@ -585,11 +585,9 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
     kv_transfer_params: dict[str, Any]  # vLLM's own, from the prefill engine's output
     prompt_len: int
     prompt_digest: str  # of the prompt token ids
-    token_counts: list[int]  # embedding count of each media item
-    grid_thw: list[list[int]] | None
+    token_counts: list[int]  # embedding count of each media item (as the prefill engine's vLLM placed it)
     image_ids: list[str]
     kinds: list[str] | None = None  # each item's modality; None: all images
-    seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
     stand_ins: list[StandIn] | None = None  # each media item's shape, for the decode engine's placeholders
     first_token: int | None = None  # the prefill's greedy token (None: not sampled)
     first_text: str | None = None  # as in HFKVRecord
@@ -610,7 +608,6 @@ class VLLMKVRecord(_Record, tag=f"vllm_kv/{RECORD_VERSION}"):
         if len(self.token_counts) != len(self.image_ids):
             raise MalformedRecord("kv_meta has different numbers of item token counts and item ids")
         _check_kinds(self.kinds, len(self.token_counts))
-        _check_seconds(self.seconds, len(self.token_counts))
         _check_stand_ins(self.stand_ins, len(self.token_counts))
 
 

@@ -1,6 +1,11 @@
-"""The vllm engine's kv_meta record and the decode side's prompt check (no vLLM needed)."""
+"""The vllm engine's kv_meta record and the decode side's prompt check (no vLLM needed: vLLM's renderer is stood in
+for by one that expands each placeholder token to the count it is given, and keeps what it was asked; the real one
+is the e2e tests')."""
 
 from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -27,7 +32,7 @@ PARAMS = {  # the shape of NixlConnector's kv_transfer_params (vLLM 0.32)
 
 def _record(**kw) -> VLLMKVRecord:
     fields = dict(kv_transfer_params=PARAMS, prompt_len=220, prompt_digest="ab" * 8,
-                  token_counts=[196], grid_thw=None, image_ids=["f" * 32],
+                  token_counts=[196], image_ids=["f" * 32],
                   claim="c" * 32, claim_at={"name": "prefill", "tcp": ["127.0.0.1", 40000]})
     fields.update(kw)
     return VLLMKVRecord(**fields)
@@ -44,8 +49,7 @@ def test_kv_record_round_trip_and_size():
     (sign(msgspec.msgpack.encode([1, "x"])), "kind and format version"),
     (sign(msgspec.msgpack.encode(["vllm_kv/1", {}])), "'vllm_kv/1' is not supported"),
     (_record(image_ids=[]).encode(), "item token counts and item ids"),
-    (_record(seconds=[1.0, 1.0]).encode(), "invalid seconds per temporal patch"),
-    (_record(seconds=[float("nan")]).encode(), "invalid seconds per temporal patch"),
+    (_record(kinds=["audio", "image"]).encode(), "kinds"),
     (_record(claim="").encode(), "no producer to claim its KV at"),
     (_record(claim_at={}).encode(), "no producer to claim its KV at"),
 ], ids=_record_id)
@@ -54,29 +58,60 @@ def test_malformed_kv_records_are_refused(data, message):
         decode_record(data, VLLMKVRecord)
 
 
-def _decode_side(model_path: str) -> VLLMStageEngine:
+class _Renderer:
+    """vLLM's renderer as the decode side uses it: each placeholder token expanded to ``counts``' next entry."""
+
+    def __init__(self, processor: Processor, counts: list[int]) -> None:
+        self.processor, self.counts, self.asked = processor, counts, []
+
+    async def render_cmpl_async(self, prompts):
+        (prompt,) = prompts
+        self.asked.append(prompt)
+        tokens = {t: kind for kind, t in self.processor.token_ids.items()}
+        ids, ranges, counts = [], {}, iter(self.counts)
+        for token in prompt["prompt_token_ids"]:
+            if token in tokens:
+                n = next(counts)
+                ranges.setdefault(tokens[token], []).append(SimpleNamespace(offset=len(ids), length=n, is_embed=None))
+                ids += [token] * n
+            else:
+                ids.append(token)
+        return [{"prompt_token_ids": ids, "mm_placeholders": ranges}]
+
+
+def _decode_side(model_path: str, counts: list[int] = ()) -> VLLMStageEngine:
     """The decode engine's prompt handling alone (no vLLM engine started)."""
     engine = object.__new__(VLLMStageEngine)
     engine.processor = Processor(model_path)
     engine.kv_role = "kv_consumer"
     engine.family = engine.processor.family
+    engine.llm = SimpleNamespace(renderer=_Renderer(engine.processor, list(counts)))
     return engine
 
 
+def _decode_inputs(engine, text, record):
+    return asyncio.run(engine._decode_inputs(text, record))
+
+
 def test_decode_checks_text_input_against_the_prefilled_prompt(demo_models):
-    engine = _decode_side(demo_models["llava"])
+    engine = _decode_side(demo_models["llava"], [196] * 3)
     text = "USER: <image>\nWhat is it? ASSISTANT:"
     ids = engine.processor.tokenizer(text)["input_ids"]
     length = len(engine.processor.prompt_ids(text, [196]))
     record = _record(prompt_len=length, prompt_digest=prompt_digest(ids), stand_ins=[StandIn([300, 200], image=True)])
-    prompt, got = engine._decode_inputs(text, record)
-    assert got == length and prompt["prompt_token_ids"] == ids
-    assert prompt["multi_modal_data"]["image"][0].size == (200, 300)  # (PIL: width, height) the item's own
-    assert prompt["multi_modal_uuids"] == {"image": record.image_ids}
+    rendered = _decode_inputs(engine, text, record)
+    assert rendered.length == length and rendered.text_ids == ids and rendered.token_counts == [196]
+    asked = engine.llm.renderer.asked[0]
+    assert asked["prompt_token_ids"] == ids
+    assert asked["multi_modal_data"]["image"][0].size == (200, 300)  # (PIL: width, height) the item's own
+    assert asked["multi_modal_uuids"] == {"image": record.image_ids}
     with pytest.raises(InvalidRequest, match="not the prompt this kv_meta was prefilled from"):
-        engine._decode_inputs(text.replace("What", "Who"), record)
+        _decode_inputs(engine, text.replace("What", "Who"), record)
+    with pytest.raises(InvalidRequest, match="not the prompt this kv_meta was prefilled from"):  # (another expansion)
+        _decode_inputs(engine, text, _record(prompt_len=length + 1, prompt_digest=prompt_digest(ids),
+                                             stand_ins=[StandIn([300, 200], image=True)]))
     with pytest.raises(InvalidRequest, match="needs text_input"):
-        engine._decode_inputs(None, record)
+        _decode_inputs(engine, None, record)
 
 
 def test_decode_refuses_image_counts_beyond_the_prompt_before_allocating(demo_models):
@@ -84,7 +119,8 @@ def test_decode_refuses_image_counts_beyond_the_prompt_before_allocating(demo_mo
     text = "USER: <image>\nWhat is it? ASSISTANT:"
     for counts, prompt_len in (([10**12], 220), ([300], 220), ([196], 10**9)):
         with pytest.raises(InvalidRequest, match="context window"):
-            engine._decode_inputs(text, _record(token_counts=counts, prompt_len=prompt_len))
+            _decode_inputs(engine, text, _record(token_counts=counts, prompt_len=prompt_len))
+    assert not engine.llm.renderer.asked
 
 
 def test_decode_gives_vllm_each_item_s_stand_in(demo_models):
@@ -95,22 +131,23 @@ def test_decode_gives_vllm_each_item_s_stand_in(demo_models):
 
     from support import media_prompt
 
-    engine = _decode_side(demo_models["qwen2_5vl"])
+    counts, kinds = [16, 30], ["image", "video"]
+    engine = _decode_side(demo_models["qwen2_5vl"], counts)
     text = media_prompt(AutoTokenizer.from_pretrained(demo_models["qwen2_5vl"]), ["image", "video"], "What is it?")
     ids = engine.processor.tokenizer(text)["input_ids"]
-    counts, kinds = [16, 30], ["image", "video"]
     length = len(engine.processor.prompt_ids(text, counts, kinds))
     clip = {"fps": 2.0, "duration": 5.0, "total_num_frames": 10, "frames_indices": list(range(10))}
     record = _record(prompt_len=length, prompt_digest=prompt_digest(ids), token_counts=counts, kinds=kinds,
-                     grid_thw=[[1, 8, 8], [5, 4, 6]], image_ids=["a" * 32, "b" * 32], seconds=[0.0, 1.0],
+                     image_ids=["a" * 32, "b" * 32],
                      stand_ins=[StandIn([112, 112], image=True), StandIn([10, 56, 84, 3], meta=clip)])
-    mm = engine._decode_inputs(text, record)[0]["multi_modal_data"]
+    assert _decode_inputs(engine, text, record).token_counts == counts
+    mm = engine.llm.renderer.asked[0]["multi_modal_data"]
     assert mm["image"][0].size == (112, 112)
     frames, meta = mm["video"][0]
     assert frames.shape == (10, 56, 84, 3) and not frames.any() and meta == clip
     with pytest.raises(InvalidRequest, match="no media stand-ins"):
-        engine._decode_inputs(text, _record(prompt_len=length, prompt_digest=prompt_digest(ids), token_counts=counts,
-                                            kinds=kinds, grid_thw=[[1, 8, 8], [5, 4, 6]], image_ids=["a" * 32, "b" * 32]))
+        _decode_inputs(engine, text, _record(prompt_len=length, prompt_digest=prompt_digest(ids), token_counts=counts,
+                                             kinds=kinds, image_ids=["a" * 32, "b" * 32]))
 
 
 def _first_token_side(model_path: str, block_size: int = 16) -> VLLMStageEngine:

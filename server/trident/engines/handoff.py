@@ -79,10 +79,16 @@ def receive_embeddings(
     except Exception:
         endpoint.discard(record.transfer)
         raise
+    emb, release = read_embeddings(endpoint, record)
+    return prompt, emb, record, release
+
+
+def read_embeddings(endpoint: TransferEndpoint, record: EmbeddingsRecord) -> tuple[MediaEmbeddings, Callable[[], None]]:
+    """READ a record's embeddings (views into the receive pool) and the function that frees them."""
     with tracing.step("nixl_read"):
         received = endpoint.fetch(record.transfer)
     emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds, record.seconds)
-    return prompt, emb, record, received.release
+    return emb, received.release
 
 
 # -- KV cache -------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, StageSpec, VLLMKVRecord, decode_record
 from ..stagecall.client import StageClient
 from . import handoff
-from .vllm_media import decode_media, mm_of, outputs_param, stand_ins_of
+from .vllm_media import Rendered, decode_media, mm_of, outputs_param, render, stand_ins_of
 from .base import MediaEmbeddings
 from .kv_claims import KVClaims
 
@@ -278,30 +278,19 @@ class VLLMStageEngine:
         )
 
     # -- inputs ------------------------------------------------------------------------------------------
-    def _prompt(
-        self, text: str, counts: list[int], kinds: list[str], mm: dict | None, item_ids: list[str]
-    ) -> tuple[dict, int]:
-        """vLLM's prompt and the prompt's length with media expanded (checked against the context window).
-
-        vLLM gets the token ids with one placeholder per item and expands them itself: ids that are
-        already expanded would be expanded again."""
-        expanded = self.processor.prompt_ids(text, counts, kinds)
-        self.processor.check_length(len(expanded))
-        last = next((k for k in set(kinds) if self.processor.token_ids[k] == expanded[-1]), None)
-        if counts and self.kv_role == "kv_producer" and last is not None:
+    async def _prompt(self, text: str, kinds: list[str], mm: dict | None, item_ids: list[str]) -> Rendered:
+        """vLLM's processed prompt (:func:`~trident.engines.vllm_media.render`: its own placeholder expansion, so
+        any model vLLM serves, family adapter or not), checked against the context window; a prefill handed on must
+        not end with media."""
+        rendered = await render(self.llm, self.processor, text, mm, kinds, item_ids)
+        if rendered.ends_in is not None and self.kv_role == "kv_producer":
             # the decode engine recomputes the last prompt position, without the media's embeddings
-            article = "an" if last in ("image", "audio") else "a"
-            raise InvalidRequest(f"with the vllm engine the prompt must not end with {article} {last} placeholder")
-        prompt: dict[str, Any] = {"prompt_token_ids": self.processor.tokenizer(text)["input_ids"]}
-        if mm is not None:
-            prompt["multi_modal_data"] = mm
-            prompt["multi_modal_uuids"] = {
-                kind: [i for i, k in zip(item_ids, kinds) if k == kind] for kind in dict.fromkeys(kinds)
-            }
-        return prompt, len(expanded)
+            article = "an" if rendered.ends_in in ("image", "audio") else "a"
+            raise InvalidRequest(f"with the vllm engine the prompt must not end with {article} {rendered.ends_in} placeholder")
+        return rendered
 
-    def _read_embeddings(self, text: str, record: EmbeddingsRecord) -> MediaEmbeddings:
-        _, emb, _, release = handoff.receive_embeddings(self.endpoint, self.processor, text, record)
+    def _read_embeddings(self, record: EmbeddingsRecord) -> MediaEmbeddings:
+        emb, release = handoff.read_embeddings(self.endpoint, record)
         try:
             emb.embeddings = emb.embeddings.clone()
             return emb
@@ -309,29 +298,37 @@ class VLLMStageEngine:
             release()
 
     async def _inputs(self, text: str, media: list, embedding_meta: bytes | None):
-        """vLLM's prompt and what the decode side needs: (prompt, expanded length, the media's layout (token
-        counts, grids, kinds, seconds), the items' ids, the ``extra_args`` that carry the embeddings of
-        ``embedding_meta`` to the engine's EC connector, the items' stand-ins)."""
+        """vLLM's processed prompt and what the decode side needs: (the :class:`Rendered` prompt, the media's layout
+        (token counts and kinds), the items' ids, the ``extra_args`` that carry the embeddings of ``embedding_meta``
+        to the engine's EC connector, the items' stand-ins)."""
         if media:
             self.processor.check_placeholders(text, media_counts(media))
-            mm, layout, ids = await asyncio.to_thread(decode_media, self.processor, media)
-            prompt, length = self._prompt(text, layout.token_counts, layout.item_kinds, mm, ids)
-            return prompt, length, layout, ids, {}, stand_ins_of(mm, layout.item_kinds)
+            mm, kinds, ids = await asyncio.to_thread(decode_media, self.processor, media)
+            rendered = await self._prompt(text, kinds, mm, ids)
+            layout = MediaEmbeddings(torch.empty(0), rendered.token_counts, kinds=kinds)
+            return rendered, layout, ids, {}, stand_ins_of(mm, kinds)
         if embedding_meta is not None:
             record = decode_record(embedding_meta, EmbeddingsRecord)
-            if record.stand_ins is None or not record.image_ids:
+            kinds = list(record.kinds) if record.kinds is not None else ["image"] * len(record.token_counts)
+            try:
+                if record.stand_ins is None or not record.image_ids:
+                    raise InvalidRequest("embedding_meta carries no media stand-ins: it is not a vllm encode stage's")
+                self.processor.check_placeholders(text, {k: kinds.count(k) for k in dict.fromkeys(kinds)})
+                ids = list(record.image_ids)
+                rendered = await self._prompt(text, kinds, mm_of(record.stand_ins, kinds), ids)
+                if rendered.token_counts != list(record.token_counts):
+                    raise InvalidRequest(f"the prompt's media take {rendered.token_counts} embeddings but embedding_meta "
+                                         f"holds {list(record.token_counts)}")
+            except BaseException:
                 handoff.discard(self.endpoint, embedding_meta)  # (its producer frees it now)
-                raise InvalidRequest("embedding_meta carries no media stand-ins: it is not a vllm encode stage's")
+                raise
             loop = asyncio.get_running_loop()
-            emb = await loop.run_in_executor(self._io, tracing.carry(self._read_embeddings), text, record)
-            ids = list(record.image_ids)
-            mm = mm_of(record.stand_ins, emb.item_kinds)
-            prompt, length = self._prompt(text, emb.token_counts, emb.item_kinds, mm, ids)
-            return prompt, length, emb, ids, {"ec_transfer_params": outputs_param(ids, emb)}, list(record.stand_ins)
-        prompt, length = self._prompt(text, [], [], None, [])
-        return prompt, length, MediaEmbeddings(torch.empty(0), [], kinds=[]), [], {}, []
+            emb = await loop.run_in_executor(self._io, tracing.carry(self._read_embeddings), record)
+            return rendered, emb, ids, {"ec_transfer_params": outputs_param(ids, emb)}, list(record.stand_ins)
+        rendered = await self._prompt(text, [], None, [])
+        return rendered, MediaEmbeddings(torch.empty(0), [], kinds=[]), [], {}, []
 
-    def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> tuple[dict, int]:
+    async def _decode_inputs(self, text: str | None, record: VLLMKVRecord) -> Rendered:
         if text is None:
             raise InvalidRequest("the vllm decode stage needs text_input (the prompt) along with kv_meta")
         if record.prompt_len > self.processor.max_model_len or sum(record.token_counts) > record.prompt_len:
@@ -343,13 +340,14 @@ class VLLMStageEngine:
         kinds = list(record.kinds) if record.kinds is not None else ["image"] * len(record.token_counts)
         if record.token_counts:
             self.processor.check_kinds(dict.fromkeys(kinds, 1))
-            if record.stand_ins is None:
+            if record.stand_ins is None or len(record.stand_ins) != len(kinds):
                 raise InvalidRequest("kv_meta carries no media stand-ins for its media items")
             mm = mm_of(record.stand_ins, kinds)  # (the KV covers the media: vLLM places them by their shapes)
-        prompt, length = self._prompt(text, record.token_counts, kinds, mm, record.image_ids)
-        if length != record.prompt_len or prompt_digest(prompt["prompt_token_ids"]) != record.prompt_digest:
+        self.processor.check_placeholders(text, {k: kinds.count(k) for k in dict.fromkeys(kinds)})
+        rendered = await self._prompt(text, kinds, mm, record.image_ids)
+        if rendered.length != record.prompt_len or prompt_digest(rendered.text_ids) != record.prompt_digest:
             raise InvalidRequest("text_input is not the prompt this kv_meta was prefilled from")
-        return prompt, length
+        return rendered
 
     # -- stage operations --------------------------------------------------------------------------------
     async def encode(self, media: list) -> bytes:
@@ -359,7 +357,8 @@ class VLLMStageEngine:
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
         self._one_choice(params, embedding_meta)
-        prompt, length, layout, image_ids, extra, stand_ins = await self._inputs(text, list(media), embedding_meta)
+        rendered, layout, image_ids, extra, stand_ins = await self._inputs(text, list(media), embedding_meta)
+        prompt, length = rendered.engine_input, rendered.length
         sampling = _sampling(params, max_tokens=1, temperature=0.0, stop=None, ignore_eos=True, n=1,
                              extra_args={"kv_transfer_params": {"do_remote_decode": True}, **extra})
         final = None
@@ -367,7 +366,7 @@ class VLLMStageEngine:
             pass
         if final is None or not final.kv_transfer_params:
             raise RuntimeError("vLLM's prefill returned no kv_transfer_params (is the NixlConnector configured?)")
-        digest = prompt_digest(prompt["prompt_token_ids"])
+        digest = prompt_digest(rendered.text_ids)
         completion = final.outputs[0] if final.outputs else None
         first_token = completion.token_ids[0] if completion is not None and completion.token_ids else None
         first_logprobs = None
@@ -376,8 +375,8 @@ class VLLMStageEngine:
         return VLLMKVRecord(
             claim=self.kv_claims.hold(), claim_at=self.kv_claims.at,
             kv_transfer_params=final.kv_transfer_params, prompt_len=length, prompt_digest=digest,
-            token_counts=layout.token_counts, grid_thw=layout.grid_thw, image_ids=image_ids,
-            kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None, seconds=layout.seconds,
+            token_counts=layout.token_counts, image_ids=image_ids,
+            kinds=layout.item_kinds if set(layout.item_kinds) - {"image"} else None,
             stand_ins=stand_ins or None, first_token=first_token, first_logprobs=first_logprobs,
             first_text=early_text(self._first_event(prompt, length, first_token, params, first_logprobs)),
         ).encode()
@@ -390,7 +389,8 @@ class VLLMStageEngine:
             self._one_choice(params, embedding_meta)
         if kv_meta is not None:
             record = decode_record(kv_meta, VLLMKVRecord)
-            prompt, length = self._decode_inputs(text, record)
+            rendered = await self._decode_inputs(text, record)
+            prompt, length = rendered.engine_input, rendered.length
             # vLLM frees the prefill's blocks once read: a second read, by this consumer or any other, would find
             # other requests' KV there, so the KV is claimed at its producer first, once for all consumers
             await self._producers.claim(record.claim_at, record.claim)
@@ -405,7 +405,8 @@ class VLLMStageEngine:
                 return Generation(length, self._events(prompt, sampling, first))
             sampling = _sampling(params, extra_args=extra)
         else:
-            prompt, length, _, _, extra, _ = await self._inputs(text, list(media), embedding_meta)
+            rendered, _, _, extra, _ = await self._inputs(text, list(media), embedding_meta)
+            prompt, length = rendered.engine_input, rendered.length
             sampling = _sampling(params, extra_args=extra or None)
         return Generation(length, self._events(prompt, sampling))
 

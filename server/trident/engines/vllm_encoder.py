@@ -8,8 +8,8 @@ the outputs go into this worker's embedding cache (the one cache: vLLM is asked 
 next stage READs them over Trident's NIXL layer from a sealed record (:class:`~trident.engines.encode_stage.EncodeStage`),
 which also carries each item's stand-in (its shape: :mod:`trident.engines.vllm_media`), what the consumer's vLLM
 engine needs to place them.
-No transformers model is built here: the worker has the tokenizer and the media processors, for the items'
-layout (token counts, grids), which is checked against vLLM's outputs.
+No transformers model is built here: each item's embedding count is the placeholder range vLLM's own processing
+gives it (:func:`~trident.engines.vllm_media.render`), checked against the encoder's outputs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .base import Encoded
 from .embedding_cache import CachedEmbedding, EmbeddingCache, settings_digest
 from .encode_stage import EncodeStage
 from .vllm import _environment, _executor, engine_device, engine_dtype, start_engine
-from .vllm_media import decode_media, stand_ins_of
+from .vllm_media import decode_media, render, stand_ins_of
 from . import vllm_ec_connector
 from .vllm_ec_connector import outputs_of
 
@@ -84,33 +84,30 @@ class VLLMEncodeEngine:
 
         keys = [key for key, _ in claimed]
         items = [item for _, item in claimed]
-        mm, layout, _ = await asyncio.to_thread(decode_media, self.processor, items)
-        stand_ins = stand_ins_of(mm, layout.item_kinds)
-        kinds = list(dict.fromkeys(layout.item_kinds))
-        order = [i for kind in kinds for i, item in enumerate(items) if item.kind == kind]  # vLLM's: by kind
+        mm, kinds, _ = await asyncio.to_thread(decode_media, self.processor, items)
+        stand_ins = stand_ins_of(mm, kinds)
+        order = [i for kind in dict.fromkeys(kinds) for i, item in enumerate(items) if item.kind == kind]  # vLLM's: by kind
         placeholders = "".join(self.processor.family.placeholders[items[i].kind].text for i in order)
-        prompt = {
-            "prompt_token_ids": self.processor.tokenizer(placeholders, add_special_tokens=False)["input_ids"],
-            "multi_modal_data": mm,
-            "multi_modal_uuids": {kind: [keys[i] for i in order if items[i].kind == kind] for kind in kinds},
-        }
+        ordered_kinds = [kinds[i] for i in order]
+        rendered = await render(self.llm, self.processor, placeholders, mm, ordered_kinds, [keys[i] for i in order])
+        counts = [0] * len(items)
+        for i, count in zip(order, rendered.token_counts):
+            counts[i] = count
         params = VSamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         with tracing.step("vllm_encoder"):
-            async for final in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+            async for final in self.llm.generate(rendered.engine_input, params, request_id=uuid.uuid4().hex):
                 pass
         outputs = outputs_of(final.ec_transfer_params if final is not None else None)
-        grids = layout.grid_thw or [None] * len(items)
-        seconds = layout.seconds or [0.0] * len(items)
         entries = []
         try:
             with tracing.step("publish"):  # the copy into the send pool
-                for key, count, grid, secs, stand_in in zip(keys, layout.token_counts, grids, seconds, stand_ins):
+                for key, count, stand_in in zip(keys, counts, stand_ins):
                     rows = outputs.get(key)
                     if rows is None or rows.dim() != 2 or rows.shape[0] != count:
                         raise RuntimeError(f"vLLM's encoder gave {None if rows is None else tuple(rows.shape)} for an "
                                            f"item of {count} embeddings")
-                    entries.append(self.cache.store(key, rows, grid, secs, stand_in))
+                    entries.append(self.cache.store(key, rows, None, 0.0, stand_in))
         except BaseException:
             for entry in entries:
                 self.cache.release(entry)

@@ -10,39 +10,76 @@ prompt). No model family's code is involved on that side.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from .. import tracing
+from ..errors import InvalidRequest
 from ..media.image import image_digest
 from ..processor import Processor
 from ..protocol import StandIn
 from .base import MediaEmbeddings
 
 
-def decode_media(processor: Processor, media: list) -> tuple[dict, MediaEmbeddings, list[str]]:
-    """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), the items' layout (token
-    counts, grids, kinds and seconds per temporal patch; no embeddings) and their content ids, in order."""
+def decode_media(processor: Processor, media: list) -> tuple[dict, list[str], list[str]]:
+    """Decode the raw items: vLLM's ``multi_modal_data`` (raw items by kind), each item's kind and its content id,
+    in order."""
     family = processor.family
     with tracing.step("media_decode"):
         decoded = processor.open(media)
     mm: dict = {}
-    counts: list[int] = []
-    grids: list = []
-    seconds: list[float] = []
     for kind in dict.fromkeys(item.kind for item in media):
-        items = [d for d, item in zip(decoded, media) if item.kind == kind]
-        mm[kind] = family.vllm_inputs(processor, kind, items)
-        c, g = family.layout(processor, kind, items)
-        counts += c
-        grids += g if g is not None else [None] * len(c)
-        seconds += family.clip_seconds(processor, kind, items) or [0.0] * len(c)
-    layout = MediaEmbeddings(
-        torch.empty(0), counts, grids if any(g is not None for g in grids) else None,
-        [item.kind for item in media], seconds if any(seconds) else None,
-    )
+        mm[kind] = family.vllm_inputs(processor, kind, [d for d, item in zip(decoded, media) if item.kind == kind])
     ids = [image_digest(d) if item.kind == "image" else item.content_id for d, item in zip(decoded, media)]
-    return mm, layout, ids
+    return mm, [item.kind for item in media], ids
+
+
+@dataclass
+class Rendered:
+    """A prompt as vLLM processed it (:func:`render`)."""
+
+    engine_input: dict  # what ``AsyncLLM.generate`` takes without processing it again
+    text_ids: list[int]  # the text's token ids, one placeholder per item (what records digest)
+    token_counts: list[int]  # each item's embedding count, in the items' order
+    ends_in: str | None  # the kind of the item whose embeddings end the prompt, if one does
+
+    @property
+    def length(self) -> int:
+        """The prompt's token count with its media expanded."""
+        return len(self.engine_input["prompt_token_ids"])
+
+
+async def render(llm, processor: Processor, text: str, mm: dict | None, kinds: list[str], item_ids: list[str]) -> Rendered:
+    """The prompt through vLLM's own input processing (its renderer: tokens, media processor, placeholder
+    expansion), checked against the context window. Each item's embedding count is the placeholder range vLLM
+    gives it, so no model family's layout is needed; the engine is then given the result as it is."""
+    ids = processor.tokenizer(text)["input_ids"]
+    prompt: dict = {"prompt_token_ids": ids}
+    if mm:
+        prompt["multi_modal_data"] = mm
+        prompt["multi_modal_uuids"] = {kind: [i for i, k in zip(item_ids, kinds) if k == kind] for kind in dict.fromkeys(kinds)}
+    try:
+        with tracing.step("vllm_render"):
+            (engine_input,) = await llm.renderer.render_cmpl_async([prompt])
+    except (ValueError, TypeError, KeyError) as e:  # vLLM's processors refuse input with these
+        raise InvalidRequest(f"the prompt's media do not fit the model's processor: {str(e)[:300]}") from None
+    length = len(engine_input["prompt_token_ids"])
+    processor.check_length(length)
+    ranges = engine_input.get("mm_placeholders") or {}
+    taken = dict.fromkeys(ranges, 0)
+    counts, ends_in = [], None
+    for kind in kinds:
+        if taken.get(kind, 0) >= len(ranges.get(kind, ())):
+            raise InvalidRequest(f"vLLM placed fewer {kind} items in the prompt than the request carries")
+        r = ranges[kind][taken[kind]]
+        taken[kind] += 1
+        embeds = r.is_embed
+        counts.append(int(embeds.sum()) if embeds is not None else r.length)
+        if r.offset + r.length == length and (embeds is None or bool(embeds[-1])):
+            ends_in = kind
+    return Rendered(engine_input, ids, counts, ends_in)
 
 
 def stand_ins_of(mm: dict, kinds: list[str]) -> list[StandIn]:

@@ -18,7 +18,8 @@ from typing import Any
 @dataclass(frozen=True)
 class Placeholder:
     """How a prompt marks one item of a modality: ``text`` once per item (the chat template's), holding
-    ``token``, which the prompt expands to the item's embedding count."""
+    ``token``, which the prompt expands to the item's embedding count (empty where only the engine knows how its
+    placeholder expands: an :class:`Unlisted` family's on the vllm engine)."""
 
     text: str
     token: str
@@ -28,6 +29,7 @@ class Family:
     """The adapter interface; see :mod:`.llava` for a complete image-only one, :mod:`.qwen2vl` for video and
     :mod:`.qwen2audio` for audio."""
 
+    listed = True  # an adapter of this package: the hf engine serves it
     name: str  # short id ("llava")
     model_type: str  # transformers config ``model_type`` it serves
     model_class: str  # transformers class name of the checkpoint
@@ -95,6 +97,35 @@ class Family:
         """vLLM's ``multi_modal_data[kind]`` for decoded items (vLLM preprocesses and encodes them itself)."""
         return list(items)
 
+class Unlisted(Family):
+    """A model no adapter here lists: its placeholders as its checkpoint says them (:mod:`.checkpoint`). The vllm
+    engine serves it from those and vLLM's own processing; the hf engine cannot (it has no encoder call, layout or
+    prefill inputs for it)."""
+
+    listed = False
+
+    def __init__(self, model_type: str, placeholders: dict[str, Placeholder]) -> None:
+        self.name = self.model_type = model_type
+        self.model_class = ""
+        self.placeholders = placeholders
+
+    def _hf(self, *args, **kwargs):
+        listed = ", ".join(f.model_type for f in FAMILIES.values())
+        raise ValueError(f"the hf engine has no family adapter for model type {self.model_type!r} (it has: {listed}); "
+                         "serve it with backend: vllm")
+
+    load_model = media_inputs = encode = layout = prefill_inputs = _hf
+
+    def vllm_inputs(self, processor, kind, items):
+        if kind == "video":  # the sampled frames as one (t, h, w, 3) array
+            import numpy as np
+
+            return [np.stack(video.frames) for video in items]
+        if kind == "audio":
+            return [(wave, processor.audio_rate) for wave in items]
+        return list(items)
+
+
 def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
     for info in pkgutil.iter_modules(__path__):
@@ -107,11 +138,20 @@ def _discover() -> dict[str, Family]:
 FAMILIES: dict[str, Family] = _discover()
 
 
-def family_of(config) -> Family:
-    """The family of a transformers config (by ``model_type``)."""
+def family_of(config, path=None) -> Family:
+    """The family of a transformers config (by ``model_type``); with the checkpoint's ``path``, a model no adapter
+    lists is an :class:`Unlisted` one when its chat template marks media."""
     model_type = getattr(config, "model_type", None)
     for family in FAMILIES.values():
         if family.model_type == model_type:
             return family
     supported = ", ".join(f.model_type for f in FAMILIES.values())
+    if path is not None:
+        from .checkpoint import placeholders_of
+
+        found = placeholders_of(path)
+        if found:
+            return Unlisted(str(model_type), {kind: Placeholder(text, token or "") for kind, (text, token) in found.items()})
+        raise ValueError(f"model type {model_type!r} has no family adapter (they are: {supported}) and its chat template "
+                         "marks no image, video or audio part, so its prompts' media cannot be placed")
     raise ValueError(f"unsupported model type {model_type!r}; supported: {supported}")

@@ -139,6 +139,7 @@ class Launcher:
         self._set_environment()
         self.out(f"[trident] repository-API access token: in {self._token_file()} (readable by you alone)")
         self._check_backend(probe)
+        self._check_family()
         # The workers take the longest (their engines load): their zygote starts importing first (once the workspace,
         # which the environment it inherits names, is made), Triton and the frontend beside it, and the workers bind
         # their stage models into Triton's repository once it answers.
@@ -213,6 +214,25 @@ class Launcher:
                 f"--backend vllm: the workers' Python ({python}) cannot import vllm. Install it with "
                 "`make install-vllm` and pass --worker-python .venv-vllm/bin/python (or set TRIDENT_WORKER_PYTHON)"
             )
+
+    def _check_family(self) -> None:
+        """The engine must be able to serve the model: the hf engine its family adapters' models, the vllm engine also
+        a model none lists whose chat template marks its media (:mod:`trident.families.checkpoint`)."""
+        import json
+        from types import SimpleNamespace
+
+        from ..families import family_of
+
+        try:
+            config = json.loads((Path(self.model_path) / "config.json").read_bytes())
+            family = family_of(SimpleNamespace(model_type=config.get("model_type")), self.model_path)
+        except (OSError, ValueError) as e:
+            raise StartupError(f"model {self.model_path}: {e}") from None
+        if not family.listed and self.s.backend == "hf":
+            try:
+                family.load_model()
+            except ValueError as e:
+                raise StartupError(str(e)) from None
 
     def _token_file(self) -> Path:
         """The access token in a file of the workspace only its owner may read (never in a log line)."""

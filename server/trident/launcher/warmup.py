@@ -21,7 +21,7 @@ def warm_up(http_url: str, model_path: str, modes, instances: dict[str, int], ou
 
     t0 = time.monotonic()
     config = json.loads((Path(model_path) / "config.json").read_text())  # (transformers takes seconds to import)
-    family = family_of(SimpleNamespace(model_type=config.get("model_type")))
+    family = family_of(SimpleNamespace(model_type=config.get("model_type")), model_path)
     kind = family.modalities[0]
     params = json.dumps({"max_tokens": 2, "temperature": 0})
     for mode in modes:

@@ -166,7 +166,7 @@ def preload(backend: str, model: str) -> None:
 
     config = transformers.AutoConfig.from_pretrained(model)
     # transformers imports a class's modules when it is named: the model's, and its processors' and tokenizer's
-    names = {family_of(config).model_class}
+    names = {family_of(config, model).model_class} - {""}
     for file in Path(model).glob("*config.json"):
         try:
             named = json.loads(file.read_text())

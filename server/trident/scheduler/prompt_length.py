@@ -29,7 +29,7 @@ class PromptLength:
     def __init__(self, model_path: str | Path) -> None:
         path = Path(model_path)
         config = json.loads((path / "config.json").read_bytes())
-        family = family_of(SimpleNamespace(model_type=config.get("model_type")))
+        family = family_of(SimpleNamespace(model_type=config.get("model_type")), path)
         if (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
@@ -42,7 +42,8 @@ class PromptLength:
             processor = Processor(path)
             self.ids = lambda text: processor.tokenizer(text, add_special_tokens=True)["input_ids"]
             token_id = processor.tokenizer.convert_tokens_to_ids
-        self.placeholder_ids = {kind: token_id(p.token) for kind, p in family.placeholders.items()}
+        # (a kind whose placeholder only the engine expands is not measured: count() says None for its prompts)
+        self.placeholder_ids = {kind: token_id(p.token) for kind, p in family.placeholders.items() if p.token}
 
     def length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
         return self.count(self.ids(text), token_counts, kinds)

@@ -1,0 +1,120 @@
+"""A model no family adapter lists, served on the vllm engine in every mode: the LLaVA-NeXT demo (``trident.families``
+has no ``llava_next``; its "anyres" tiling gives each image a token count that follows its size and aspect).
+
+Its placeholders come from its chat template, its media's placement from vLLM's own processing, its encoder is vLLM's
+(the encode stage), its embeddings and KV cross between the stages as for any family. Every mode gives exactly what
+vLLM gives in one engine (epd), over gRPC streaming and HTTP `generate`; that is transformers' ``model.generate()``
+for one image and for text (for two images of other sizes the two part after a few tokens: float32 rounding
+differs between vLLM's kernels and transformers', on random weights); a repeated image is encoded once; a modality
+it does not take is a 400 naming it; the hf engine, which has no adapter for it, refuses it at start-up naming the
+way to serve it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import b64, chat_prompt, grpc_generate, http_generate, make_image, png_bytes, vllm_server, wait_drained
+from support import audio_bytes, make_wave
+
+pytestmark = pytest.mark.slow
+
+ARCH = "llava_next"
+NEW_TOKENS = 12
+GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
+KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
+CASES = {  # image sizes (w, h, seed): each its own tiling
+    "wide-image": [(300, 200, 1)],
+    "two-images": [(112, 112, 2), (90, 260, 3)],
+    "text-only": [],
+}
+SAME_AS_TRANSFORMERS = {"wide-image", "text-only"}
+
+
+@pytest.fixture(scope="module")
+def server(demo_models, tmp_path_factory, shared_servers):
+    return vllm_server(shared_servers, demo_models[ARCH], ARCH, tmp_path_factory.mktemp("vllm") / "ws")
+
+
+@pytest.fixture(scope="module")
+def reference(demo_models):
+    """transformers' own processor and ``generate()`` on each case (no Trident code: it has no adapter to use)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = demo_models[ARCH]
+    model, processor = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    out = {}
+    for case, specs in CASES.items():
+        images = [make_image(*s) for s in specs]
+        text = chat_prompt(processor.tokenizer, len(images), "Describe the picture.")
+        inputs = processor(text=[text], images=images or None, return_tensors="pt")
+        with torch.inference_mode():
+            ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        out[case] = {"text": text, "images": [b64(png_bytes(i)) for i in images], "num_input_tokens": inputs["input_ids"].shape[1],
+                     "expected": processor.tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
+    counts = {len(c["images"]): c["num_input_tokens"] for c in out.values()}
+    assert len(set(counts.values())) == 3, counts  # (the tiling makes each case's prompt its own length)
+    return out
+
+
+@pytest.fixture(scope="module")
+def aggregated(server, reference):
+    """vLLM's own output in one engine (epd) for each case."""
+    out = {}
+    for case, c in reference.items():
+        r = grpc_generate(server.grpc, "epd", c["text"], c["images"], GREEDY, stream=True)
+        assert (r.num_input_tokens, r.num_output_tokens) == (c["num_input_tokens"], NEW_TOKENS), case
+        out[case] = r.text
+    return out
+
+
+def test_epd_equals_transformers_where_they_agree(reference, aggregated):
+    for case in SAME_AS_TRANSFORMERS:
+        assert aggregated[case] == reference[case]["expected"], case
+
+
+@pytest.mark.parametrize("mode", ["e_pd", "e_p_d", "ep_d"])
+def test_every_mode_equals_vllm_in_one_engine(server, reference, aggregated, mode):
+    for case, c in reference.items():
+        streamed = grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True)
+        assert streamed.text == aggregated[case], (mode, case)
+        assert (streamed.num_input_tokens, streamed.num_output_tokens) == (c["num_input_tokens"], NEW_TOKENS), (mode, case)
+        status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+        assert status == 200 and body["text_output"] == aggregated[case], (mode, case, body)
+    wait_drained(server, KV_STAGES & set(server.stats()), timeout=30)
+
+
+def test_a_repeated_image_is_encoded_once(server, reference, aggregated):
+    c = reference["two-images"]
+    before = server.stats(settled=True)["encode"]
+    for mode in ("e_p_d", "e_pd"):
+        assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == aggregated["two-images"]
+    after = server.stats(settled=True)["encode"]
+    assert after["images_encoded"] == before["images_encoded"], (before, after)  # (encoded by the test above)
+    assert after["cache_hits"] - before["cache_hits"] == 4 and after["cache_misses"] == before["cache_misses"], (before, after)
+    assert after["encoder"] == "vllm"
+
+
+@pytest.mark.parametrize("mode", ["e_p_d", "epd"])
+def test_a_modality_it_does_not_take_is_a_400_naming_it(server, reference, aggregated, mode):
+    c = reference["wide-image"]
+    media = {"image": c["images"], "audio": [b64(audio_bytes(make_wave(1.0)))]}
+    status, body = http_generate(server.http, mode, c["text"], media, GREEDY)
+    assert status == 400 and "the request carries audio but this model (llava_next) takes image only" in body["error"], body
+    assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == aggregated["wide-image"]
+
+
+def test_the_hf_engine_refuses_it_at_start_up_naming_the_way(demo_models, tmp_path):
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("trident")), "serve", "--model", demo_models[ARCH], "--backend", "hf",
+         "--workspace", str(tmp_path / "ws"), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 1, (run.stdout[-2000:], run.stderr[-2000:])
+    said = run.stdout + run.stderr
+    assert "the hf engine has no family adapter for model type 'llava_next'" in said and "backend: vllm" in said, said[-2000:]
+    assert "Traceback" not in said, said[-2000:]
