@@ -417,6 +417,8 @@ class VLLMStageEngine:
         :data:`FIRST_OUTPUT_WAIT_S`). vLLM's ``generate`` cancelled inside its ``add_request`` neither adds the
         request nor aborts it, so a decode request's remote KV was never pulled and the prefill's blocks waited
         for vLLM's 30 s lease; once the first output is in, the pull is done and the abort frees everything."""
+        from vllm.exceptions import VLLMClientError
+
         stream = self.llm.generate(prompt, sampling, request_id=uuid.uuid4().hex)
         first = asyncio.ensure_future(anext(stream, None))
         try:
@@ -428,7 +430,7 @@ class VLLMStageEngine:
             while output is not None:
                 yield output
                 output = await anext(stream, None)
-        except ValueError as e:
+        except (ValueError, VLLMClientError) as e:
             raise InvalidRequest(str(e)) from None
         finally:
             if not first.done():

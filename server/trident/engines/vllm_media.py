@@ -60,10 +60,16 @@ async def render(llm, processor: Processor, text: str, mm: dict | None, kinds: l
     if mm:
         prompt["multi_modal_data"] = mm
         prompt["multi_modal_uuids"] = {kind: [i for i, k in zip(item_ids, kinds) if k == kind] for kind in dict.fromkeys(kinds)}
+    from vllm.exceptions import VLLMClientError
+
     try:
         with tracing.step("vllm_render"):
             (engine_input,) = await llm.renderer.render_cmpl_async([prompt])
-    except (ValueError, TypeError, KeyError) as e:  # vLLM's processors refuse input with these
+    except VLLMClientError as e:  # (a request vLLM refuses: the prompt too long for the context window, ...)
+        if getattr(e, "parameter", None) == "input_tokens" and isinstance(getattr(e, "value", None), int):
+            processor.check_length(e.value)  # (the window's own message)
+        raise InvalidRequest(str(e)[:500]) from None
+    except (ValueError, TypeError, KeyError) as e:  # vLLM's media processors refuse input with these
         raise InvalidRequest(f"the prompt's media do not fit the model's processor: {str(e)[:300]}") from None
     length = len(engine_input["prompt_token_ids"])
     processor.check_length(length)
