@@ -11,8 +11,10 @@ What each stage runs:
 - ``prefill`` / ``encode_prefill`` -> ``decode``: vLLM's ``NixlConnector`` moves the KV cache (producer on
   the prefill side, consumer on the decode side); ``kv_meta`` carries its ``kv_transfer_params``.
 
-The decode side tokenizes ``text_input`` again with the media token counts in ``kv_meta`` and checks the
-result against the prefill's prompt length and digest. It hands vLLM the media's stand-ins (zeros of their
+Every stage's prompt goes through vLLM's own renderer (:func:`~trident.engines.vllm_media.render`): the expanded
+prompt and each item's embedding count come from vLLM's processing of the model, whatever its family, and the
+rendered input is what the engine is given. The decode side renders ``text_input`` again with the stand-ins in
+``kv_meta`` and checks the result against the prefill's prompt length and digest. It hands vLLM the media's stand-ins (zeros of their
 shapes, from ``kv_meta``) under the items' content ids: the KV of those positions comes from the prefill worker,
 the shapes give vLLM the placeholders (and Qwen its M-RoPE positions), whatever the model, and the ids keep
 vLLM's prefix cache keyed by content.
