@@ -32,13 +32,16 @@ EXPECTED_IMAGE_TOKENS = {
     ("qwen2vl", (300, 200)): 54,  # smart-resize to 252x168 -> grid_thw (1, 12, 18) / 4
     ("qwen2_5vl", (224, 224)): 64,  # Qwen2.5-VL: Qwen2-VL's image processor
     ("qwen2_5vl", (300, 200)): 54,
+    ("llava_next", (224, 224)): 259,  # base view 49 + 2x2 tiles of 49 + 14 row newlines
+    ("llava_next", (300, 200)): 199,  # base view + 1x2 tiles (wide): the count follows the aspect
 }
 EXPECTED_CLASSES = {
     "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "CLIPImageProcessorPil"),
     "qwen2vl": ("Qwen2VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
     "qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
+    "llava_next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "LlavaNextImageProcessorPil"),
 }
-IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>", "qwen2_5vl": "<|image_pad|>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>", "qwen2_5vl": "<|image_pad|>", "llava_next": "<image>"}
 VISION_ARCHS = [arch for arch in ARCHS if arch in EXPECTED_CLASSES]  # the audio demo is checked below
 
 
@@ -195,7 +198,7 @@ def test_chat_template(built):
     no_gen = p.apply_chat_template(msgs_str, add_generation_prompt=False, tokenize=False)
     one_img = _prompt(built, 1, "Describe.")
     two_img = _prompt(built, 2, "Compare.")
-    if built.arch == "llava":
+    if built.arch in ("llava", "llava_next"):  # (LLaVA-NeXT's demo keeps LLaVA's template)
         assert a == "<s>USER: Hi there ASSISTANT:"
         assert no_gen == "<s>USER: Hi there"
         assert one_img == "<s>USER: <image>\nDescribe. ASSISTANT:"
