@@ -58,6 +58,20 @@ def test_malformed_kv_records_are_refused(data, message):
         decode_record(data, VLLMKVRecord)
 
 
+@pytest.fixture(autouse=True)
+def _vllm_exceptions(monkeypatch):
+    """The one vLLM name the renderer path imports (``vllm.exceptions.VLLMClientError``), where this suite's
+    environment has no vLLM; for each test alone."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("vllm") is None:
+        module = types.ModuleType("vllm.exceptions")
+        module.VLLMClientError = type("VLLMClientError", (Exception,), {})
+        monkeypatch.setitem(sys.modules, "vllm.exceptions", module)
+
+
 class _Renderer:
     """vLLM's renderer as the decode side uses it: each placeholder token expanded to ``counts``' next entry."""
 
