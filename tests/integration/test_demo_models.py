@@ -34,14 +34,18 @@ EXPECTED_IMAGE_TOKENS = {
     ("qwen2_5vl", (300, 200)): 54,
     ("llava_next", (224, 224)): 259,  # base view 49 + 2x2 tiles of 49 + 14 row newlines
     ("llava_next", (300, 200)): 199,  # base view + 1x2 tiles (wide): the count follows the aspect
+    ("gemma3", (224, 224)): 16,  # resized to 112x112: 8x8 patches pooled to 4x4
+    ("gemma3", (300, 200)): 16,
 }
 EXPECTED_CLASSES = {
     "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "CLIPImageProcessorPil"),
     "qwen2vl": ("Qwen2VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
     "qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
     "llava_next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "LlavaNextImageProcessorPil"),
+    "gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "Gemma3ImageProcessorPil"),
 }
-IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>", "qwen2_5vl": "<|image_pad|>", "llava_next": "<image>"}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>", "qwen2_5vl": "<|image_pad|>", "llava_next": "<image>",
+               "gemma3": "<image_soft_token>"}
 VISION_ARCHS = [arch for arch in ARCHS if arch in EXPECTED_CLASSES]  # the audio demo is checked below
 
 
@@ -207,6 +211,18 @@ def test_chat_template(built):
         assert p.apply_chat_template(conv, add_generation_prompt=True, tokenize=False) == (
             "<s>USER: Hi there ASSISTANT: Hello.</s> USER: More ASSISTANT:"
         )
+    elif built.arch == "gemma3":
+        assert a == "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+        assert no_gen == "<bos><start_of_turn>user\nHi there<end_of_turn>\n"
+        assert one_img == "<bos><start_of_turn>user\n<start_of_image>Describe.<end_of_turn>\n<start_of_turn>model\n"
+        assert two_img.count("<start_of_image>") == 2
+        # its processor writes each image as newlines, start, the image's tokens, end, newlines; the tokenizer has
+        # the newline runs whole (as Gemma's does, and as vLLM's Gemma 3 processor requires)
+        expanded = p(text=one_img, images=[gradient_image(224, 224)])["input_ids"][0]
+        runs = {built.tokenizer.convert_tokens_to_ids("\n" * n): n for n in (1, 2, 3, 4)}
+        start = expanded.index(built.tokenizer.convert_tokens_to_ids("<start_of_image>"))
+        assert runs.get(expanded[start - 1]) == 3  # ("user\n" + "\n\n": one token of three newlines)
+        assert runs.get(expanded[start + 18]) == 2 and expanded[start + 17] == built.tokenizer.convert_tokens_to_ids("<end_of_image>")
     else:
         assert a.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
         assert a.startswith("<|im_start|>system\n")
@@ -270,7 +286,8 @@ def test_generate_is_deterministic_and_batch_consistent(built):
     _, again1 = _generate(built, p1, [img])
     assert torch.equal(single1, again1)
     _, single2 = _generate(built, p2, [img])
-    inputs = built.processor(text=[p1, p2], images=[img, img], padding=True, return_tensors="pt")
+    images = [[img], [img]] if built.arch == "gemma3" else [img, img]  # (Gemma 3's processor: a list per text)
+    inputs = built.processor(text=[p1, p2], images=images, padding=True, return_tensors="pt")
     with torch.inference_mode():
         out = built.model.generate(**inputs, max_new_tokens=24, do_sample=False)
     new = out[:, inputs["input_ids"].shape[1] :]

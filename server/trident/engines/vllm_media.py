@@ -63,13 +63,17 @@ async def render(llm, processor: Processor, text: str, mm: dict | None, kinds: l
 
     try:
         with tracing.step("vllm_render"):
-            (engine_input,) = await llm.renderer.render_cmpl_async([prompt])
+            # skip_mm_cache: vLLM's processing cache only, not the cache of items its engine core holds. An item that
+            # cache takes is sent to the core with the request; a request refused after rendering (by vLLM's
+            # processor or by Trident's checks) never reaches the core, and the next request with that item would be
+            # sent its hash alone: seen here, every later request with that image failed
+            (engine_input,) = await llm.renderer.render_cmpl_async([prompt], skip_mm_cache=True)
     except VLLMClientError as e:  # (a request vLLM refuses: the prompt too long for the context window, ...)
         if getattr(e, "parameter", None) == "input_tokens" and isinstance(getattr(e, "value", None), int):
             processor.check_length(e.value)  # (the window's own message)
         raise InvalidRequest(str(e)[:500]) from None
-    except (ValueError, TypeError, KeyError) as e:  # vLLM's media processors refuse input with these
-        raise InvalidRequest(f"the prompt's media do not fit the model's processor: {str(e)[:300]}") from None
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # vLLM's media processors refuse input with these
+        raise InvalidRequest(f"vLLM's processor for this model could not place the prompt's media: {str(e)[:300]}") from None
     length = len(engine_input["prompt_token_ids"])
     processor.check_length(length)
     ranges = engine_input.get("mm_placeholders") or {}

@@ -4,7 +4,9 @@ A prompt marks each media item with the text its chat template writes for a ``{"
 the OpenAI frontend renders for an image, a video or an audio part); that text from its first added token to its
 last is the kind's placeholder. A kind the template writes nothing for is one the model does not take. The
 token the model expands per item is the tokenizer config's ``image_token`` / ``video_token`` / ``audio_token``
-(transformers writes them there), else the placeholder itself where it is one token.
+(transformers writes them there) where the placeholder holds it; where it does not (Gemma 3's ``<start_of_image>``
+becomes newlines, start and end tokens around ``<image_soft_token>`` s), no token: only the engine's own
+processing expands that placeholder.
 
 Only jinja2 and the checkpoint's JSON are read (no transformers, no torch): the BLS entry models and the launcher
 use this as the workers do.
@@ -55,9 +57,7 @@ def placeholders_of(path: str | Path) -> dict[str, tuple[str, str | None]]:
         if not text:
             continue
         token = _token_text(config.get(f"{kind}_token"))
-        if not token or token not in text:
-            token = text if text in vocab_specials else None
-        found[kind] = (text, token)
+        found[kind] = (text, token if token and token in text else None)
     return found
 
 

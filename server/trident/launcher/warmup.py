@@ -27,7 +27,8 @@ def warm_up(http_url: str, model_path: str, modes, instances: dict[str, int], ou
     for mode in modes:
         for i in range(max(1, *(instances.get(stage, 1) for stage in MODES[mode]))):  # (0: they joined)
             body = json.dumps({
-                "text_input": f"{family.placeholders[kind].text}\nWarm-up.", kind: [warm_up_item(kind, i)],
+                # (no newline after the placeholder: vLLM 0.32's Gemma 3 processor loses an image followed by one)
+                "text_input": f"{family.placeholders[kind].text} Warm-up.", kind: [warm_up_item(kind, i)],
                 "sampling_parameters": params,
             }).encode()
             request = urllib.request.Request(

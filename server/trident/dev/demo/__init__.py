@@ -86,6 +86,7 @@ class DemoBuilder:
     build: Callable  # (tokenizer, token ids by short name, seed) -> (model, processor)
     after_save: Callable[[Path], None] = lambda folder: None  # adjust the saved files
     describe: str = ""  # one line on the image tokens
+    added: tuple[str, ...] = ()  # plain (not special) tokens the family's tokenizer has whole, added after training
     notes: dict = field(default_factory=dict)
 
     def token_map(self, tokenizer) -> dict[str, str]:
@@ -280,6 +281,8 @@ def build_demo_model(
     from transformers import GenerationConfig
 
     tokenizer = _train_tokenizer(builder.specials, builder.extra)
+    if builder.added:
+        tokenizer.add_tokens(list(builder.added))
     log(f"[demo-model] trained byte-level BPE tokenizer on the built-in corpus: {len(tokenizer)} tokens")
 
     tok_ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in builder.token_map(tokenizer).items()}
