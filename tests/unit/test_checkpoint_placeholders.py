@@ -1,0 +1,41 @@
+"""A checkpoint's placeholders read from its chat template (``trident.families.checkpoint``): for every demo whose
+family an adapter lists they equal the adapter's declared ones; for the demos none lists they are what the model's
+processor expands (or, where the placeholder is not one expanded token, no token)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trident.dev.demo import ARCHS
+from trident.families import FAMILIES, Unlisted, family_of
+from trident.families.checkpoint import placeholders_of
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a in FAMILIES])
+def test_the_template_gives_each_listed_family_s_declared_placeholders(demo_models, arch):
+    declared = {kind: (p.text, p.token) for kind, p in FAMILIES[arch].placeholders.items()}
+    assert placeholders_of(demo_models[arch]) == declared
+
+
+def test_an_unlisted_model_s_placeholders_and_its_expanded_token(demo_models):
+    from types import SimpleNamespace
+
+    assert placeholders_of(demo_models["llava_next"]) == {"image": ("<image>", "<image>")}
+    assert placeholders_of(demo_models["gemma3"]) == {"image": ("<start_of_image>", None)}  # (its soft tokens)
+    family = family_of(SimpleNamespace(model_type="gemma3"), demo_models["gemma3"])
+    assert isinstance(family, Unlisted) and family.modalities == ("image",)
+    with pytest.raises(ValueError, match="no family adapter for model type 'gemma3'.*backend: vllm"):
+        family.load_model()
+
+
+def test_a_template_that_marks_no_media_is_refused_naming_it(demo_models, tmp_path):
+    import shutil
+    from types import SimpleNamespace
+
+    folder = tmp_path / "text-only"
+    shutil.copytree(demo_models["llava_next"], folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] if m['content'] is string "
+                                                "else '' }}{% endfor %}")
+    assert placeholders_of(folder) == {}
+    with pytest.raises(ValueError, match="marks no image, video or audio part"):
+        family_of(SimpleNamespace(model_type="llava_next"), folder)
