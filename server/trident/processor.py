@@ -231,6 +231,9 @@ class Processor:
         for kind, placeholder in self.family.placeholders.items():
             if text.replace(placeholder.text, "").count(placeholder.token):
                 raise InvalidRequest(f"the prompt has {placeholder.token!r} outside a {kind} placeholder")
+        for placeholder in self.family.placeholders.values():
+            if placeholder.expands_to is not None:  # (Gemma 3's: newlines, start and end tokens around the image's)
+                text = text.replace(placeholder.text, placeholder.expands_to)
         ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         self.check_length(len(ids) - len(token_counts) + sum(token_counts))  # before expanding
         expanding = {self.token_ids[kind]: iter(counts) for kind, counts in per_kind.items()}

@@ -1,6 +1,7 @@
-"""Models no family adapter lists, served on the vllm engine in every mode: the LLaVA-NeXT demo (its "anyres" tiling
-gives each image a token count that follows its size and aspect) and the Gemma 3 demo (its image placeholder expands
-to newlines, start and end tokens around the image's embeddings: a placeholder range longer than its embeddings).
+"""Models served on the vllm engine in every mode with no family code on its path: the LLaVA-NeXT demo, which no
+family adapter lists (its "anyres" tiling gives each image a token count that follows its size and aspect), and the
+Gemma 3 demo (its image placeholder expands to newlines, start and end tokens around the image's embeddings: a
+placeholder range longer than its embeddings; its hf adapter is not used there).
 
 Its placeholders come from its chat template, its media's placement from vLLM's own processing, its encoder is vLLM's
 (the encode stage), its embeddings and KV cross between the stages as for any family. Every mode gives exactly what

@@ -23,6 +23,7 @@ class Placeholder:
 
     text: str
     token: str
+    expands_to: str | None = None  # what the processor writes in place of ``text``, holding ``token`` once (None: text)
 
 
 class Family:

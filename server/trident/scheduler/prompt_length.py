@@ -30,17 +30,24 @@ class PromptLength:
         path = Path(model_path)
         config = json.loads((path / "config.json").read_bytes())
         family = family_of(SimpleNamespace(model_type=config.get("model_type")), path)
+        expansions = [(p.text, p.expands_to) for p in family.placeholders.values() if p.expands_to is not None]
+
+        def expand(text: str) -> str:  # (as Processor.prompt_ids writes a placeholder the processor rewrites)
+            for placeholder, written in expansions:
+                text = text.replace(placeholder, written)
+            return text
+
         if (path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-            self.ids = lambda text: tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
+            self.ids = lambda text: tokenizer.encode_batch([expand(text)], add_special_tokens=True)[0].ids
             token_id = tokenizer.token_to_id
         else:
             from ..processor import Processor
 
             processor = Processor(path)
-            self.ids = lambda text: processor.tokenizer(text, add_special_tokens=True)["input_ids"]
+            self.ids = lambda text: processor.tokenizer(expand(text), add_special_tokens=True)["input_ids"]
             token_id = processor.tokenizer.convert_tokens_to_ids
         # (a kind whose placeholder only the engine expands is not measured: count() says None for its prompts)
         self.placeholder_ids = {kind: token_id(p.token) for kind, p in family.placeholders.items() if p.token}

@@ -3,8 +3,7 @@ model (sliding-window and global layers, GQA, QK-norm). Each image is ``<start_o
 processor expands to ``\\n\\n<start_of_image>`` + 16 ``<image_soft_token>`` + ``<end_of_image>\\n\\n``; the image's
 tokens attend to each other both ways.
 
-Trident's hf engine has no family adapter for it yet: the vllm engine serves it from what vLLM and the checkpoint
-say (as any model no adapter lists)."""
+The hf engine serves it through ``trident.families.gemma3``; the vllm engine from what vLLM says alone."""
 
 from __future__ import annotations
 

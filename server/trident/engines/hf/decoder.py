@@ -265,6 +265,9 @@ class HFDecoder:
         device = self.m.device
         tokens = torch.tensor([[a.last_token] for a in self._active], dtype=torch.long, device=device)
         mask = kv.begin_step()
+        if self.m.sliding_window is not None:  # (Gemma 3: its sliding layers see the last `window` positions only)
+            near = torch.arange(kv._span, device=device)[None, :] > kv._lens_t[:, None] - self.m.sliding_window
+            mask = {"full_attention": mask, "sliding_attention": mask & near[:, None, None, :]}
         positions = kv._lens_t + torch.tensor([a.req.rope_delta for a in self._active], dtype=torch.long, device=device)
         lm = model.model.language_model
         hidden = lm(

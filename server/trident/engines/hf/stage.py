@@ -69,6 +69,10 @@ class HFModel:
         self.num_layers: int = text.num_hidden_layers
         self.kv_heads: int = text.num_key_value_heads
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # the window of the text model's sliding-window layers, where it has any (Gemma 3's): the decoder masks them
+        self.sliding_window: int | None = (
+            text.sliding_window if "sliding_attention" in (getattr(text, "layer_types", None) or ()) else None
+        )
         self.vocab_size: int = self.model.get_output_embeddings().out_features
         self.lock = threading.Lock()  # prefill mutates model state (Qwen's rope_deltas)
         self.grammars = Grammars(self.processor.tokenizer, self.vocab_size, sorted(self.processor.eos_token_ids))
@@ -168,6 +172,10 @@ class HFPrefiller:
                     )
         if kv_into is not None and self._full_attention and len(kv_into) == self.m.num_layers:
             kwargs["past_key_values"] = _cache_into(kv_into)
+        elif self.m.sliding_window is not None:
+            # every layer keeps the whole prompt (a sliding layer's own cache would keep its window only): the KV
+            # handed on covers the prompt at every layer, and the sliding layers' masks still see their window
+            kwargs["past_key_values"] = DynamicCache()
         with self.m.lock, tracing.step("prefill"):
             family.reset(self.m.model)
             if media is not None and media.token_counts:

@@ -1,0 +1,36 @@
+"""Gemma 3: a SigLIP tower pooled to a fixed number of tokens per image (``mm_tokens_per_image``), whose image tokens
+attend to each other both ways in the prefill. The prompt's ``<start_of_image>`` becomes newlines, the start token,
+the image's ``<image_soft_token>`` s and the end token (the processor's ``full_image_sequence``); its text layers
+alternate sliding-window and global attention (the decoder masks each kind as its layers need)."""
+
+from __future__ import annotations
+
+from . import Family, Placeholder
+
+
+class Gemma3(Family):
+    name = "gemma3"
+    model_type = "gemma3"
+    model_class = "Gemma3ForConditionalGeneration"
+    placeholders = {"image": Placeholder("<start_of_image>", "<image_soft_token>",
+                                         "\n\n<start_of_image><image_soft_token><end_of_image>\n\n")}
+
+    def encode(self, model, kind, inputs):
+        out = model.model.get_image_features(inputs["pixel_values"], return_dict=True)
+        return list(out.pooler_output), None
+
+    def layout(self, processor, kind, items):
+        return [processor.config.mm_tokens_per_image] * len(items), None
+
+    def prefill_inputs(self, model, input_ids, media, token_ids):
+        import torch
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        rows = torch.cat(media.by_kind()["image"][0])  # (Gemma 3 takes one tensor of every image's rows)
+        return {
+            "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=rows)},
+            "token_type_ids": (input_ids == token_ids["image"]).long(),  # (image tokens attend both ways)
+        }
+
+
+FAMILY = Gemma3()
