@@ -78,7 +78,8 @@ class _Renderer:
     def __init__(self, processor: Processor, counts: list[int]) -> None:
         self.processor, self.counts, self.asked = processor, counts, []
 
-    async def render_cmpl_async(self, prompts):
+    async def render_cmpl_async(self, prompts, skip_mm_cache=False):
+        assert skip_mm_cache  # (the engine core's item cache is never taken: see vllm_media.render)
         (prompt,) = prompts
         self.asked.append(prompt)
         tokens = {t: kind for kind, t in self.processor.token_ids.items()}
