@@ -187,11 +187,6 @@ class Processor:
         ``input_features``, with their grids or masks)."""
         return self.family.media_inputs(self, kind, items)
 
-    def layout(self, kind: str, items: list) -> tuple[list[int], list[list[int]] | None]:
-        """Embedding count of each decoded item of one kind, and Qwen2-VL's (t, h, w) patch grids (None for
-        the others), without running the encoder."""
-        return self.family.layout(self, kind, items)
-
     # -- prompt (prefill stage) -------------------------------------------------------------------
     def check_kinds(self, counts: dict[str, int]) -> None:
         """Every kind of media the request carries must be one the model takes."""
@@ -223,7 +218,7 @@ class Processor:
         """
         kinds = list(kinds) if kinds is not None else ["image"] * len(token_counts)
         if not self.family.listed:
-            self.family.layout()  # (refused: only the engine that processes its media expands its placeholders)
+            self.family.prompt_ids()  # (refused: only the engine that processes its media expands its placeholders)
         per_kind: dict[str, list[int]] = {}
         for kind, count in zip(kinds, token_counts, strict=True):
             per_kind.setdefault(kind, []).append(count)

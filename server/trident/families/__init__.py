@@ -2,8 +2,8 @@
 file each.
 
 An adapter (a :class:`Family`) holds, per modality it takes (image, video, audio), the prompt placeholder
-and its token, the preprocessing, the encoder call and the layout (embedding count per item), plus the
-multimodal inputs of a transformers prefill and of a vLLM engine. Adding a family is one new module here
+and its token, the preprocessing, the encoder call, plus the
+multimodal inputs of a transformers prefill and the form of an item a vLLM engine takes. Adding a family is one new module here
 that defines ``FAMILY`` (plus its demo builder in :mod:`trident.dev.demo`); nothing else chooses by family.
 """
 
@@ -64,10 +64,6 @@ class Family:
         """Run the encoder + projector over one kind's inputs: per-item embeddings and grids (if any)."""
         raise NotImplementedError
 
-    def layout(self, processor, kind: str, items: list) -> tuple[list[int], list[list[int]] | None]:
-        """Embedding count of each decoded item and the grids, without running the encoder."""
-        raise NotImplementedError
-
     # -- prefill ---------------------------------------------------------------------------------------
     def prefill_inputs(self, model, input_ids, media, token_ids: dict[str, int]) -> dict[str, Any]:
         """Inputs of a transformers forward pass over a prompt with ``media`` (a
@@ -100,7 +96,7 @@ class Family:
 
 class Unlisted(Family):
     """A model no adapter here lists: its placeholders as its checkpoint says them (:mod:`.checkpoint`). The vllm
-    engine serves it from those and vLLM's own processing; the hf engine cannot (it has no encoder call, layout or
+    engine serves it from those and vLLM's own processing; the hf engine cannot (it has no encoder call or
     prefill inputs for it)."""
 
     listed = False
@@ -115,7 +111,7 @@ class Unlisted(Family):
         raise ValueError(f"the hf engine has no family adapter for model type {self.model_type!r} (it has: {listed}); "
                          "serve it with backend: vllm")
 
-    load_model = media_inputs = encode = layout = prefill_inputs = _hf
+    load_model = media_inputs = encode = prefill_inputs = prompt_ids = _hf
 
     def vllm_inputs(self, processor, kind, items):
         if kind == "video":  # the sampled frames as one (t, h, w, 3) array

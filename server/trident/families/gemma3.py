@@ -19,9 +19,6 @@ class Gemma3(Family):
         out = model.model.get_image_features(inputs["pixel_values"], return_dict=True)
         return list(out.pooler_output), None
 
-    def layout(self, processor, kind, items):
-        return [processor.config.mm_tokens_per_image] * len(items), None
-
     def prefill_inputs(self, model, input_ids, media, token_ids):
         import torch
         from transformers.modeling_outputs import BaseModelOutputWithPooling

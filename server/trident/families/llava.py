@@ -21,15 +21,4 @@ class LLaVA(Family):
         )
         return list(out.pooler_output), None
 
-    def layout(self, processor, kind, images):
-        config = processor.config
-        pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        height, width = pixels.shape[-2:]
-        patch = config.vision_config.patch_size
-        per_image = (height // patch) * (width // patch)
-        if getattr(config, "vision_feature_select_strategy", "default") == "full":
-            per_image += 1  # the CLS token is kept
-        return [per_image] * len(images), None
-
-
 FAMILY = LLaVA()

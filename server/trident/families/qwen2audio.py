@@ -47,14 +47,6 @@ class Qwen2Audio(Family):
         projected = model.model.multi_modal_projector(hidden)
         return [projected[i, : int(n)] for i, n in enumerate(out_lengths)], None
 
-    def layout(self, processor, kind, items):
-        fe = processor.feature_extractor
-        counts = []
-        for wave in items:
-            frames = min(-(-len(wave) // fe.hop_length), fe.nb_max_frames)
-            counts.append((((frames - 1) // 2 + 1) - 2) // 2 + 1)
-        return counts, None
-
     def prefill_inputs(self, model, input_ids, media, token_ids):
         """The prompt's embeddings with the audio rows in place of the ``<|AUDIO|>`` tokens (Qwen2-Audio's
         forward has no precomputed-features input)."""

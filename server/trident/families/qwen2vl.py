@@ -39,14 +39,6 @@ class Qwen2VL(Family):
         out = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
         return list(out.pooler_output), inputs["video_grid_thw"].tolist()
 
-    def layout(self, processor, kind, items):
-        if kind == "image":
-            grids = processor.image_processor(images=items, return_tensors="pt")["image_grid_thw"].tolist()
-        else:
-            grids = [video_grid(processor, video.frames) for video in items]
-        merge = processor.image_processor.merge_size
-        return [t * h * w // (merge * merge) for t, h, w in grids], grids
-
     # -- prefill -----------------------------------------------------------------------------------------
     def prefill_inputs(self, model, input_ids, media, token_ids):
         import torch
@@ -101,13 +93,6 @@ def _frame_size(processor, height: int, width: int) -> tuple[int, int]:
     ip = processor.image_processor
     lo, hi = video_size(processor)
     return smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=lo, max_pixels=hi)
-
-
-def video_grid(processor, frames: list) -> list[int]:
-    ip = processor.image_processor
-    height, width = _frame_size(processor, *frames[0].shape[:2])
-    t = -(-len(frames) // ip.temporal_patch_size)
-    return [t, height // ip.patch_size, width // ip.patch_size]
 
 
 def resized_frames(processor, frames: list) -> list[np.ndarray]:
