@@ -15,7 +15,7 @@ import threading
 from typing import Callable
 
 from .. import tracing
-from ..errors import TridentError
+from ..errors import MalformedRecord, TridentError
 from ..output import RequestOutput, TokenLogprob
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
@@ -75,6 +75,10 @@ def receive_embeddings(
     with tracing.step("record_decode"):
         record = data if isinstance(data, EmbeddingsRecord) else decode_record(data, EmbeddingsRecord)
     try:
+        width = processor.family.embedding_width(processor.config)
+        if record.transfer.tensors[0].shape[1] != width:
+            raise MalformedRecord(f"embeddings record rows are {record.transfer.tensors[0].shape[1]} wide; this "
+                                  f"model's are {width}")
         prompt = prepare_prompt(processor, text, record.token_counts, record.kinds)
     except Exception:
         endpoint.discard(record.transfer)

@@ -77,6 +77,10 @@ class Family:
             }
         }
 
+    def embedding_width(self, config) -> int:
+        """Width of an item's embedding rows as the encoder hands them on (the text model's hidden size)."""
+        return getattr(config, "text_config", config).hidden_size
+
     def reset(self, model) -> None:
         """Clear per-request state a transformers model keeps between forward passes."""
 
