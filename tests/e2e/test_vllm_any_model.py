@@ -36,7 +36,9 @@ CASES = {  # image sizes (w, h, seed): each its own tiling
     "two-images": [(112, 112, 2), (90, 260, 3)],
     "text-only": [],
 }
-SAME_AS_TRANSFORMERS = {"llava_next": {"wide-image", "text-only"}, "gemma3": {"text-only"}}
+SAME_AS_TRANSFORMERS = {"llava_next": {"wide-image", "text-only"}, "gemma3": {"text-only"},
+                        "qwen3vl": {"wide-image", "two-images", "text-only"}}
+TAKES = {"llava_next": "image", "gemma3": "image", "qwen3vl": "image, video"}
 
 
 @pytest.fixture(scope="module", params=list(SAME_AS_TRANSFORMERS))
@@ -109,7 +111,7 @@ def test_a_modality_it_does_not_take_is_a_400_naming_it(server, reference, aggre
     c = reference["wide-image"]
     media = {"image": c["images"], "audio": [b64(audio_bytes(make_wave(1.0)))]}
     status, body = http_generate(server.http, mode, c["text"], media, GREEDY)
-    assert status == 400 and f"the request carries audio but this model ({server.arch}) takes image only" in body["error"], body
+    assert status == 400 and f"the request carries audio but this model ({server.arch}) takes {TAKES[server.arch]} only" in body["error"], body
     if server.arch == "gemma3":  # (vLLM 0.32's Gemma 3 processor loses an image whose placeholder a newline follows)
         status, body = http_generate(server.http, mode, "<start_of_image>\nDescribe.", c["images"], GREEDY)
         assert status == 400 and "vLLM's processor for this model could not place the prompt's media" in body["error"], body
