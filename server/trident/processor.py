@@ -210,9 +210,10 @@ class Processor:
                     f"but the request carries {items} {noun}(s)"
                 )
 
-    def prompt_ids(self, text: str, token_counts: list[int], kinds: list[str] | None = None) -> list[int]:
+    def prompt_ids(self, text: str, token_counts: list[int], kinds: list[str] | None = None, media=None) -> list[int]:
         """Token ids of ``text`` with the placeholder of item ``i`` (of kind ``kinds[i]``, images when None)
-        expanded to ``token_counts[i]`` tokens.
+        expanded to ``token_counts[i]`` tokens, as the family writes it (:meth:`Family.item_text`; ``media``: the
+        items' grids, seconds and frames, a :class:`~trident.engines.base.MediaEmbeddings` or an embeddings record).
 
         The prompt must carry each kind's placeholder exactly once per item, and fit the context window.
         """
@@ -226,12 +227,20 @@ class Processor:
         for kind, placeholder in self.family.placeholders.items():
             if text.replace(placeholder.text, "").count(placeholder.token):
                 raise InvalidRequest(f"the prompt has {placeholder.token!r} outside a {kind} placeholder")
-        for placeholder in self.family.placeholders.values():
-            if placeholder.expands_to is not None:  # (Gemma 3's: newlines, start and end tokens around the image's)
-                text = text.replace(placeholder.text, placeholder.expands_to)
+        grids = getattr(media, "grid_thw", None) or [None] * len(kinds)
+        seconds = getattr(media, "seconds", None) or [0.0] * len(kinds)
+        frames = getattr(media, "frames", None) or [0] * len(kinds)
+        runs: dict[str, list[int]] = {kind: [] for kind in per_kind}
+        for kind, placeholder in self.family.placeholders.items():
+            # (Gemma 3's: newlines, start and end tokens around the image's; Qwen3-VL's clips: each patch's time)
+            written = [self.family.item_text(kind, n, g, s, f) for k, n, g, s, f
+                       in zip(kinds, token_counts, grids, seconds, frames) if k == kind]
+            parts = text.split(placeholder.text)
+            text = parts[0] + "".join(item + part for (item, _), part in zip(written, parts[1:]))
+            runs.setdefault(kind, []).extend(n for _, item_runs in written for n in item_runs)
         ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        self.check_length(len(ids) - len(token_counts) + sum(token_counts))  # before expanding
-        expanding = {self.token_ids[kind]: iter(counts) for kind, counts in per_kind.items()}
+        self.check_length(len(ids) - sum(map(len, runs.values())) + sum(token_counts))  # before expanding
+        expanding = {self.token_ids[kind]: iter(counts) for kind, counts in runs.items() if counts}
         expanded: list[int] = []
         for tok in ids:
             if tok in expanding:

@@ -383,7 +383,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
-RECORD_VERSION = 11  # 11: vllm_kv carries no grids or clip seconds (vLLM places media from their stand-ins)
+RECORD_VERSION = 12  # 12: embeddings carry each clip's frame count (Qwen3-VL writes its patches' times in the prompt)
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
 MEMORY_TYPES = ("DRAM", "VRAM")  # where a transfer's regions lie (NIXL's memory types Trident registers)
@@ -516,12 +516,14 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
     grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
     image_ids: list[str] = []  # content ids of the items, for caches keyed by content
     kinds: list[str] | None = None  # each item's modality; None: all images
-    seconds: list[float] | None = None  # Qwen2.5-VL: each clip's seconds per temporal patch (0: not a clip)
+    seconds: list[float] | None = None  # Qwen2.5-VL, Qwen3-VL: each clip's seconds per temporal patch (0: not a clip)
+    frames: list[int] | None = None  # Qwen3-VL: each clip's sampled frames (0: not a clip)
     stand_ins: list[StandIn] | None = None  # the vllm engine's: each item's shape, for vLLM's placeholders
 
     def validate(self) -> None:
         self.transfer.validate()
         _check_seconds(self.seconds, len(self.token_counts))
+        _check_frames(self.frames, self.grid_thw, len(self.token_counts))
         _check_stand_ins(self.stand_ins, len(self.token_counts))
         if not self.token_counts or any(c <= 0 for c in self.token_counts):
             raise MalformedRecord(f"embeddings record has invalid token counts {self.token_counts}")
@@ -639,6 +641,15 @@ def _check_stand_ins(stand_ins: list[StandIn] | None, items: int) -> None:
 def _check_seconds(seconds: list[float] | None, items: int) -> None:
     if seconds is not None and (len(seconds) != items or not all(0 <= t <= 3600 for t in seconds)):
         raise MalformedRecord("record has invalid seconds per temporal patch")
+
+
+def _check_frames(frames: list[int] | None, grids: list[list[int]] | None, items: int) -> None:
+    """A clip's frames fill its temporal patches (the last one padded): at most ``2 * t`` for patches of 2."""
+    if frames is None:
+        return
+    if grids is None or len(frames) != items or any(
+            not 0 <= n <= 2 * g[0] or (n and n <= 2 * (g[0] - 1)) for n, g in zip(frames, grids) if len(g) == 3):
+        raise MalformedRecord("record has invalid frame counts for its clips' grids")
 
 
 def _check_kinds(kinds: list[str] | None, items: int) -> None:

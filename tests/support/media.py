@@ -154,6 +154,10 @@ def media_cases() -> dict:
             "image-and-video": [image_and_video[0], ("video", video_bytes(make_frames(7, 80, 80, 5), fps=2, fmt="mkv"))],
             "short-video": [short_video],
         },
+        "qwen3vl": {
+            "one-video": [video], "image-and-video": image_and_video,  # (7 frames: the last patch's time is its one frame's)
+            "short-video": [short_video],
+        },
         "qwen2audio": {
             "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],
             "two-audio": [("audio", audio_bytes(make_wave(1.5, seed=2))),

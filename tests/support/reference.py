@@ -57,6 +57,7 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
     from transformers import AutoProcessor
 
     from trident.families.qwen2vl import video_patches
+    from trident.families.qwen3vl import _frame_size as qwen3_frame_size
     from trident.engines.hf.stage import load_model
     from trident.processor import Processor
 
@@ -70,6 +71,8 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
         if ours.family.name == "qwen2audio":
             waves = [soundfile.read(io.BytesIO(raw), dtype="float32")[0] for _, raw in items]
             inputs = processor(text=[text], audio=waves or None, sampling_rate=16000, return_tensors="pt")
+        elif ours.family.name == "qwen3vl":  # (Qwen3-VL's frame size: the clip's pixel budget is the whole clip's)
+            inputs = _qwen2vl_inputs(ours, processor, text, items, lambda p, f: video_patches(p, f, qwen3_frame_size))
         else:
             inputs = _qwen2vl_inputs(ours, processor, text, items, video_patches)
         with torch.inference_mode():
@@ -80,6 +83,14 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
             "num_input_tokens": inputs["input_ids"].shape[1],
         }
     return out
+
+
+def _qwen3_times(frames: int, fps: float) -> list[float]:
+    """Each temporal patch's time by transformers' own Qwen3-VL rule (its processor's, which uses nothing of the
+    processor itself)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    return Qwen3VLProcessor._calculate_timestamps(None, list(range(frames)), fps, 2)
 
 
 def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> dict:
@@ -97,14 +108,19 @@ def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> d
         counts["image"] = [t * h * w // merge**2 for t, h, w in px["image_grid_thw"].tolist()]
     if videos:
         patched = [video_patches(ours, frames) for frames in videos]
+        times = [_qwen3_times(len(frames), 2.0) for frames in videos]  # (the clips are sampled at 2 frames a second)
         kw["pixel_values_videos"] = torch.from_numpy(np.concatenate([p for p, _ in patched]))
         kw["video_grid_thw"] = torch.tensor([g for _, g in patched])
         counts["video"] = [t * h * w // merge**2 for _, (t, h, w) in patched]
         if ours.family.name == "qwen2_5vl":  # the clips are sampled at their own rate: 2 frames a second
             kw["second_per_grid_ts"] = torch.tensor([ours.image_processor.temporal_patch_size / 2.0] * len(videos))
     for kind, pad in (("image", "<|image_pad|>"), ("video", "<|video_pad|>")):
-        for n in counts[kind]:
-            text = text.replace(f"<|vision_start|>{pad}<|vision_end|>", f"<|vision_start|>{'@@' * n}<|vision_end|>", 1)
+        for i, n in enumerate(counts[kind]):
+            one = f"<|vision_start|>{'@@' * n}<|vision_end|>"
+            if kind == "video" and ours.family.name == "qwen3vl":  # each temporal patch after its time, as Qwen3-VL's processor writes
+                t = patched[i][1][0]
+                one = "".join(f"<{when:.1f} seconds><|vision_start|>{'@@' * (n // t)}<|vision_end|>" for when in times[i])
+            text = text.replace(f"<|vision_start|>{pad}<|vision_end|>", one, 1)
         text = text.replace("@@", pad)
     ids = torch.tensor([processor.tokenizer(text)["input_ids"]])
     types = torch.zeros_like(ids, dtype=torch.int)

@@ -36,7 +36,8 @@ class CachedEmbedding:
     shape: tuple[int, int]  # (rows, hidden)
     grid: list[int] | None  # Qwen2-VL (t, h, w)
     refs: int = 0
-    seconds: float = 0.0  # Qwen2.5-VL: a clip's seconds per temporal patch
+    seconds: float = 0.0  # Qwen2.5-VL, Qwen3-VL: a clip's seconds per temporal patch
+    frames: int = 0  # Qwen3-VL: a clip's sampled frames
     indexed: bool = False  # in the LRU (else freed when the last reference goes)
     stand_in: Any = None  # the vllm engine's: the item's shape for vLLM's placeholders (trident.protocol.StandIn)
 
@@ -137,14 +138,15 @@ class EmbeddingCache:
             self.pool.free(entry.region)
 
     # -- stores (compute thread) -----------------------------------------------------------------------
-    def store(self, key: str, tensor, grid: list[int] | None, seconds: float = 0.0, stand_in: Any = None) -> CachedEmbedding:
+    def store(self, key: str, tensor, grid: list[int] | None, seconds: float = 0.0, stand_in: Any = None,
+              frames: int = 0) -> CachedEmbedding:
         """Copy one item's rows into the pool (evicting unused entries for room); held once for the caller."""
         nbytes = tensor.numel() * tensor.element_size()
         region = self._alloc(nbytes)
         flat = self.pool.view(region)
         flat.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1, seconds=seconds,
-                                stand_in=stand_in)
+                                stand_in=stand_in, frames=frames)
         with self._lock:
             if 0 < nbytes <= self.capacity:
                 entry.indexed = True

@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 
 
 def prepare_prompt(
-    processor: Processor, text: str, token_counts: list[int], kinds: list[str] | None = None
+    processor: Processor, text: str, token_counts: list[int], kinds: list[str] | None = None, media=None
 ) -> list[int]:
-    """Prompt ids with each media placeholder expanded; checks placeholders and the context window."""
+    """Prompt ids with each media placeholder expanded (``media``: the items' grids, seconds and frames, see
+    :meth:`Processor.prompt_ids`); checks placeholders and the context window."""
     with tracing.step("tokenize"):
-        prompt = processor.prompt_ids(text, token_counts, kinds)
+        prompt = processor.prompt_ids(text, token_counts, kinds, media)
     processor.check_length(len(prompt))
     return prompt
 
@@ -59,6 +60,7 @@ def publish_cached_embeddings(
         image_ids=list(item_ids),
         kinds=kinds if kinds and set(kinds) != {"image"} else None,
         seconds=[e.seconds for e in entries] if any(e.seconds for e in entries) else None,
+        frames=[e.frames for e in entries] if any(e.frames for e in entries) else None,
         stand_ins=[e.stand_in for e in entries] if all(e.stand_in is not None for e in entries) else None,
     )
 
@@ -79,7 +81,7 @@ def receive_embeddings(
         if record.transfer.tensors[0].shape[1] != width:
             raise MalformedRecord(f"embeddings record rows are {record.transfer.tensors[0].shape[1]} wide; this "
                                   f"model's are {width}")
-        prompt = prepare_prompt(processor, text, record.token_counts, record.kinds)
+        prompt = prepare_prompt(processor, text, record.token_counts, record.kinds, record)
     except Exception:
         endpoint.discard(record.transfer)
         raise
@@ -91,7 +93,8 @@ def read_embeddings(endpoint: TransferEndpoint, record: EmbeddingsRecord) -> tup
     """READ a record's embeddings (views into the receive pool) and the function that frees them."""
     with tracing.step("nixl_read"):
         received = endpoint.fetch(record.transfer)
-    emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds, record.seconds)
+    emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds, record.seconds,
+                          record.frames)
     return emb, received.release
 
 

@@ -24,6 +24,7 @@ class Placeholder:
     text: str
     token: str
     expands_to: str | None = None  # what the processor writes in place of ``text``, holding ``token`` once (None: text)
+    timed: bool = False  # the processor writes each temporal patch's time in the prompt (Qwen3-VL's clips)
 
 
 class Family:
@@ -76,6 +77,12 @@ class Family:
                 kind: BaseModelOutputWithPooling(pooler_output=rows) for kind, (rows, _) in media.by_kind().items()
             }
         }
+
+    def item_text(self, kind: str, rows: int, grid: list[int] | None, seconds: float, frames: int) -> tuple[str, list[int]]:
+        """What the prompt holds in place of one item's placeholder, and the lengths of the runs of the kind's token
+        in it (which together hold the item's ``rows``): by default the placeholder as the processor writes it, one run."""
+        placeholder = self.placeholders[kind]
+        return (placeholder.text if placeholder.expands_to is None else placeholder.expands_to), [rows]
 
     def embedding_width(self, config) -> int:
         """Width of an item's embedding rows as the encoder hands them on (the text model's hidden size)."""

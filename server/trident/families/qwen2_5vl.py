@@ -38,11 +38,14 @@ class Qwen25VL(Qwen2VL):
             return frames
         # vLLM's Qwen2.5-VL takes a clip with its metadata: the sampling rate gives its seconds per temporal
         # patch (frames already sampled: vLLM samples none again)
-        return [
-            (clip, {"fps": video.fps, "duration": video.duration, "total_num_frames": len(clip),
-                    "frames_indices": list(range(len(clip))), "video_backend": "pyav", "do_sample_frames": False})
-            for clip, video in zip(frames, items)
-        ]
+        return [with_metadata(clip, video) for clip, video in zip(frames, items)]
+
+
+def with_metadata(clip, video) -> tuple:
+    """A sampled clip (a ``(t, h, w, 3)`` array) as vLLM's Qwen processors take it: with its sampling rate, which
+    places its frames in time (they come sampled: vLLM samples none again)."""
+    return (clip, {"fps": video.fps, "duration": video.duration, "total_num_frames": len(clip),
+                   "frames_indices": list(range(len(clip))), "video_backend": "pyav", "do_sample_frames": False})
 
 
 def _video_seconds(media) -> list[float]:

@@ -87,29 +87,31 @@ def video_size(processor) -> tuple[int, int]:
     return cached
 
 
-def _frame_size(processor, height: int, width: int) -> tuple[int, int]:
+def frame_size(processor, frames: list) -> tuple[int, int]:
+    """A clip's frame size by Qwen2-VL's rule: each frame's pixels within the video processor's bounds."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     ip = processor.image_processor
     lo, hi = video_size(processor)
-    return smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=lo, max_pixels=hi)
+    return smart_resize(*frames[0].shape[:2], factor=ip.patch_size * ip.merge_size, min_pixels=lo, max_pixels=hi)
 
 
-def resized_frames(processor, frames: list) -> list[np.ndarray]:
-    """A clip's frames resized (PIL, the image processor's filter) to the clip's patch-aligned size."""
+def resized_frames(processor, frames: list, size=frame_size) -> list[np.ndarray]:
+    """A clip's frames resized (PIL, the image processor's filter) to the clip's patch-aligned size (``size``: the
+    family's rule, from the processor and the frames)."""
     from PIL import Image
 
-    height, width = _frame_size(processor, *frames[0].shape[:2])
+    height, width = size(processor, frames)
     if frames[0].shape[:2] == (height, width):
         return list(frames)
     resample = processor.image_processor.resample
     return [np.asarray(Image.fromarray(f).resize((width, height), resample=resample)) for f in frames]
 
 
-def video_patches(processor, frames: list) -> tuple[np.ndarray, list[int]]:
-    """A clip's ``pixel_values_videos`` rows and its (t, h, w) grid."""
+def video_patches(processor, frames: list, size=frame_size) -> tuple[np.ndarray, list[int]]:
+    """A clip's ``pixel_values_videos`` rows and its (t, h, w) grid (``size``: see :func:`resized_frames`)."""
     ip = processor.image_processor
-    resized = resized_frames(processor, frames)
+    resized = resized_frames(processor, frames, size)
     out = ip(images=resized, do_resize=False, temporal_patch_size=1, return_tensors="np")
     rows, grid = out["pixel_values"], out["image_grid_thw"]
     tp, (_, gh, gw) = ip.temporal_patch_size, grid[0]

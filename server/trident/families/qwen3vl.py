@@ -5,13 +5,47 @@ side by side (``hidden * (1 + layers)`` wide, the layout vLLM's encoder hands on
 
 from __future__ import annotations
 
-from .qwen2vl import Qwen2VL
+import json
+from pathlib import Path
+
+from . import Placeholder
+from .qwen2vl import Qwen2VL, video_patches
 
 
 class Qwen3VL(Qwen2VL):
     name = "qwen3vl"
     model_type = "qwen3_vl"
     model_class = "Qwen3VLForConditionalGeneration"
+    placeholders = {
+        "image": Qwen2VL.placeholders["image"],
+        "video": Placeholder("<|vision_start|><|video_pad|><|vision_end|>", "<|video_pad|>", timed=True),
+    }
+
+    # -- media ------------------------------------------------------------------------------------------
+    def media_inputs(self, processor, kind, items):
+        if kind == "image":
+            return super().media_inputs(processor, kind, items)
+        import numpy as np
+        import torch
+
+        pixels, grids = zip(*(video_patches(processor, video.frames, _frame_size) for video in items))
+        return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)), "video_grid_thw": torch.tensor(grids),
+                "second_per_grid_ts": self.clip_seconds(processor, kind, items)}
+
+    def clip_seconds(self, processor, kind, items):
+        return [processor.image_processor.temporal_patch_size / video.fps for video in items] if kind == "video" else None
+
+    def item_text(self, kind, rows, grid, seconds, frames):
+        """A clip is one run per temporal patch, each after that patch's time: the mean of its frames' times (the
+        last patch repeats the clip's last frame), as Qwen3-VL's processor writes it."""
+        if kind != "video":
+            return super().item_text(kind, rows, grid, seconds, frames)
+        t = grid[0]
+        step = seconds / 2  # (seconds per frame: patches of 2 frames)
+        last = frames - 1
+        times = [(min(2 * j, last) + min(2 * j + 1, last)) / 2 * step for j in range(t)]
+        text = "".join(f"<{when:.1f} seconds><|vision_start|><|video_pad|><|vision_end|>" for when in times)
+        return text, [rows // t] * t
 
     def embedding_width(self, config) -> int:
         return config.text_config.hidden_size * (1 + len(config.vision_config.deepstack_visual_indexes))
@@ -40,6 +74,35 @@ class Qwen3VL(Qwen2VL):
             )
         kwargs["mm_encoder_outputs"] = outputs
         return kwargs
+
+    def vllm_inputs(self, processor, kind, items):
+        if kind != "video":
+            return list(items)
+        import numpy as np
+
+        from .qwen2_5vl import with_metadata
+
+        # (vLLM resizes a clip by Qwen3-VL's rule, and writes each temporal patch's time in the prompt from the rate)
+        return [with_metadata(np.stack(video.frames), video) for video in items]
+
+
+def _frame_size(processor, frames: list) -> tuple[int, int]:
+    """A clip's frame size by Qwen3-VL's video rule: its pixel budget is the whole clip's."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from .qwen2vl import video_size
+
+    ip = processor.image_processor
+    lo, hi = video_size(processor)
+    count, factor = max(len(frames), ip.temporal_patch_size), ip.patch_size * ip.merge_size
+    path = Path(processor.path) / "video_preprocessor_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if config.get("cap_pixels_per_frame"):  # (each frame's share of the budget, within its token ceiling)
+        per_frame = max(min(config.get("max_video_tokens", 768) * factor * factor, hi // count), int(lo * 1.05))
+        hi = per_frame * count
+    height, width = frames[0].shape[:2]
+    return smart_resize(count, height, width, temporal_factor=ip.temporal_patch_size, factor=factor, min_pixels=lo,
+                        max_pixels=hi)
 
 
 FAMILY = Qwen3VL()

@@ -49,8 +49,9 @@ class PromptLength:
             processor = Processor(path)
             self.ids = lambda text: processor.tokenizer(expand(text), add_special_tokens=True)["input_ids"]
             token_id = processor.tokenizer.convert_tokens_to_ids
-        # (a kind whose placeholder only the engine expands is not measured: count() says None for its prompts)
-        self.placeholder_ids = {kind: token_id(p.token) for kind, p in family.placeholders.items() if p.token}
+        # (a kind whose placeholder only the engine expands, or whose items' text follows their timing, is not
+        # measured: count() says None for its prompts)
+        self.placeholder_ids = {kind: token_id(p.token) for kind, p in family.placeholders.items() if p.token and not p.timed}
 
     def length(self, text: str, token_counts: list[int], kinds: list[str]) -> int | None:
         return self.count(self.ids(text), token_counts, kinds)

@@ -64,6 +64,7 @@ def _after_save(out: Path) -> None:
         "patch_size": PATCH_SIZE, "temporal_patch_size": 2, "merge_size": MERGE_SIZE,
         "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": MEAN, "image_std": STD, "do_sample_frames": False,
+        "cap_pixels_per_frame": False,
     }
     (out / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 

@@ -136,9 +136,10 @@ class HFEncoder:
                 if "second_per_grid_ts" in inputs:
                     seconds[i] = float(inputs["second_per_grid_ts"][j])
         has_grids = any(g is not None for g in grids)
+        frames = [len(item.frames) if kind == "video" else 0 for kind, item in items]
         return MediaEmbeddings(
             torch.cat(rows), [r.shape[0] for r in rows], [list(g) for g in grids] if has_grids else None,
-            [kind for kind, _ in items], seconds if any(seconds) else None,
+            [kind for kind, _ in items], seconds if any(seconds) else None, frames if any(frames) and has_grids else None,
         )
 
 
@@ -301,8 +302,10 @@ class HFStageEngine:
         rows = emb.embeddings.split(emb.token_counts)
         grids = emb.grid_thw or [None] * len(rows)
         seconds = emb.seconds or [0.0] * len(rows)
+        frames = emb.frames or [0] * len(rows)
         with tracing.step("publish"):  # the copy into the send pool
-            return [self.cache.store(key, r, g, t) for (key, _), r, g, t in zip(claimed, rows, grids, seconds)]
+            return [self.cache.store(key, r, g, t, frames=n)
+                    for (key, _), r, g, t, n in zip(claimed, rows, grids, seconds, frames)]
 
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
@@ -332,7 +335,7 @@ class HFStageEngine:
             with tracing.step("media_decode"):
                 decoded = list(zip([item.kind for item in media], self.processor.open(media)))
             emb = self.encoder.encode(decoded)
-            prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds)
+            prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds, emb)
             return self._prefill_prompt(prompt, emb, params, seed)
         if embedding_meta is None:
             return self._prefill_prompt(handoff.prepare_prompt(self.processor, text, []), None, params, seed)
