@@ -1,11 +1,12 @@
-"""Video and audio through the vllm engine: `trident serve --backend vllm` of the Qwen2-VL and Qwen2.5-VL demos
-in EPD and E/P/D, and of the Qwen2-Audio demo in E/P/D (their families' own code is the encoder and the split of
+"""Video and audio through the vllm engine: `trident serve --backend vllm` of the Qwen3-VL demo in every mode, of the
+Qwen2-VL and Qwen2.5-VL demos in EPD and E/P/D, and of the Qwen2-Audio demo in E/P/D (their families' own code is the encoder and the split of
 prefill from decode; E/PD and EP/D are the same stages paired otherwise, checked with vLLM on LLaVA in
 test_vllm_serving.py and with the hf engine on every family), over gRPC streaming and HTTP `generate`.
 
 Every vllm mode gives exactly what vLLM gives in one engine (epd). Where that is also transformers'
 `model.generate()`, the test holds it to that too:
 - Qwen2-Audio: every case (so its E/P/D is held to transformers directly, and its server runs no EPD engine).
+- Qwen3-VL: every case (each clip's patches after their times; an odd-frame clip included), in every mode.
 - Qwen2-VL and Qwen2.5-VL: `short-video` only. For a clip whose temporal positions reach further than its
   frames' larger side in merged patches (`one-video`, `image-and-video`: more temporal patches than that for
   Qwen2-VL; Qwen2.5-VL spaces them `tokens_per_second * seconds per patch` apart), transformers 5.19 starts the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from support import (
-    MEDIA_CASES, bad_media, build_media_reference, grpc_generate, http_generate, media_prompt,
+    MEDIA_CASES, MODES, bad_media, build_media_reference, grpc_generate, http_generate, media_prompt,
     vllm_server, wait_drained,
 )
 
@@ -27,13 +28,15 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
-SERVED_MODES = {"qwen2_5vl": ["epd", "e_p_d"], "qwen2audio": ["e_p_d"], "qwen2vl": ["epd", "e_p_d"]}
+SERVED_MODES = {"qwen3vl": None, "qwen2_5vl": ["epd", "e_p_d"], "qwen2audio": ["e_p_d"], "qwen2vl": ["epd", "e_p_d"]}
 SAME_AS_TRANSFORMERS = {
     "qwen2vl": {"short-video"}, "qwen2_5vl": {"short-video"}, "qwen2audio": set(MEDIA_CASES["qwen2audio"]),
+    "qwen3vl": set(MEDIA_CASES["qwen3vl"]),
 }
 
 
-# (qwen2vl last: tests/e2e/test_vllm_serving.py starts with it, on the same server)
+# (qwen3vl first, in every mode: test_vllm_any_model.py ends with it, on the same server; qwen2vl last:
+# tests/e2e/test_vllm_serving.py starts with it, on the same server)
 @pytest.fixture(scope="module", params=list(SERVED_MODES))
 def server(request, demo_models, tmp_path_factory, shared_servers):
     return vllm_server(shared_servers, demo_models[request.param], request.param, tmp_path_factory.mktemp("vllm") / "ws",
@@ -67,7 +70,7 @@ def test_epd_equals_transformers_where_they_agree(server, reference, aggregated,
 
 
 def test_every_served_mode_equals_vllm_in_one_engine(server, reference, aggregated):
-    assert server.modes == SERVED_MODES[server.arch]
+    assert server.modes == (SERVED_MODES[server.arch] or MODES)
     for mode in server.modes:
         for case, c in reference.items():
             streamed = grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True)
@@ -89,3 +92,4 @@ def test_bad_media_is_a_clear_400_and_the_server_carries_on(server, reference, a
     case, c = next(iter(reference.items()))
     assert grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text == aggregated[case]
     wait_drained(server, KV_STAGES & set(server.stats()), timeout=30)
+

@@ -119,7 +119,8 @@ def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> d
             one = f"<|vision_start|>{'@@' * n}<|vision_end|>"
             if kind == "video" and ours.family.name == "qwen3vl":  # each temporal patch after its time, as Qwen3-VL's processor writes
                 t = patched[i][1][0]
-                one = "".join(f"<{when:.1f} seconds><|vision_start|>{'@@' * (n // t)}<|vision_end|>" for when in times[i])
+                runs = "".join(f"<{when:.1f} seconds><|vision_start|>{'@@' * (n // t)}<|vision_end|>" for when in times[i])
+                one = f"<|vision_start|>{runs}<|vision_end|>"  # (the clip's token replaced: the placeholder's own ends stay)
             text = text.replace(f"<|vision_start|>{pad}<|vision_end|>", one, 1)
         text = text.replace("@@", pad)
     ids = torch.tensor([processor.tokenizer(text)["input_ids"]])

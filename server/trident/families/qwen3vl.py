@@ -36,16 +36,17 @@ class Qwen3VL(Qwen2VL):
         return [processor.image_processor.temporal_patch_size / video.fps for video in items] if kind == "video" else None
 
     def item_text(self, kind, rows, grid, seconds, frames):
-        """A clip is one run per temporal patch, each after that patch's time: the mean of its frames' times (the
-        last patch repeats the clip's last frame), as Qwen3-VL's processor writes it."""
+        """A clip's token becomes one run per temporal patch, each after that patch's time: the mean of its frames'
+        times (the last patch repeats the clip's last frame), as Qwen3-VL's processor writes it (inside the
+        placeholder's own start and end)."""
         if kind != "video":
             return super().item_text(kind, rows, grid, seconds, frames)
         t = grid[0]
         step = seconds / 2  # (seconds per frame: patches of 2 frames)
         last = frames - 1
         times = [(min(2 * j, last) + min(2 * j + 1, last)) / 2 * step for j in range(t)]
-        text = "".join(f"<{when:.1f} seconds><|vision_start|><|video_pad|><|vision_end|>" for when in times)
-        return text, [rows // t] * t
+        runs = "".join(f"<{when:.1f} seconds><|vision_start|><|video_pad|><|vision_end|>" for when in times)
+        return f"<|vision_start|>{runs}<|vision_end|>", [rows // t] * t
 
     def embedding_width(self, config) -> int:
         return config.text_config.hidden_size * (1 + len(config.vision_config.deepstack_visual_indexes))
