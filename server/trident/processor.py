@@ -162,7 +162,7 @@ class Processor:
         }
         self.image_token_id = self.token_ids.get("image")
         self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
-        text_config = getattr(self.config, "text_config", self.config)
+        text_config = self.config.get_text_config()  # (Qwen2.5-Omni's: its thinker's)
         self.max_model_len: int = text_config.max_position_embeddings
 
     @property
@@ -266,7 +266,7 @@ class Processor:
 
 def _eos_ids(config: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(config, "text_config", None), config, getattr(config, "generation_config", None)):
+    for source in (config.get_text_config(), config, getattr(config, "generation_config", None)):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
             ids.add(eos)

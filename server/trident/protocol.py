@@ -383,6 +383,7 @@ def stages_for(modes) -> list[str]:
 
 
 # -- records ---------------------------------------------------------------------------------------------
+MAX_GRID_SIDE = 1 << 14  # patches along a grid's side (a 16k-frame clip, a 229k-pixel side at patch 14)
 RECORD_VERSION = 12  # 12: embeddings carry each clip's frame count (Qwen3-VL writes its patches' times in the prompt)
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
@@ -513,7 +514,7 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
 
     transfer: Transfer
     token_counts: list[int]  # embedding rows of each item
-    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
+    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions ([]: none)
     image_ids: list[str] = []  # content ids of the items, for caches keyed by content
     kinds: list[str] | None = None  # each item's modality; None: all images
     seconds: list[float] | None = None  # Qwen2.5-VL, Qwen3-VL: each clip's seconds per temporal patch (0: not a clip)
@@ -531,6 +532,9 @@ class EmbeddingsRecord(_Record, tag=f"embeddings/{RECORD_VERSION}"):
             raise MalformedRecord("embeddings record has different numbers of token counts and image ids")
         if self.grid_thw is not None and len(self.grid_thw) != len(self.token_counts):
             raise MalformedRecord("embeddings record has different numbers of token counts and grids")
+        if self.grid_thw is not None and not all(
+                grid == [] or (len(grid) == 3 and all(1 <= n <= MAX_GRID_SIDE for n in grid)) for grid in self.grid_thw):
+            raise MalformedRecord(f"embeddings record has a grid that is not (t, h, w) patches of 1..{MAX_GRID_SIDE}")
         _check_kinds(self.kinds, len(self.token_counts))
         if len(self.transfer.tensors) != 1 or self.transfer.tensors[0].count != 1:
             raise MalformedRecord("embeddings record must describe one tensor")

@@ -24,7 +24,7 @@ GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 NAME = SHARED_MEDIA_NAME
 
 
-@pytest.fixture(scope="module", params=["qwen2audio", "qwen3vl", "qwen2_5vl", "qwen2vl"])
+@pytest.fixture(scope="module", params=["qwen2audio", "qwen2_5omni", "qwen3vl", "qwen2_5vl", "qwen2vl"])
 def server(request, demo_models, tmp_path_factory, shared_servers):
     """Each family's server in every mode; Qwen2-VL's (last) goes on to test_serving.py."""
     srv = shared_media_server(shared_servers, demo_models[request.param], request.param, tmp_path_factory)

@@ -158,6 +158,12 @@ def media_cases() -> dict:
             "one-video": [video], "image-and-video": image_and_video,  # (7 frames: the last patch's time is its one frame's)
             "short-video": [short_video],
         },
+        "qwen2_5omni": {  # (one request with an image, a clip and an audio clip; each kind alone)
+            "image-video-audio": [image_and_video[0], image_and_video[1], ("audio", audio_bytes(make_wave(2.0, seed=1)))],
+            "one-video": [video],
+            "two-audio": [("audio", audio_bytes(make_wave(1.5, seed=2))),
+                          ("audio", audio_bytes(make_wave(3.2, seed=3), fmt="flac"))],
+        },
         "qwen2audio": {
             "one-audio": [("audio", audio_bytes(make_wave(2.0, seed=1)))],
             "two-audio": [("audio", audio_bytes(make_wave(1.5, seed=2))),
@@ -170,8 +176,18 @@ def media_cases() -> dict:
 def bad_media(arch: str, prompt) -> dict:
     """Bad media for a family: problem -> (text, media, what the 400 must say); ``prompt(kinds)`` writes a
     chat prompt with those placeholders."""
+    from trident.families import FAMILIES
+
     video = video_bytes(make_frames(10, 96, 64, 2), fps=2)
     one_video, one_audio = prompt(["video"]), prompt(["audio"])
+    if arch == "qwen2_5omni":  # (it takes audio too: the vision cases, less a modality it does not take, and a long clip)
+        cases = bad_media("qwen2vl", prompt)
+        del cases["audio to a vision model"]
+        image = FAMILIES[arch].placeholders["image"].text
+        cases["placeholder mismatch"] = (prompt(["image"]), {"video": [b64(video)]},
+                                         f"the prompt has 1 image placeholder(s) {image!r} but the request carries 0 image(s)")
+        cases["10-minute clip"] = bad_media("qwen2audio", prompt)["10-minute clip"]
+        return cases
     if arch != "qwen2audio":
         return {
             "truncated mp4": (one_video, {"video": [b64(video[: len(video) // 3])]}, "video 0 could not be decoded as a video"),

@@ -61,8 +61,10 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
     from trident.engines.hf.stage import load_model
     from trident.processor import Processor
 
-    model, processor, ours = load_model(model_path), AutoProcessor.from_pretrained(model_path), Processor(model_path)
-    tok = processor.tokenizer
+    model, ours = load_model(model_path), Processor(model_path)
+    # (Qwen2.5-Omni's processor needs torchvision for its video processor: its inputs are made without it)
+    processor = AutoProcessor.from_pretrained(model_path) if ours.family.name != "qwen2_5omni" else None
+    tok = ours.tokenizer
     out = {}
     for case, items in cases.items():
         kinds = [kind for kind, _ in items]
@@ -71,6 +73,8 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
         if ours.family.name == "qwen2audio":
             waves = [soundfile.read(io.BytesIO(raw), dtype="float32")[0] for _, raw in items]
             inputs = processor(text=[text], audio=waves or None, sampling_rate=16000, return_tensors="pt")
+        elif ours.family.name == "qwen2_5omni":
+            inputs = _omni_inputs(ours, tok, text, items, video_patches)
         elif ours.family.name == "qwen3vl":  # (Qwen3-VL's frame size: the clip's pixel budget is the whole clip's)
             inputs = _qwen2vl_inputs(ours, processor, text, items, lambda p, f: video_patches(p, f, qwen3_frame_size))
         else:
@@ -91,6 +95,44 @@ def _qwen3_times(frames: int, fps: float) -> list[float]:
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     return Qwen3VLProcessor._calculate_timestamps(None, list(range(frames)), fps, 2)
+
+
+def _omni_inputs(ours, tok, text: str, items: list, video_patches) -> dict:
+    """Qwen2.5-Omni's thinker inputs as its processor makes them (its processor needs torchvision for video): images
+    by the image processor, clips patched as Qwen2-VL's with their seconds per patch, audio by the feature extractor
+    padded to its window with the clip's mask; each placeholder's token expanded to its item's count."""
+    import io
+
+    import soundfile
+    from PIL import Image
+
+    merge = ours.image_processor.merge_size
+    kw: dict = {}
+    images = [Image.open(io.BytesIO(raw)).convert("RGB") for kind, raw in items if kind == "image"]
+    videos = [decoded_frames(raw) for kind, raw in items if kind == "video"]
+    waves = [soundfile.read(io.BytesIO(raw), dtype="float32")[0] for kind, raw in items if kind == "audio"]
+    counts: dict = {"IMAGE": [], "VIDEO": [], "AUDIO": []}
+    if images:
+        px = ours.image_processor(images=images, return_tensors="pt")
+        kw.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
+        counts["IMAGE"] = [t * h * w // merge**2 for t, h, w in px["image_grid_thw"].tolist()]
+    if videos:
+        patched = [video_patches(ours, frames) for frames in videos]
+        kw["pixel_values_videos"] = torch.from_numpy(np.concatenate([p for p, _ in patched]))
+        kw["video_grid_thw"] = torch.tensor([g for _, g in patched])
+        kw["video_second_per_grid"] = torch.tensor([ours.image_processor.temporal_patch_size / 2.0] * len(videos))
+        counts["VIDEO"] = [t * h * w // merge**2 for _, (t, h, w) in patched]
+    if waves:
+        fe = ours.feature_extractor
+        out = fe(waves, sampling_rate=16000, padding="max_length", return_attention_mask=True, return_tensors="pt")
+        kw.update(input_features=out["input_features"], feature_attention_mask=out["attention_mask"])
+        counts["AUDIO"] = [((int(n) - 1) // 2 + 1 - 2) // 2 + 1 for n in out["attention_mask"].sum(-1)]
+    for name, found in counts.items():
+        for n in found:
+            text = text.replace(f"<|{name}|>", "@@" * n, 1)
+        text = text.replace("@@", f"<|{name}|>")
+    ids = torch.tensor([tok(text)["input_ids"]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kw}
 
 
 def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> dict:

@@ -36,7 +36,7 @@ class MediaEmbeddings:
 
     embeddings: torch.Tensor
     token_counts: list[int]
-    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions
+    grid_thw: list[list[int]] | None = None  # Qwen2-VL: (t, h, w) patches per item, for its 3-D positions ([]: none)
     kinds: list[str] | None = None  # each item's modality (None: all images)
     seconds: list[float] | None = None  # Qwen2.5-VL, Qwen3-VL: a clip's seconds per temporal patch (0 for other items)
     frames: list[int] | None = None  # Qwen3-VL: a clip's sampled frames (0 for other items), which place its patches in time

@@ -268,7 +268,7 @@ class VLLMStageEngine:
 
     def _first_token_rules(self, block_size: int, generation_eos: int | list[int] | None) -> None:
         """What :meth:`_first_event` checks a prefill's token against."""
-        text_config = getattr(self.processor.config, "text_config", self.processor.config)
+        text_config = self.processor.config.get_text_config()
         self.vocab_size: int = text_config.vocab_size
         self.block_size = block_size
         # what ends a request at a token in vLLM: the tokenizer's and config's EOS and generation_config's

@@ -86,7 +86,11 @@ class Family:
 
     def embedding_width(self, config) -> int:
         """Width of an item's embedding rows as the encoder hands them on (the text model's hidden size)."""
-        return getattr(config, "text_config", config).hidden_size
+        return config.get_text_config().hidden_size
+
+    def language_model(self, model):
+        """The text model that decodes (the batched decoder runs it alone)."""
+        return model.model.language_model
 
     def reset(self, model) -> None:
         """Clear per-request state a transformers model keeps between forward passes."""

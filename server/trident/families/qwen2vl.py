@@ -45,6 +45,7 @@ class Qwen2VL(Family):
 
         kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
         types = torch.zeros_like(input_ids, dtype=torch.int)
+        check_grids(model, media)
         for kind, (_, grids) in media.by_kind().items():
             kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)
             types[input_ids == token_ids[kind]] = _TOKEN_TYPE[kind]
@@ -65,6 +66,19 @@ class Qwen2VL(Family):
             # pixels, hence embeddings, whether vLLM or the encode worker encodes it
             return [np.stack(resized_frames(processor, video.frames)) for video in items]
         return list(items)
+
+def check_grids(model, media) -> None:
+    """Each image's and clip's grid must be the one its rows came from (its positions follow it)."""
+    from ..errors import InvalidRequest
+
+    merge = model.config.vision_config.spatial_merge_size
+    for kind, (rows, grids) in media.by_kind().items():
+        if kind not in ("image", "video"):
+            continue
+        for row, grid in zip(rows, grids or ()):
+            if len(grid) != 3 or grid[0] * grid[1] * grid[2] != row.shape[0] * merge * merge:
+                raise InvalidRequest(f"a {kind}'s grid {grid} does not give its {row.shape[0]} embedding rows")
+
 
 # -- video preprocessing without torchvision ---------------------------------------------------------------
 # transformers' Qwen2-VL video processor needs torchvision, which has no CPU build on PyPI. A clip is

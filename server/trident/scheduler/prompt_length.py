@@ -96,5 +96,6 @@ def context_length(model_path: str | Path) -> int | None:
 
 
 def _context(config: dict) -> int | None:
-    context = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
+    text = config.get("text_config") or (config.get("thinker_config") or {}).get("text_config") or {}  # (Qwen2.5-Omni: its thinker's)
+    context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
     return context if isinstance(context, int) and context > 0 else None

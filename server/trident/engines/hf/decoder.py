@@ -269,7 +269,7 @@ class HFDecoder:
             near = torch.arange(kv._span, device=device)[None, :] > kv._lens_t[:, None] - self.m.sliding_window
             mask = {"full_attention": mask, "sliding_attention": mask & near[:, None, None, :]}
         positions = kv._lens_t + torch.tensor([a.req.rope_delta for a in self._active], dtype=torch.long, device=device)
-        lm = model.model.language_model
+        lm = self.m.family.language_model(model)
         hidden = lm(
             inputs_embeds=lm.embed_tokens(tokens),
             position_ids=positions[:, None],

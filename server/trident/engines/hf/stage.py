@@ -138,7 +138,7 @@ class HFEncoder:
         has_grids = any(g is not None for g in grids)
         frames = [len(item.frames) if kind == "video" else 0 for kind, item in items]
         return MediaEmbeddings(
-            torch.cat(rows), [r.shape[0] for r in rows], [list(g) for g in grids] if has_grids else None,
+            torch.cat(rows), [r.shape[0] for r in rows], [list(g) if g is not None else [] for g in grids] if has_grids else None,
             [kind for kind, _ in items], seconds if any(seconds) else None, frames if any(frames) and has_grids else None,
         )
 

@@ -1,0 +1,90 @@
+"""Qwen2.5-Omni's thinker: Qwen2.5-VL's vision tower and timed M-RoPE for images and video, and a Whisper-style audio
+encoder, in one model; an image, a clip and an audio clip may share a request (and its one encode stage). A hub
+checkpoint is the whole Omni model (thinker, talker, vocoder); only the thinker is loaded: Trident serves text out.
+An audio clip's tokens are placed in the prompt's positions by its feature length, which the prefill gives back from
+its token count (any length that makes that count places it the same)."""
+
+from __future__ import annotations
+
+from . import Placeholder
+from .qwen2_5vl import Qwen25VL, _video_seconds
+from .qwen2vl import check_grids
+from .qwen2audio import Qwen2Audio
+
+
+class Qwen25Omni(Qwen25VL):
+    name = "qwen2_5omni"
+    model_type = "qwen2_5_omni"
+    model_class = "Qwen2_5OmniThinkerForConditionalGeneration"
+    placeholders = {
+        "image": Placeholder("<|vision_bos|><|IMAGE|><|vision_eos|>", "<|IMAGE|>"),
+        "video": Placeholder("<|vision_bos|><|VIDEO|><|vision_eos|>", "<|VIDEO|>"),
+        "audio": Placeholder("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|AUDIO|>"),
+    }
+
+    def load_model(self, path, dtype):
+        import transformers
+
+        thinker = transformers.AutoConfig.from_pretrained(path).thinker_config  # (the checkpoint's weights under thinker.)
+        return transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+            path, config=thinker, dtype=dtype, attn_implementation="sdpa")
+
+    def language_model(self, model):
+        return model.model
+
+    # -- media ------------------------------------------------------------------------------------------
+    def media_inputs(self, processor, kind, items):
+        if kind == "audio":
+            return Qwen2Audio.media_inputs(self, processor, kind, items)
+        return super().media_inputs(processor, kind, items)
+
+    def encode(self, model, kind, inputs):
+        if kind == "image":
+            out = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+            return list(out.pooler_output), inputs["image_grid_thw"].tolist()
+        if kind == "video":
+            out = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
+            return list(out.pooler_output), inputs["video_grid_thw"].tolist()
+        mask = inputs["feature_attention_mask"]
+        out = model.get_audio_features(inputs["input_features"], mask, return_dict=True)
+        _, lengths = model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))
+        return list(out.last_hidden_state.split(lengths.tolist())), None
+
+    # -- prefill -----------------------------------------------------------------------------------------
+    def prefill_inputs(self, model, input_ids, media, token_ids):
+        import torch
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        kwargs: dict = {}
+        check_grids(model, media)
+        by_kind = media.by_kind()
+        vision = {kind: got for kind, got in by_kind.items() if kind != "audio"}
+        if vision:
+            kwargs["mm_encoder_outputs"] = {kind: BaseModelOutputWithPooling(pooler_output=rows)
+                                            for kind, (rows, _) in vision.items()}
+            for kind, (_, grids) in vision.items():
+                kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)
+        seconds = _video_seconds(media)
+        if seconds:
+            kwargs["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float32, device=input_ids.device)
+        if "audio" in by_kind:  # (its rows in place of its tokens; the ids stay, for the positions)
+            rows = torch.cat(by_kind["audio"][0])
+            embeds = model.get_input_embeddings()(input_ids)
+            mask = (input_ids == token_ids["audio"]).unsqueeze(-1)
+            kwargs["inputs_embeds"] = embeds.masked_scatter(mask, rows.to(embeds.dtype))
+            # each clip's feature length as one that gives its token count: 4 * count - 1
+            lengths = [4 * r.shape[0] - 1 for r in by_kind["audio"][0]]
+            frames = torch.arange(max(lengths), device=input_ids.device)
+            kwargs["feature_attention_mask"] = (frames[None, :] < torch.tensor(lengths, device=input_ids.device)[:, None]).long()
+        return kwargs
+
+    def reset(self, model):
+        model.rope_deltas = None
+
+    def vllm_inputs(self, processor, kind, items):
+        if kind == "audio":
+            return Qwen2Audio.vllm_inputs(self, processor, kind, items)
+        return super().vllm_inputs(processor, kind, items)
+
+
+FAMILY = Qwen25Omni()
