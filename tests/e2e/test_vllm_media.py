@@ -1,4 +1,5 @@
-"""Video and audio through the vllm engine: `trident serve --backend vllm` of the Qwen3-VL demo in every mode, of the
+"""Video and audio through the vllm engine: `trident serve --backend vllm` of the Qwen3-VL and Qwen2.5-Omni demos in
+every mode (Omni: an image, a clip and an audio clip in one request, all through one encode stage, vLLM's encoder), of the
 Qwen2-VL and Qwen2.5-VL demos in EPD and E/P/D, and of the Qwen2-Audio demo in E/P/D (their families' own code is the encoder and the split of
 prefill from decode; E/PD and EP/D are the same stages paired otherwise, checked with vLLM on LLaVA in
 test_vllm_serving.py and with the hf engine on every family), over gRPC streaming and HTTP `generate`.
@@ -7,6 +8,7 @@ Every vllm mode gives exactly what vLLM gives in one engine (epd). Where that is
 `model.generate()`, the test holds it to that too:
 - Qwen2-Audio: every case (so its E/P/D is held to transformers directly, and its server runs no EPD engine).
 - Qwen3-VL: every case (each clip's patches after their times; an odd-frame clip included), in every mode.
+- Qwen2.5-Omni's thinker: every case (image + clip + audio clip; a clip; two audio clips), in every mode.
 - Qwen2-VL and Qwen2.5-VL: `short-video` only. For a clip whose temporal positions reach further than its
   frames' larger side in merged patches (`one-video`, `image-and-video`: more temporal patches than that for
   Qwen2-VL; Qwen2.5-VL spaces them `tokens_per_second * seconds per patch` apart), transformers 5.19 starts the
@@ -28,10 +30,10 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0}
 KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
-SERVED_MODES = {"qwen3vl": None, "qwen2_5vl": ["epd", "e_p_d"], "qwen2audio": ["e_p_d"], "qwen2vl": ["epd", "e_p_d"]}
+SERVED_MODES = {"qwen3vl": None, "qwen2_5omni": None, "qwen2_5vl": ["epd", "e_p_d"], "qwen2audio": ["e_p_d"], "qwen2vl": ["epd", "e_p_d"]}
 SAME_AS_TRANSFORMERS = {
     "qwen2vl": {"short-video"}, "qwen2_5vl": {"short-video"}, "qwen2audio": set(MEDIA_CASES["qwen2audio"]),
-    "qwen3vl": set(MEDIA_CASES["qwen3vl"]),
+    "qwen3vl": set(MEDIA_CASES["qwen3vl"]), "qwen2_5omni": set(MEDIA_CASES["qwen2_5omni"]),
 }
 
 
@@ -92,4 +94,5 @@ def test_bad_media_is_a_clear_400_and_the_server_carries_on(server, reference, a
     case, c = next(iter(reference.items()))
     assert grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text == aggregated[case]
     wait_drained(server, KV_STAGES & set(server.stats()), timeout=30)
+
 

@@ -57,7 +57,6 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
     from transformers import AutoProcessor
 
     from trident.families.qwen2vl import video_patches
-    from trident.families.qwen3vl import _frame_size as qwen3_frame_size
     from trident.engines.hf.stage import load_model
     from trident.processor import Processor
 
@@ -73,12 +72,10 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
         if ours.family.name == "qwen2audio":
             waves = [soundfile.read(io.BytesIO(raw), dtype="float32")[0] for _, raw in items]
             inputs = processor(text=[text], audio=waves or None, sampling_rate=16000, return_tensors="pt")
-        elif ours.family.name == "qwen2_5omni":
-            inputs = _omni_inputs(ours, tok, text, items, video_patches)
-        elif ours.family.name == "qwen3vl":  # (Qwen3-VL's frame size: the clip's pixel budget is the whole clip's)
-            inputs = _qwen2vl_inputs(ours, processor, text, items, lambda p, f: video_patches(p, f, qwen3_frame_size))
-        else:
-            inputs = _qwen2vl_inputs(ours, processor, text, items, video_patches)
+        else:  # (each family's frame size: Qwen3-VL's budget is the whole clip's, Qwen2.5-Omni's bounds its processor's)
+            patches = lambda p, frames: video_patches(p, frames, ours.family.frame_size)  # noqa: E731
+            make = _omni_inputs if ours.family.name == "qwen2_5omni" else _qwen2vl_inputs
+            inputs = make(ours, processor or tok, text, items, patches)
         with torch.inference_mode():
             gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
         ids = gen[0, inputs["input_ids"].shape[1]:].tolist()
@@ -97,7 +94,7 @@ def _qwen3_times(frames: int, fps: float) -> list[float]:
     return Qwen3VLProcessor._calculate_timestamps(None, list(range(frames)), fps, 2)
 
 
-def _omni_inputs(ours, tok, text: str, items: list, video_patches) -> dict:
+def _omni_inputs(ours, tok, text: str, items: list, video_patches) -> dict:  # (tok: the tokenizer)
     """Qwen2.5-Omni's thinker inputs as its processor makes them (its processor needs torchvision for video): images
     by the image processor, clips patched as Qwen2-VL's with their seconds per patch, audio by the feature extractor
     padded to its window with the clip's mask; each placeholder's token expanded to its item's count."""

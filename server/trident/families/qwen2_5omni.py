@@ -33,6 +33,16 @@ class Qwen25Omni(Qwen25VL):
         return model.model
 
     # -- media ------------------------------------------------------------------------------------------
+    def frame_size(self, processor, frames):
+        """The bounds Qwen2.5-Omni's processor gives its video processor (not the checkpoint's video settings)."""
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessorKwargs
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        size = Qwen2_5OmniProcessorKwargs._defaults["videos_kwargs"]["size"]
+        ip = processor.image_processor
+        return smart_resize(*frames[0].shape[:2], factor=ip.patch_size * ip.merge_size, min_pixels=size["shortest_edge"],
+                            max_pixels=size["longest_edge"])
+
     def media_inputs(self, processor, kind, items):
         if kind == "audio":
             return Qwen2Audio.media_inputs(self, processor, kind, items)

@@ -27,7 +27,7 @@ class Qwen2VL(Family):
     def media_inputs(self, processor, kind, items):
         if kind == "image":
             return super().media_inputs(processor, kind, items)
-        pixels, grids = zip(*(video_patches(processor, video.frames) for video in items))
+        pixels, grids = zip(*(video_patches(processor, video.frames, self.frame_size) for video in items))
         import torch
 
         return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)), "video_grid_thw": torch.tensor(grids)}
@@ -38,6 +38,10 @@ class Qwen2VL(Family):
             return list(out.pooler_output), inputs["image_grid_thw"].tolist()
         out = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
         return list(out.pooler_output), inputs["video_grid_thw"].tolist()
+
+    def frame_size(self, processor, frames: list) -> tuple[int, int]:
+        """A clip's (height, width) once resized: each frame's pixels within the video processor's bounds."""
+        return frame_size(processor, frames)
 
     # -- prefill -----------------------------------------------------------------------------------------
     def prefill_inputs(self, model, input_ids, media, token_ids):
@@ -64,7 +68,7 @@ class Qwen2VL(Family):
             # the sampled frames, (t, h, w, 3) uint8 per clip, already resized as video_patches resizes them:
             # vLLM's (torchvision) resize to the same size then changes nothing, so a clip gives the same
             # pixels, hence embeddings, whether vLLM or the encode worker encodes it
-            return [np.stack(resized_frames(processor, video.frames)) for video in items]
+            return [np.stack(resized_frames(processor, video.frames, self.frame_size)) for video in items]
         return list(items)
 
 def check_grids(model, media) -> None:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from . import Placeholder
-from .qwen2vl import Qwen2VL, video_patches
+from .qwen2vl import Qwen2VL
 
 
 class Qwen3VL(Qwen2VL):
@@ -23,14 +23,14 @@ class Qwen3VL(Qwen2VL):
 
     # -- media ------------------------------------------------------------------------------------------
     def media_inputs(self, processor, kind, items):
-        if kind == "image":
-            return super().media_inputs(processor, kind, items)
-        import numpy as np
-        import torch
+        out = super().media_inputs(processor, kind, items)
+        if kind == "video":
+            out["second_per_grid_ts"] = self.clip_seconds(processor, kind, items)
+        return out
 
-        pixels, grids = zip(*(video_patches(processor, video.frames, _frame_size) for video in items))
-        return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)), "video_grid_thw": torch.tensor(grids),
-                "second_per_grid_ts": self.clip_seconds(processor, kind, items)}
+    def frame_size(self, processor, frames):
+        """Qwen3-VL's rule: the clip's pixel budget is the whole clip's."""
+        return _frame_size(processor, frames)
 
     def clip_seconds(self, processor, kind, items):
         return [processor.image_processor.temporal_patch_size / video.fps for video in items] if kind == "video" else None

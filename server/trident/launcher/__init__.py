@@ -354,6 +354,7 @@ class Launcher:
         # it calls the entry models, as any client: no secret of the deployment's
         env = {k: v for k, v in os.environ.items() if k != auth.ENV}
         env.update(HF_HUB_OFFLINE="1", **{HEAD_PID_ENV: str(os.getpid())})
+        quiet(env, self.s.vllm.log_level)  # (it loads the checkpoint's config and tokenizer, as the workers do)
         self.workers["frontend"] = proc = subprocess.Popen(cmd, env=env, **OWN_GROUP)
         self._restarts.started("frontend")
         self.out(f"[trident] started the OpenAI frontend (pid {proc.pid}) on port {self.s.openai_port}")
