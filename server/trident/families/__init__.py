@@ -27,9 +27,14 @@ class Placeholder:
     timed: bool = False  # the processor writes each temporal patch's time in the prompt (Qwen3-VL's clips)
 
 
+_TOKEN_TYPES = {"image": 1, "video": 2, "audio": 3}  # transformers' mm_token_type_ids (text: 0)
+
+
 class Family:
-    """The adapter interface; see :mod:`.llava` for a complete image-only one, :mod:`.qwen2vl` for video and
-    :mod:`.qwen2audio` for audio."""
+    """The adapter interface, whose defaults are transformers' own multimodal API (``get_{kind}_features``,
+    ``mm_encoder_outputs``, grids and token types): :mod:`.llava` is declared facts alone (placeholder, classes);
+    :mod:`.qwen2vl` adds video preprocessing without torchvision, :mod:`.qwen2audio` an audio encoder call transformers
+    has no such function for."""
 
     listed = True  # an adapter of this package: the hf engine serves it
     name: str  # short id ("llava")
@@ -62,21 +67,42 @@ class Family:
         return {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
 
     def encode(self, model, kind: str, inputs: dict) -> tuple[list, list[list[int]] | None]:
-        """Run the encoder + projector over one kind's inputs: per-item embeddings and grids (if any)."""
-        raise NotImplementedError
+        """Run the encoder + projector over one kind's inputs: per-item embeddings and grids (if any). By default
+        transformers' own ``get_{kind}_features`` of the model, given the inputs it names (its other arguments from
+        the model's config), its ``pooler_output`` per item; grids are the inputs' ``{kind}_grid_thw``."""
+        import inspect
+
+        features = getattr(model, f"get_{kind}_features")
+        named = inspect.signature(features).parameters
+        out = features(**{k: v for k, v in inputs.items() if k in named}, return_dict=True)
+        grids = inputs.get(f"{kind}_grid_thw")
+        return list(out.pooler_output), (grids.tolist() if grids is not None else None)
 
     # -- prefill ---------------------------------------------------------------------------------------
     def prefill_inputs(self, model, input_ids, media, token_ids: dict[str, int]) -> dict[str, Any]:
         """Inputs of a transformers forward pass over a prompt with ``media`` (a
         :class:`~trident.engines.base.MediaEmbeddings`), beyond ``input_ids`` and ``attention_mask``:
-        by default the embeddings as ``mm_encoder_outputs`` (the encoders are not run again)."""
+        by default the embeddings as ``mm_encoder_outputs`` (the encoders are not run again), and where the model's
+        forward takes them, each kind's grids (``{kind}_grid_thw``) and the tokens' kinds (``mm_token_type_ids``:
+        text 0, image 1, video 2, audio 3), from which it places them."""
+        import inspect
+
+        import torch
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        return {
-            "mm_encoder_outputs": {
-                kind: BaseModelOutputWithPooling(pooler_output=rows) for kind, (rows, _) in media.by_kind().items()
-            }
-        }
+        takes = inspect.signature(model.forward).parameters
+        by_kind = media.by_kind()
+        kwargs: dict[str, Any] = {"mm_encoder_outputs": {
+            kind: BaseModelOutputWithPooling(pooler_output=rows) for kind, (rows, _) in by_kind.items()}}
+        for kind, (_, grids) in by_kind.items():
+            if grids and f"{kind}_grid_thw" in takes:
+                kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)
+        if "mm_token_type_ids" in takes:
+            types = torch.zeros_like(input_ids, dtype=torch.int)
+            for kind in by_kind:
+                types[input_ids == token_ids[kind]] = _TOKEN_TYPES[kind]
+            kwargs["mm_token_type_ids"] = types
+        return kwargs
 
     def item_text(self, kind: str, rows: int, grid: list[int] | None, seconds: float, frames: int) -> tuple[str, list[int]]:
         """What the prompt holds in place of one item's placeholder, and the lengths of the runs of the kind's token

@@ -1,4 +1,4 @@
-"""Gemma 3: a SigLIP tower pooled to a fixed number of tokens per image (``mm_tokens_per_image``), whose image tokens
+"""Gemma 3 (its encoder: transformers' ``get_image_features``): a SigLIP tower pooled to a fixed number of tokens per image (``mm_tokens_per_image``), whose image tokens
 attend to each other both ways in the prefill. The prompt's ``<start_of_image>`` becomes newlines, the start token,
 the image's ``<image_soft_token>`` s and the end token (the processor's ``full_image_sequence``); its text layers
 alternate sliding-window and global attention (the decoder masks each kind as its layers need)."""
@@ -14,10 +14,6 @@ class Gemma3(Family):
     model_class = "Gemma3ForConditionalGeneration"
     placeholders = {"image": Placeholder("<start_of_image>", "<image_soft_token>",
                                          "\n\n<start_of_image><image_soft_token><end_of_image>\n\n")}
-
-    def encode(self, model, kind, inputs):
-        out = model.model.get_image_features(inputs["pixel_values"], return_dict=True)
-        return list(out.pooler_output), None
 
     def prefill_inputs(self, model, input_ids, media, token_ids):
         import torch

@@ -7,8 +7,7 @@ its token count (any length that makes that count places it the same)."""
 from __future__ import annotations
 
 from . import Placeholder
-from .qwen2_5vl import Qwen25VL, _video_seconds
-from .qwen2vl import check_grids
+from .qwen2_5vl import Qwen25VL
 from .qwen2audio import Qwen2Audio
 
 
@@ -49,43 +48,30 @@ class Qwen25Omni(Qwen25VL):
         return super().media_inputs(processor, kind, items)
 
     def encode(self, model, kind, inputs):
-        if kind == "image":
-            out = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
-            return list(out.pooler_output), inputs["image_grid_thw"].tolist()
-        if kind == "video":
-            out = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
-            return list(out.pooler_output), inputs["video_grid_thw"].tolist()
+        if kind != "audio":  # (transformers' get_image_features / get_video_features)
+            return super().encode(model, kind, inputs)
         mask = inputs["feature_attention_mask"]
-        out = model.get_audio_features(inputs["input_features"], mask, return_dict=True)
+        out = model.get_audio_features(inputs["input_features"], mask, return_dict=True)  # (every clip's rows, joined)
         _, lengths = model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))
         return list(out.last_hidden_state.split(lengths.tolist())), None
 
     # -- prefill -----------------------------------------------------------------------------------------
     def prefill_inputs(self, model, input_ids, media, token_ids):
         import torch
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        kwargs: dict = {}
-        check_grids(model, media)
-        by_kind = media.by_kind()
-        vision = {kind: got for kind, got in by_kind.items() if kind != "audio"}
-        if vision:
-            kwargs["mm_encoder_outputs"] = {kind: BaseModelOutputWithPooling(pooler_output=rows)
-                                            for kind, (rows, _) in vision.items()}
-            for kind, (_, grids) in vision.items():
-                kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)
-        seconds = _video_seconds(media)
-        if seconds:
-            kwargs["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float32, device=input_ids.device)
-        if "audio" in by_kind:  # (its rows in place of its tokens; the ids stay, for the positions)
-            rows = torch.cat(by_kind["audio"][0])
+        kwargs = super().prefill_inputs(model, input_ids, media, token_ids)  # (images and clips; their seconds)
+        if "second_per_grid_ts" in kwargs:
+            kwargs["video_second_per_grid"] = kwargs.pop("second_per_grid_ts")  # (the thinker's name for it)
+        audio = kwargs["mm_encoder_outputs"].pop("audio", None)
+        if audio is not None:  # (its rows in place of its tokens; the ids stay, for the positions)
+            rows = audio.pooler_output
             embeds = model.get_input_embeddings()(input_ids)
             mask = (input_ids == token_ids["audio"]).unsqueeze(-1)
-            kwargs["inputs_embeds"] = embeds.masked_scatter(mask, rows.to(embeds.dtype))
+            kwargs["inputs_embeds"] = embeds.masked_scatter(mask, torch.cat(rows).to(embeds.dtype))
             # each clip's feature length as one that gives its token count: 4 * count - 1
-            lengths = [4 * r.shape[0] - 1 for r in by_kind["audio"][0]]
-            frames = torch.arange(max(lengths), device=input_ids.device)
-            kwargs["feature_attention_mask"] = (frames[None, :] < torch.tensor(lengths, device=input_ids.device)[:, None]).long()
+            lengths = torch.tensor([4 * r.shape[0] - 1 for r in rows], device=input_ids.device)
+            kwargs["feature_attention_mask"] = (torch.arange(int(lengths.max()), device=input_ids.device)[None, :]
+                                                < lengths[:, None]).long()
         return kwargs
 
     def reset(self, model):

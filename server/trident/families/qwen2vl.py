@@ -11,8 +11,6 @@ import numpy as np
 
 from . import Family, Placeholder
 
-_TOKEN_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids: text 0, image 1, video 2
-
 
 class Qwen2VL(Family):
     name = "qwen2vl"
@@ -32,29 +30,14 @@ class Qwen2VL(Family):
 
         return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)), "video_grid_thw": torch.tensor(grids)}
 
-    def encode(self, model, kind, inputs):
-        if kind == "image":
-            out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
-            return list(out.pooler_output), inputs["image_grid_thw"].tolist()
-        out = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
-        return list(out.pooler_output), inputs["video_grid_thw"].tolist()
-
     def frame_size(self, processor, frames: list) -> tuple[int, int]:
         """A clip's (height, width) once resized: each frame's pixels within the video processor's bounds."""
         return frame_size(processor, frames)
 
     # -- prefill -----------------------------------------------------------------------------------------
     def prefill_inputs(self, model, input_ids, media, token_ids):
-        import torch
-
-        kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
-        types = torch.zeros_like(input_ids, dtype=torch.int)
         check_grids(model, media)
-        for kind, (_, grids) in media.by_kind().items():
-            kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)
-            types[input_ids == token_ids[kind]] = _TOKEN_TYPE[kind]
-        kwargs["mm_token_type_ids"] = types
-        return kwargs
+        return super().prefill_inputs(model, input_ids, media, token_ids)
 
     def reset(self, model):
         model.model.rope_deltas = None  # stateful in transformers: start each prompt fresh
