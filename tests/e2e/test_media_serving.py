@@ -78,13 +78,23 @@ def test_a_repeated_clip_is_a_cache_hit_and_a_new_one_is_encoded_once(server, re
     def run(mode: str = "e_p_d") -> str:
         return grpc_generate(server.grpc, mode, c["text"], c["media"], GREEDY, stream=True).text
 
+    def hits() -> dict[str, float]:  # (Triton's metrics port, by kind)
+        out: dict[str, float] = {}
+        for (name, labels), value in server.metrics().items():
+            if name == "trident_embedding_cache_hits_total":
+                out[dict(labels)["kind"]] = out.get(dict(labels)["kind"], 0) + value
+        return out
+
     assert run() == c["expected"]
-    before = server.stats(settled=True)["encode"]
+    before, counted = server.stats(settled=True)["encode"], hits()
     for mode in ("e_p_d", "e_pd"):
         assert run(mode) == c["expected"]
     after = encode_stats(lambda s: s["published"] == before["published"] + 2)
     assert after["vision_runs"] == before["vision_runs"]
     assert after["cache_hits"] - before["cache_hits"] == 2 * clips
+    kinds = [kind for kind, _ in CASES[server.arch][case]]
+    assert {k: v - counted.get(k, 0) for k, v in hits().items() if v != counted.get(k, 0)} == {
+        k: 2 * kinds.count(k) for k in kinds}
 
     kind, raw = CASES[server.arch][case][0]
     fresh = {**c["media"], kind: [b64(raw + b"\0")] + c["media"][kind][1:]}  # other bytes, the same clip

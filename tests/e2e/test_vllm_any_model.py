@@ -95,15 +95,30 @@ def test_every_mode_equals_vllm_in_one_engine(server, reference, aggregated, mod
     wait_drained(server, KV_STAGES & set(server.stats()), timeout=30)
 
 
+def _metric(server, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in server.metrics().items() if n == name and set(labels.items()) <= set(ls))
+
+
 def test_a_repeated_image_is_encoded_once(server, reference, aggregated):
     c = reference["two-images"]
     before = server.stats(settled=True)["encode"]
+    hits = _metric(server, "trident_embedding_cache_hits_total", kind="image")
     for mode in ("e_p_d", "e_pd"):
         assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == aggregated["two-images"]
     after = server.stats(settled=True)["encode"]
     assert after["images_encoded"] == before["images_encoded"], (before, after)  # (encoded by the test above)
     assert after["cache_hits"] - before["cache_hits"] == 4 and after["cache_misses"] == before["cache_misses"], (before, after)
     assert after["encoder"] == "vllm"
+    assert _metric(server, "trident_embedding_cache_hits_total", kind="image") == hits + 4  # (by kind, on Triton's port)
+
+
+def test_the_metrics_name_the_model_s_family(server):
+    family, model_type, adapter = {"llava_next": ("llava_next", "llava_next", "no"), "gemma3": ("gemma3", "gemma3", "yes"),
+                                   "qwen3vl": ("qwen3vl", "qwen3_vl", "yes")}[server.arch]
+    info = {ls: v for (n, ls), v in server.metrics().items() if n == "trident_model_info"}
+    assert info and all(dict(ls)["family"] == family and dict(ls)["model_type"] == model_type
+                        and dict(ls)["hf_adapter"] == adapter and v == 1 for ls, v in info.items()), info
+    assert {dict(ls)["mode"] for ls in info} == {"epd", "e_pd", "e_p_d", "ep_d"}
 
 
 @pytest.mark.parametrize("mode", ["e_p_d", "epd"])

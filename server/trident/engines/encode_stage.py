@@ -38,22 +38,28 @@ class EncodeStage:
         held: dict[str, CachedEmbedding] = {}
         waits: dict[str, asyncio.Future] = {}
         mine: dict[str, MediaItem] = {}
-        report = {"hits": 0, "misses": 0, "shared": 0}
+        report: dict = {"hits": 0, "misses": 0, "shared": 0, "kinds": {}}  # (and each kind's: the metrics' label)
+
+        def count(item: MediaItem, outcome: str) -> None:
+            report[outcome] += 1
+            by_kind = report["kinds"].setdefault(item.kind, {"hits": 0, "misses": 0, "shared": 0})
+            by_kind[outcome] += 1
+
         for key, item in zip(keys, media):
             if key in held or key in waits or key in mine:  # the same image again in this request
-                report["shared"] += 1
+                count(item, "shared")
                 cache.counters.shared += 1
                 continue
             claim = cache.claim(key, loop)
             if claim.entry is not None:
                 held[key] = claim.entry
-                report["hits"] += 1
+                count(item, "hits")
             elif claim.pending is not None:
                 waits[key] = claim.pending
-                report["shared"] += 1
+                count(item, "shared")
             else:
                 mine[key] = item
-                report["misses"] += 1
+                count(item, "misses")
         try:
             if mine:
                 held.update(await self._encode_claimed(mine))

@@ -17,12 +17,14 @@ _FAMILIES = {
     "trident_fallbacks_total": ("COUNTER", "requests served by another mode because a stage had no live instance"),
     "trident_routed_total": ("COUNTER", "stage calls per stage instance"),
     "trident_stage_inflight": ("GAUGE", "stage calls in flight per stage instance"),
-    "trident_embedding_cache_hits_total": ("COUNTER", "images whose embeddings came from an encode worker's cache"),
-    "trident_embedding_cache_misses_total": ("COUNTER", "images an encode worker had to encode"),
+    "trident_embedding_cache_hits_total": ("COUNTER", "media items (by kind) whose embeddings came from an encode worker's cache"),
+    "trident_embedding_cache_misses_total": ("COUNTER", "media items (by kind) an encode worker had to encode"),
     "trident_embedding_cache_evictions_total": ("COUNTER", "embedding cache entries evicted, per encode instance"),
     "trident_embedding_cache_bytes": ("GAUGE", "bytes held in an encode instance's embedding cache"),
-    "trident_encodes_saved_total": ("COUNTER", "image encodes saved by encode-once (shared with a concurrent or repeated image)"),
+    "trident_encodes_saved_total": ("COUNTER", "media item encodes (by kind) saved by encode-once (shared with a concurrent or repeated item)"),
     "trident_scheduler_errors_total": ("COUNTER", "requests the scheduler answered with an error, by status"),
+    "trident_model_info": ("GAUGE", "1, labelled with the served model's family (its adapter's name, else its model type), its "
+                                    "model type and whether the hf engine has an adapter for it"),
 }
 
 
@@ -98,6 +100,9 @@ class SchedulerMetrics:
         if metric is not None:
             self.later(metric.set, value)
 
+    def model_info(self, family: str, model_type: str, adapter: bool) -> None:
+        self.set("trident_model_info", 1, family=family, model_type=model_type, hf_adapter="yes" if adapter else "no")
+
     def request(self, path: str, decisions: tuple[str, ...], runs_as: str) -> None:
         self.add("trident_requests_total", path=path)
         for decision in decisions:
@@ -106,10 +111,11 @@ class SchedulerMetrics:
             self.add("trident_fallbacks_total", to=runs_as)
 
     def encode_report(self, instance: str, report: dict) -> None:
-        """An encode instance's report: this request's hits/misses/shared, its cache's bytes and evictions."""
-        self.add("trident_embedding_cache_hits_total", report.get("hits", 0), instance=instance)
-        self.add("trident_embedding_cache_misses_total", report.get("misses", 0), instance=instance)
-        self.add("trident_encodes_saved_total", report.get("shared", 0), instance=instance)
+        """An encode instance's report: this request's hits/misses/shared by kind, its cache's bytes and evictions."""
+        for kind, counts in (report.get("kinds") or {}).items():
+            self.add("trident_embedding_cache_hits_total", counts.get("hits", 0), instance=instance, kind=kind)
+            self.add("trident_embedding_cache_misses_total", counts.get("misses", 0), instance=instance, kind=kind)
+            self.add("trident_encodes_saved_total", counts.get("shared", 0), instance=instance, kind=kind)
         if "cache_bytes" in report:
             self.set("trident_embedding_cache_bytes", report["cache_bytes"], instance=instance)
         evictions = int(report.get("evictions", 0))

@@ -46,7 +46,7 @@ from ..stagecall import StageClient, responses_of
 from .instances import Instances
 from .engine_metrics import Answered, EngineMetrics
 from .metrics import SchedulerMetrics
-from .prompt_length import PromptLength, context_length, text_bytes_limit
+from .prompt_length import PromptLength, context_length, model_family, text_bytes_limit
 from .request import EntryRequest
 from .routing import (
     FALLBACK, LOCAL_ENCODE, Plan, Router, needs_prompt_length, plan, prefix_keys, with_local_prefill,
@@ -119,6 +119,9 @@ class TritonPythonModel:
         self.store = Path(args["model_repository"]).parent  # the server's model store
         self.router = Router(self.cfg.routing, self.cfg.affinity_slack)
         self.metrics = SchedulerMetrics(self.mode, pb_utils)
+        if self.model_path:
+            family = model_family(self.model_path)
+            self.metrics.model_info(family.name, family.model_type, family.listed)
         self.engine_metrics = EngineMetrics(args["model_name"], str(args.get("model_version") or 1),
                                             context_length(self.model_path) if self.model_path else None, pb_utils)
         self.logger = pb_utils.Logger

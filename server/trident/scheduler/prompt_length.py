@@ -28,8 +28,7 @@ class PromptLength:
 
     def __init__(self, model_path: str | Path) -> None:
         path = Path(model_path)
-        config = json.loads((path / "config.json").read_bytes())
-        family = family_of(SimpleNamespace(model_type=config.get("model_type")), path)
+        family = model_family(path)
         expansions = [(p.text, p.expands_to) for p in family.placeholders.values() if p.expands_to is not None]
 
         def expand(text: str) -> str:  # (as Processor.prompt_ids writes a placeholder the processor rewrites)
@@ -64,6 +63,14 @@ class PromptLength:
             if ids.count(token) != kinds.count(kind):
                 return None
         return len(ids) - len(token_counts) + sum(token_counts)
+
+
+def model_family(model_path: str | Path):
+    """The checkpoint's family (:func:`trident.families.family_of`) from its ``config.json`` and chat template alone (no
+    transformers: see the module's note)."""
+    path = Path(model_path)
+    config = json.loads((path / "config.json").read_bytes())
+    return family_of(SimpleNamespace(model_type=config.get("model_type")), path)
 
 
 def text_bytes_limit(model_path: str | Path) -> int | None:
