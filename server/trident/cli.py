@@ -8,8 +8,8 @@ from :mod:`trident.protocol` and the family adapters.
     trident node STAGE[=N] ... --model PATH --join URL   (a stage host's workers, each started again if it exits)
     trident frontend --settings JSON        (started by `serve`; or --model PATH --grpc-url HOST:PORT)
     trident config-reference                (docs/configuration.md: every key of serve's config file)
-    trident build-demo-model --arch ARCH OUT   (llava, qwen2vl, qwen2_5vl, qwen3vl, qwen2_5omni, qwen2audio, gemma3; llava_next: no hf adapter,
-                                               vllm only)
+    trident build-demo-model --arch ARCH OUT   (llava, qwen2vl, qwen2_5vl, qwen3vl, qwen2_5omni, qwen2audio, gemma3,
+                                               internvl; llava_next: no hf adapter, vllm only)
     trident bench transfer | decode [--model PATH | --arch llava|qwen2vl]
 
 ``serve`` takes a few flags, the settings a user sets on most days; everything else is a key of its

@@ -11,14 +11,17 @@ Qwen3-VL: each image's embedding rows carry its DeepStack features beside its ou
 demo), split again at the prefill, where the first text layers add them at the image tokens; positions are
 interleaved M-RoPE. A record whose rows are not that wide is refused.
 
-The vllm engine's Gemma 3 and Qwen3-VL are in test_vllm_any_model.py."""
+InternVL 3: an image is its tiles (by its aspect, plus a thumbnail), each pixel-shuffled to 16 tokens in the demo, its
+rows joined; ``<IMG_CONTEXT>`` is written as ``<img>``, the tokens and ``</img>``.
+
+The vllm engine's Gemma 3, Qwen3-VL and InternVL are in test_vllm_any_model.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from support import MODES, b64, chat_prompt, grpc_generate, http_generate, make_image, png_bytes, wait_drained
+from support import MODES, b64, internvl_inputs, chat_prompt, grpc_generate, http_generate, make_image, png_bytes, wait_drained
 from support.server import check_stopped
 from support.served import Server
 
@@ -39,7 +42,8 @@ CASES = {  # by family: (image sizes (w, h, seed), the user's text)
         "text-only": ([], "Tell me a story."),
     },
 }
-SOFT_TOKEN = {"gemma3": "<image_soft_token>", "qwen3vl": "<|image_pad|>"}
+CASES["internvl"] = CASES["qwen3vl"]  # (300x200: 2 tiles and a thumbnail; 256x256 and 90x260: 1 and 3 tiles)
+SOFT_TOKEN = {"gemma3": "<image_soft_token>", "qwen3vl": "<|image_pad|>", "internvl": "<IMG_CONTEXT>"}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -61,19 +65,23 @@ def server(request, demo_models, tmp_path_factory, shared_servers):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     model = AutoModelForImageTextToText.from_pretrained(server.model_path).eval()
-    processor = AutoProcessor.from_pretrained(server.model_path)
+    processor = AutoProcessor.from_pretrained(server.model_path) if server.arch != "internvl" else None
+    tokenizer = AutoTokenizer.from_pretrained(server.model_path)
     out = {}
     for case, (specs, words) in CASES[server.arch].items():
         images = [make_image(*s) for s in specs]
-        text = chat_prompt(processor.tokenizer, len(images), words)
-        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+        text = chat_prompt(tokenizer, len(images), words)
+        if processor is None:
+            inputs = internvl_inputs(server.model_path, tokenizer, text, images)
+        else:
+            inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
         with torch.inference_mode():
             ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
         out[case] = {"text": text, "images": [b64(png_bytes(i)) for i in images], "num_input_tokens": inputs["input_ids"].shape[1],
-                     "expected": processor.tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
+                     "expected": tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
     if server.arch == "gemma3":
         assert out["long-text"]["num_input_tokens"] > 512  # (past the demo's sliding window)
     return out
@@ -93,4 +101,6 @@ def test_every_mode_equals_transformers(server, reference, mode):
 def test_a_soft_token_outside_its_placeholder_is_a_400(server, reference):
     c, token = reference["one-image"], SOFT_TOKEN[server.arch]
     status, body = http_generate(server.http, "e_p_d", c["text"] + token, c["images"], GREEDY)
-    assert status == 400 and f"{token!r} outside a image placeholder" in body["error"], body
+    said = (f"the prompt has 2 image placeholder(s) {token!r} but the request carries 1 image(s)"
+            if server.arch == "internvl" else f"{token!r} outside a image placeholder")  # (InternVL's token is its placeholder)
+    assert status == 400 and said in body["error"], body

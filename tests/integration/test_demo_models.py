@@ -36,6 +36,8 @@ EXPECTED_IMAGE_TOKENS = {
     ("llava_next", (300, 200)): 199,  # base view + 1x2 tiles (wide): the count follows the aspect
     ("gemma3", (224, 224)): 16,  # resized to 112x112: 8x8 patches pooled to 4x4
     ("gemma3", (300, 200)): 16,
+    ("qwen3vl", (224, 224)): 49,  # patch 16, merge 2: smart-resize to 224x224 -> (1, 14, 14) / 4
+    ("qwen3vl", (300, 200)): 54,  # -> 288x192: (1, 12, 18) / 4
 }
 EXPECTED_CLASSES = {
     "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "CLIPImageProcessorPil"),
@@ -43,9 +45,10 @@ EXPECTED_CLASSES = {
     "qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
     "llava_next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "LlavaNextImageProcessorPil"),
     "gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "Gemma3ImageProcessorPil"),
+    "qwen3vl": ("Qwen3VLForConditionalGeneration", "PaddleOCRVLProcessor", "Qwen2VLImageProcessorPil"),
 }
 IMAGE_TOKEN = {"llava": "<image>", "qwen2vl": "<|image_pad|>", "qwen2_5vl": "<|image_pad|>", "llava_next": "<image>",
-               "gemma3": "<image_soft_token>"}
+               "gemma3": "<image_soft_token>", "qwen3vl": "<|image_pad|>"}
 VISION_ARCHS = [arch for arch in ARCHS if arch in EXPECTED_CLASSES]  # the audio demo is checked below
 
 
@@ -319,3 +322,40 @@ def test_audio_demo_builds_the_same_twice_loads_offline_and_generates(tmp_path):
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
     assert len(new) == 12 and len(set(new)) > 3
+
+
+# (their processors need a video processor, which needs torchvision: the processor's parts load, each on its own)
+PARTS_ONLY = {  # arch: (config architecture, Trident's family, its placeholder per kind as the chat template writes it)
+    "qwen2_5omni": ("Qwen2_5OmniForConditionalGeneration", "qwen2_5omni",
+                    ["<|vision_bos|><|IMAGE|><|vision_eos|>", "<|vision_bos|><|VIDEO|><|vision_eos|>",
+                     "<|audio_bos|><|AUDIO|><|audio_eos|>"]),
+    "internvl": ("InternVLForConditionalGeneration", "internvl", ["<IMG_CONTEXT>\n"]),
+}
+
+
+@pytest.mark.parametrize("arch", list(PARTS_ONLY))
+def test_a_demo_of_a_video_processor_s_family_builds_the_same_twice_and_its_parts_load(arch, tmp_path):
+    """Byte-identical builds; the hub's processor files (``processor_config.json`` with its parts, the video processor's
+    settings): the tokenizer, image processor and (Omni) feature extractor load offline without torchvision, and the
+    chat template writes the family's placeholders."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    from trident.processor import Processor
+
+    build_demo_model(arch, tmp_path / "a", log=None)
+    build_demo_model(arch, tmp_path / "b", log=None)
+    assert sha256_tree(tmp_path / "a") == sha256_tree(tmp_path / "b")
+    folder = tmp_path / "a"
+    architecture, family, written = PARTS_ONLY[arch]
+    assert AutoConfig.from_pretrained(folder).architectures == [architecture]
+    processor_config = json.loads((folder / "processor_config.json").read_text())
+    assert processor_config["processor_class"] == architecture.replace("ForConditionalGeneration", "Processor")
+    assert "image_processor" in processor_config and (folder / "video_preprocessor_config.json").is_file()
+    assert type(AutoImageProcessor.from_pretrained(folder)).__name__.endswith("Pil")
+    ours = Processor(folder)
+    assert ours.family.name == family and ours.family.listed
+    kinds = list(ours.family.placeholders)
+    content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": "Hi."}]
+    prompt = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    assert "".join(written) + "Hi." in prompt, prompt

@@ -12,7 +12,7 @@ from .media import (
     png_bytes, video_bytes,
 )
 from .media import bad_media, media_cases
-from .reference import build_media_reference, build_reference
+from .reference import build_media_reference, build_reference, internvl_inputs
 
 MEDIA_CASES = media_cases()
 from .server import (
@@ -52,6 +52,6 @@ __all__ = [
     "ADDITIONAL", "LOGPROB_FLAGS",
     "MEDIA_CASES", "vllm_python", "audio_bytes", "build_media_reference", "frameless_video", "long_header_video", "make_frames", "make_wave",
     "media_prompt", "video_bytes",
-    "BAD_REQUESTS", "IMAGE_CASES", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics", "drain_kv",
+    "BAD_REQUESTS", "IMAGE_CASES", "internvl_inputs", "MODES", "bad_request", "Result", "Server", "b64", "build_reference", "cancellable_stream", "chat_prompt", "descendants", "settled_vllm_metrics", "shared_llava_server", "shared_media_server", "vllm_metrics", "drain_kv",
     "grpc_generate", "http_generate", "make_image", "png_bytes", "stage_output", "strings", "wait_drained",
 ]

@@ -167,3 +167,20 @@ def _qwen2vl_inputs(ours, processor, text: str, items: list, video_patches) -> d
     types[ids == ours.token_ids["image"]] = 1
     types[ids == ours.token_ids["video"]] = 2
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types, **kw}
+
+
+def internvl_inputs(path: str, tokenizer, text: str, images: list) -> dict:
+    """InternVL's inputs as its processor makes them (which needs torchvision for its video processor): the image
+    processor's tiles, each image's ``<IMG_CONTEXT>`` written as ``<img>``, its tiles' tokens and ``</img>``."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    per_tile = AutoConfig.from_pretrained(path).image_seq_length
+    kw = {}
+    if images:
+        px = AutoImageProcessor.from_pretrained(path)(images=images, crop_to_patches=True, return_tensors="pt")
+        kw["pixel_values"] = px["pixel_values"]
+        for n in px["num_patches"]:
+            text = text.replace("<IMG_CONTEXT>", "<img>" + "@@" * (per_tile * int(n)) + "</img>", 1)
+        text = text.replace("@@", "<IMG_CONTEXT>")
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kw}

@@ -41,6 +41,7 @@ class Family:
     model_type: str  # transformers config ``model_type`` it serves
     model_class: str  # transformers class name of the checkpoint
     placeholders: dict[str, Placeholder]  # by modality: the modalities the family takes
+    rows_joined = False  # its forward takes each kind's rows as one tensor (else one per item)
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -93,7 +94,8 @@ class Family:
         takes = inspect.signature(model.forward).parameters
         by_kind = media.by_kind()
         kwargs: dict[str, Any] = {"mm_encoder_outputs": {
-            kind: BaseModelOutputWithPooling(pooler_output=rows) for kind, (rows, _) in by_kind.items()}}
+            kind: BaseModelOutputWithPooling(pooler_output=torch.cat(rows) if self.rows_joined else rows)
+            for kind, (rows, _) in by_kind.items()}}
         for kind, (_, grids) in by_kind.items():
             if grids and f"{kind}_grid_thw" in takes:
                 kwargs[f"{kind}_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=input_ids.device)

@@ -15,15 +15,12 @@ class Gemma3(Family):
     placeholders = {"image": Placeholder("<start_of_image>", "<image_soft_token>",
                                          "\n\n<start_of_image><image_soft_token><end_of_image>\n\n")}
 
-    def prefill_inputs(self, model, input_ids, media, token_ids):
-        import torch
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
+    rows_joined = True
 
-        rows = torch.cat(media.by_kind()["image"][0])  # (Gemma 3 takes one tensor of every image's rows)
-        return {
-            "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=rows)},
-            "token_type_ids": (input_ids == token_ids["image"]).long(),  # (image tokens attend both ways)
-        }
+    def prefill_inputs(self, model, input_ids, media, token_ids):
+        kwargs = super().prefill_inputs(model, input_ids, media, token_ids)
+        kwargs["token_type_ids"] = (input_ids == token_ids["image"]).long()  # (image tokens attend both ways)
+        return kwargs
 
 
 FAMILY = Gemma3()

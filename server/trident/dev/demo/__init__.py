@@ -75,6 +75,25 @@ def rename_weights(folder: Path, old_prefix: str, new_prefix: str) -> None:
     save_file(renamed, path, metadata={"format": "pt"})
 
 
+class ProcessorFiles:
+    """A processor's files, written without the processor: transformers' processors of video models need a video
+    processor, which needs torchvision (none here). Its parts (image processor, feature extractor) go in
+    ``processor_config.json`` as the processor writes them, the video processor's settings in their own file."""
+
+    def __init__(self, tokenizer, chat_template: str, processor_class: str, parts: dict, video: dict,
+                 extra: dict | None = None) -> None:
+        self.tokenizer, self.chat_template, self.processor_class = tokenizer, chat_template, processor_class
+        self.parts, self.video, self.extra = parts, video, extra or {}
+
+    def save_pretrained(self, folder) -> None:
+        folder = Path(folder)
+        self.tokenizer.save_pretrained(folder)
+        (folder / "chat_template.jinja").write_text(self.chat_template)
+        config = {"processor_class": self.processor_class, **{k: v.to_dict() for k, v in self.parts.items()}, **self.extra}
+        (folder / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(self.video, indent=2, sort_keys=True) + "\n")
+
+
 @dataclass(frozen=True)
 class DemoBuilder:
     """How one family's demo checkpoint is made (the family-specific half of :func:`build_demo_model`)."""

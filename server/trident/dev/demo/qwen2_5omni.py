@@ -5,10 +5,7 @@ talker (``enable_audio_output: false``): Trident serves text out."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from . import INITIALIZER_RANGE, DemoBuilder
+from . import INITIALIZER_RANGE, DemoBuilder, ProcessorFiles
 from .qwen2vl import SPECIALS, qwen_chat_template
 
 PATCH_SIZE = 14
@@ -40,26 +37,12 @@ OMNI_CHAT_TEMPLATE = qwen_chat_template(
 )
 
 
-class _ProcessorFiles:
-    """Qwen2_5OmniProcessor's files, written without the processor (its video processor needs torchvision)."""
-
-    def __init__(self, tokenizer, image_processor, feature_extractor) -> None:
-        self.tokenizer, self.image_processor, self.feature_extractor = tokenizer, image_processor, feature_extractor
-
-    def save_pretrained(self, folder) -> None:
-        folder = Path(folder)
-        self.tokenizer.save_pretrained(folder)
-        (folder / "chat_template.jinja").write_text(OMNI_CHAT_TEMPLATE)
-        config = {"processor_class": "Qwen2_5OmniProcessor", "image_processor": self.image_processor.to_dict(),
-                  "feature_extractor": self.feature_extractor.to_dict()}
-        (folder / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        video = {
-            "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-            "patch_size": PATCH_SIZE, "temporal_patch_size": 2, "merge_size": MERGE_SIZE, "do_convert_rgb": True,
-            "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": MEAN, "image_std": STD,
-        }
-        (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")
+VIDEO_CONFIG = {
+    "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    "patch_size": PATCH_SIZE, "temporal_patch_size": 2, "merge_size": MERGE_SIZE, "do_convert_rgb": True,
+    "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": MEAN, "image_std": STD,
+}
 
 
 def _build(tokenizer, ids: dict[str, int], seed: int):
@@ -100,7 +83,8 @@ def _build(tokenizer, ids: dict[str, int], seed: int):
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
                                                temporal_patch_size=2, merge_size=MERGE_SIZE, image_mean=MEAN, image_std=STD)
     feature_extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, chunk_length=30)
-    return model, _ProcessorFiles(tokenizer, image_processor, feature_extractor)
+    return model, ProcessorFiles(tokenizer, OMNI_CHAT_TEMPLATE, "Qwen2_5OmniProcessor",
+                                 {"image_processor": image_processor, "feature_extractor": feature_extractor}, VIDEO_CONFIG)
 
 
 BUILDER = DemoBuilder(
