@@ -6,7 +6,7 @@ talker (``enable_audio_output: false``): Trident serves text out."""
 from __future__ import annotations
 
 from . import INITIALIZER_RANGE, DemoBuilder, ProcessorFiles
-from .qwen2vl import SPECIALS, qwen_chat_template
+from .qwen2vl import SPECIALS, qwen2_text, qwen_chat_template, windowed_vision
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
@@ -51,25 +51,11 @@ def _build(tokenizer, ids: dict[str, int], seed: int):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
 
-    hidden, heads = 512, 8
-    head_dim = hidden // heads
     thinker = dict(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=1024, num_hidden_layers=6,
-            num_attention_heads=heads, num_key_value_heads=4, max_position_embeddings=4096,
-            initializer_range=INITIALIZER_RANGE, rms_norm_eps=1e-6, use_sliding_window=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                             "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
-            bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=4, hidden_size=128, intermediate_size=256, num_heads=4, in_channels=3, patch_size=PATCH_SIZE,
-            spatial_merge_size=MERGE_SIZE, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1, 3],
-            out_hidden_size=hidden, initializer_range=INITIALIZER_RANGE,
-        ),
+        text_config=qwen2_text(tokenizer, ids), vision_config=windowed_vision(),
         audio_config=dict(
             num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=256, d_model=64,
-            max_source_positions=1500, n_window=100, output_dim=hidden, initializer_range=INITIALIZER_RANGE,
+            max_source_positions=1500, n_window=100, output_dim=512, initializer_range=INITIALIZER_RANGE,
         ),
         audio_token_index=ids["audio"], image_token_index=ids["image"], video_token_index=ids["video"],
         audio_start_token_id=ids["audio_bos"], audio_end_token_id=ids["audio_eos"],

@@ -59,40 +59,37 @@ QWEN2VL_CHAT_TEMPLATE = qwen_chat_template(
 )
 
 
+def qwen2_text(tokenizer, ids: dict[str, int]) -> dict:
+    """The Qwen demos' text model: a small Qwen2 with GQA and M-RoPE (head dim 64: rotary half 32 = 16 + 8 + 8)."""
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=4096, initializer_range=INITIALIZER_RANGE, rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8]},
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], tie_word_embeddings=False,
+    )
+
+
+def windowed_vision(**more) -> dict:
+    """The Qwen2.5-VL (and Qwen2.5-Omni) demos' vision tower: window and full-attention blocks, out to the text size."""
+    return dict(
+        depth=4, hidden_size=128, intermediate_size=256, num_heads=4, in_channels=3, patch_size=QWEN_PATCH_SIZE,
+        spatial_merge_size=QWEN_MERGE_SIZE, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1, 3],
+        out_hidden_size=512, initializer_range=INITIALIZER_RANGE, **more,
+    )
+
+
 def _build(tokenizer, ids: dict[str, int], seed: int):
     import torch
     from transformers import PaddleOCRVLProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hidden = 512
-    heads = 8
-    head_dim = hidden // heads  # 64 -> rotary half-dim 32 = 16 + 8 + 8
     config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=1024,
-            num_hidden_layers=6,
-            num_attention_heads=heads,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            initializer_range=INITIALIZER_RANGE,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
-            },
-            bos_token_id=ids["bos"],
-            eos_token_id=ids["eos"],
-            pad_token_id=ids["pad"],
-            tie_word_embeddings=False,
-        ),
+        text_config=qwen2_text(tokenizer, ids),
         vision_config=dict(
             depth=4,
             embed_dim=128,
-            hidden_size=hidden,  # output size of the patch merger = text hidden size
+            hidden_size=512,  # output size of the patch merger = text hidden size
             mlp_ratio=4,
             num_heads=4,
             in_channels=3,
