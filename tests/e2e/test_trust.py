@@ -277,6 +277,42 @@ def test_a_load_that_uploads_model_files_is_refused_even_with_the_token(server, 
     assert text
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_load_whose_config_names_a_host_file_is_refused_even_with_the_token(server, tmp_path, protocol):
+    """A ``load`` whose config override names a file on the host (``default_model_filename`` with ``../``, the python
+    backend's ``EXECUTION_ENV_PATH``, which it hands to ``bash -c``; or either key spelled with a JSON ``\\u``
+    escape) is refused (HTTP 501 / gRPC UNIMPLEMENTED, naming them) with the operator's own token; the server serves
+    on."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    marker = tmp_path / "ran"
+    base = {"name": "e_p_d", "backend": "python", "max_batch_size": 0}
+    overrides = [
+        {**base, "default_model_filename": "../../../../" + str(marker)},
+        {**base, "parameters": {"EXECUTION_ENV_PATH": {"string_value": str(tmp_path / "env.tar.gz")}}},
+    ]
+    texts = [json.dumps(o) for o in overrides] + [json.dumps(overrides[1]).replace("EXECUTION_ENV", "EXECUTION\\u005fENV")]
+    if protocol == "http":
+        client, headers, wanted = httpclient.InferenceServerClient(server.http), {"triton-access-token": server.token}, "501"
+    else:
+        client, wanted = grpcclient.InferenceServerClient(server.grpc), "StatusCode.UNIMPLEMENTED"
+        headers = {"triton-grpc-protocol-triton-access-token": server.token}
+    try:
+        for text in texts:
+            with pytest.raises(Exception) as refused:
+                client.load_model("e_p_d", config=text, headers=headers)
+            assert str(refused.value.status()) == wanted, refused.value
+            assert "may not set default_model_filename or EXECUTION_ENV_PATH" in str(refused.value), refused.value
+        assert client.is_model_ready("e_p_d")
+    finally:
+        client.close()
+    assert not marker.exists()
+    text = grpc_generate(server.grpc, "e_p_d", PROMPT, [b64(png_bytes(make_image(64, 48, 5)))],
+                         {"max_tokens": 4, "temperature": 0}, stream=False).text
+    assert text
+
+
 AUTO_COMPLETING = """
 from pathlib import Path
 

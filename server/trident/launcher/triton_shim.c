@@ -9,6 +9,8 @@
  * 3. A repository `load` with model files (`file:<path>` parameters: HTTP, gRPC or a BLS's load) runs the code it
  *    uploads as the service's user. Triton 2.51 has no switch for them; this refuses every load carrying one
  *    unless TRIDENT_ALLOW_CODE_UPLOAD=1 (the config's allow_code_upload). Trident binds no model that way.
+ *    Nor a load whose config override names a host file (default_model_filename, EXECUTION_ENV_PATH), whatever the
+ *    setting.
  * 4. Model-config auto-completion off (below).
  * 5. Freed large buffers go back to the system (below).
  * 6. Triton in a process group of its own (below).
@@ -71,13 +73,33 @@ static const char REFUSED[] =
     "model-file uploads (load parameters 'file:...') are off on this Trident server: they would run the uploaded code "
     "as the server's user. The operator can turn them on with allow_code_upload: true in the config file";
 
-static pthread_mutex_t uploads_lock = PTHREAD_MUTEX_INITIALIZER;
-static const void **uploads; /* the live parameters that carry a model file */
-static size_t n_uploads, cap_uploads;
+static const char CONFIG_REFUSED[] =
+    "a load's config override may not set default_model_filename or EXECUTION_ENV_PATH (nor write a \\u escape, "
+    "which could spell either): they name files on the server's host, which the python backend runs";
+
+/* The live parameters a load is refused for: a model file (reason REFUSED) or a config override naming a host file
+ * (CONFIG_REFUSED). */
+static pthread_mutex_t refused_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { const void *param; const char *reason; } *refused;
+static size_t n_refused, cap_refused;
 
 static int uploads_allowed(void) {
     const char *allow = getenv("TRIDENT_ALLOW_CODE_UPLOAD");
     return allow != NULL && strcmp(allow, "1") == 0;
+}
+
+static void track(const void *param, const char *reason) {
+    pthread_mutex_lock(&refused_lock);
+    if (n_refused == cap_refused) {
+        size_t cap = cap_refused ? 2 * cap_refused : 16;
+        void *grown = realloc(refused, cap * sizeof *refused);
+        if (grown == NULL) _exit(71); /* (never let one through untracked) */
+        refused = grown;
+        cap_refused = cap;
+    }
+    refused[n_refused].param = param;
+    refused[n_refused++].reason = reason;
+    pthread_mutex_unlock(&refused_lock);
 }
 
 TRITONSERVER_Parameter *TRITONSERVER_ParameterBytesNew(const char *name, const void *byte_ptr, uint64_t size) {
@@ -85,17 +107,25 @@ TRITONSERVER_Parameter *TRITONSERVER_ParameterBytesNew(const char *name, const v
     if (real == NULL) real = (TRITONSERVER_Parameter * (*)(const char *, const void *, uint64_t))
                                  dlsym(RTLD_NEXT, "TRITONSERVER_ParameterBytesNew");
     TRITONSERVER_Parameter *param = real(name, byte_ptr, size);
-    if (param != NULL && name != NULL && strncmp(name, "file:", 5) == 0) {
-        pthread_mutex_lock(&uploads_lock);
-        if (n_uploads == cap_uploads) {
-            size_t cap = cap_uploads ? 2 * cap_uploads : 16;
-            const void **grown = realloc(uploads, cap * sizeof *uploads);
-            if (grown == NULL) _exit(71); /* (never let one through untracked) */
-            uploads = grown;
-            cap_uploads = cap;
-        }
-        uploads[n_uploads++] = param;
-        pthread_mutex_unlock(&uploads_lock);
+    if (param != NULL && name != NULL && strncmp(name, "file:", 5) == 0 && !uploads_allowed()) track(param, REFUSED);
+    return param;
+}
+
+enum { TRITONSERVER_PARAMETER_STRING = 0 }; /* tritonserver.h */
+
+/* 3b. A load's "config" override (JSON) with default_model_filename ("../..") or EXECUTION_ENV_PATH names a file on
+ *     the host that the python backend hands to `bash -c`. Trident's own overrides set neither; a \u escape in the
+ *     text could spell either key past this check, so it is refused too. */
+TRITONSERVER_Parameter *TRITONSERVER_ParameterNew(const char *name, int type, const void *value) {
+    static TRITONSERVER_Parameter *(*real)(const char *, int, const void *);
+    if (real == NULL) real = (TRITONSERVER_Parameter * (*)(const char *, int, const void *))
+                                 dlsym(RTLD_NEXT, "TRITONSERVER_ParameterNew");
+    TRITONSERVER_Parameter *param = real(name, type, value);
+    if (param != NULL && name != NULL && strcmp(name, "config") == 0 && type == TRITONSERVER_PARAMETER_STRING &&
+        value != NULL) {
+        const char *text = value;
+        if (strstr(text, "default_model_filename") || strstr(text, "EXECUTION_ENV_PATH") || strstr(text, "\\u"))
+            track(param, CONFIG_REFUSED);
     }
     return param;
 }
@@ -103,14 +133,14 @@ TRITONSERVER_Parameter *TRITONSERVER_ParameterBytesNew(const char *name, const v
 void TRITONSERVER_ParameterDelete(TRITONSERVER_Parameter *parameter) {
     static void (*real)(TRITONSERVER_Parameter *);
     if (real == NULL) real = (void (*)(TRITONSERVER_Parameter *))dlsym(RTLD_NEXT, "TRITONSERVER_ParameterDelete");
-    pthread_mutex_lock(&uploads_lock);
-    for (size_t i = 0; i < n_uploads; i++) {
-        if (uploads[i] == parameter) {
-            uploads[i] = uploads[--n_uploads];
+    pthread_mutex_lock(&refused_lock);
+    for (size_t i = 0; i < n_refused; i++) {
+        if (refused[i].param == parameter) {
+            refused[i] = refused[--n_refused];
             break;
         }
     }
-    pthread_mutex_unlock(&uploads_lock);
+    pthread_mutex_unlock(&refused_lock);
     real(parameter);
 }
 
@@ -125,14 +155,13 @@ TRITONSERVER_Error *TRITONSERVER_ServerLoadModelWithParameters(TRITONSERVER_Serv
                                          const uint64_t))dlsym(RTLD_NEXT, "TRITONSERVER_ServerLoadModelWithParameters");
         error_new = (TRITONSERVER_Error * (*)(int, const char *))dlsym(RTLD_NEXT, "TRITONSERVER_ErrorNew");
     }
-    if (!uploads_allowed()) {
-        int upload = 0;
-        pthread_mutex_lock(&uploads_lock);
-        for (uint64_t p = 0; p < parameter_count && !upload; p++)
-            for (size_t i = 0; i < n_uploads && !upload; i++) upload = uploads[i] == (const void *)parameters[p];
-        pthread_mutex_unlock(&uploads_lock);
-        if (upload) return error_new(TRITONSERVER_ERROR_UNSUPPORTED, REFUSED);
-    }
+    const char *reason = NULL;
+    pthread_mutex_lock(&refused_lock);
+    for (uint64_t p = 0; p < parameter_count && reason == NULL; p++)
+        for (size_t i = 0; i < n_refused && reason == NULL; i++)
+            if (refused[i].param == (const void *)parameters[p]) reason = refused[i].reason;
+    pthread_mutex_unlock(&refused_lock);
+    if (reason != NULL) return error_new(TRITONSERVER_ERROR_UNSUPPORTED, reason);
     return real(server, model_name, parameters, parameter_count);
 }
 
