@@ -9,8 +9,8 @@
  * 3. A repository `load` with model files (`file:<path>` parameters: HTTP, gRPC or a BLS's load) runs the code it
  *    uploads as the service's user. Triton 2.51 has no switch for them; this refuses every load carrying one
  *    unless TRIDENT_ALLOW_CODE_UPLOAD=1 (the config's allow_code_upload). Trident binds no model that way.
- *    Nor a load whose config override names a host file (default_model_filename, EXECUTION_ENV_PATH), whatever the
- *    setting.
+ *    Nor a load whose config override names a host file (default_model_filename as a path, EXECUTION_ENV_PATH),
+ *    whatever the setting.
  * 4. Model-config auto-completion off (below).
  * 5. Freed large buffers go back to the system (below).
  * 6. Triton in a process group of its own (below).
@@ -74,8 +74,8 @@ static const char REFUSED[] =
     "as the server's user. The operator can turn them on with allow_code_upload: true in the config file";
 
 static const char CONFIG_REFUSED[] =
-    "a load's config override may not set default_model_filename or EXECUTION_ENV_PATH (nor write a \\u escape, "
-    "which could spell either): they name files on the server's host, which the python backend runs";
+    "a load's config override may not set default_model_filename to a path or set EXECUTION_ENV_PATH (nor write a "
+    "\\u escape, which could spell either): they name files on the server's host, which the python backend runs";
 
 /* The live parameters a load is refused for: a model file (reason REFUSED) or a config override naming a host file
  * (CONFIG_REFUSED). */
@@ -113,20 +113,35 @@ TRITONSERVER_Parameter *TRITONSERVER_ParameterBytesNew(const char *name, const v
 
 enum { TRITONSERVER_PARAMETER_STRING = 0 }; /* tritonserver.h */
 
-/* 3b. A load's "config" override (JSON) with default_model_filename ("../..") or EXECUTION_ENV_PATH names a file on
- *     the host that the python backend hands to `bash -c`. Trident's own overrides set neither; a \u escape in the
- *     text could spell either key past this check, so it is refused too. */
+/* 3b. A load's "config" override (JSON) whose default_model_filename is a path ("../..") or that sets
+ *     EXECUTION_ENV_PATH names a file on the host that the python backend hands to `bash -c`. Trident's own overrides
+ *     set neither (a BLS config read back from Triton has default_model_filename "model.py": a plain name passes); a
+ *     \u escape in the text could spell either key past this check, so it is refused too. */
+static int names_a_host_file(const char *text) {
+    if (strstr(text, "EXECUTION_ENV_PATH") || strstr(text, "\\u")) return 1;
+    static const char *const KEYS[] = {"\"default_model_filename\"", "\"defaultModelFilename\""}; /* (protobuf's JSON: both) */
+    for (size_t k = 0; k < 2; k++)
+    for (const char *at = strstr(text, KEYS[k]); at != NULL; at = strstr(at + 1, KEYS[k])) {
+        const char *v = at + strlen(KEYS[k]);
+        while (*v == ' ' || *v == '\t' || *v == '\n' || *v == '\r' || *v == ':') v++;
+        if (*v != '"') return 1; /* (not a string: refused rather than guessed at) */
+        size_t n = 0;
+        for (v++; v[n] != '"'; n++) {
+            if (v[n] == '\0' || v[n] == '/' || v[n] == '\\') return 1; /* a path, or an escape that could make one */
+        }
+        if (n == 0 || (n <= 2 && strncmp(v, "..", n) == 0)) return 1; /* "", ".", ".." */
+    }
+    return 0;
+}
+
 TRITONSERVER_Parameter *TRITONSERVER_ParameterNew(const char *name, int type, const void *value) {
     static TRITONSERVER_Parameter *(*real)(const char *, int, const void *);
     if (real == NULL) real = (TRITONSERVER_Parameter * (*)(const char *, int, const void *))
                                  dlsym(RTLD_NEXT, "TRITONSERVER_ParameterNew");
     TRITONSERVER_Parameter *param = real(name, type, value);
     if (param != NULL && name != NULL && strcmp(name, "config") == 0 && type == TRITONSERVER_PARAMETER_STRING &&
-        value != NULL) {
-        const char *text = value;
-        if (strstr(text, "default_model_filename") || strstr(text, "EXECUTION_ENV_PATH") || strstr(text, "\\u"))
-            track(param, CONFIG_REFUSED);
-    }
+        value != NULL && names_a_host_file(value))
+        track(param, CONFIG_REFUSED);
     return param;
 }
 
