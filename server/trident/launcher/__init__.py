@@ -39,7 +39,7 @@ from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
 from .quiet import quiet
 from .startup import StartupError
 from .processes import (
-    HEAD_PID_ENV, OWN_GROUP, descendants, is_stub, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
+    HEAD_PID_ENV, OWN_GROUP, descendants, is_stub, is_stub_of, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
 )
 from . import triton_shim
 from .joined import JoinedWatch
@@ -620,7 +620,8 @@ class Launcher:
     def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
         """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed
         worker: they hang on their way out) are killed, so that a stopped server leaves no process behind."""
-        if killed := kill_left(stubs, grace_s, running=is_stub):
+        # (only stubs of this server's models: an exited stub's pid may be another server's stub by now)
+        if killed := kill_left(stubs, grace_s, running=lambda pid: is_stub_of(pid, self.model_store)):
             self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
 
 

@@ -102,6 +102,16 @@ def cpu_seconds(pids) -> dict[int, float]:
     return out
 
 
+def started(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); None when there is no such process. With the
+    pid it names one process: a pid alone may be another process's soon after its own has exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def kill_left(pids: list[int], grace_s: float = 3.0, running=None) -> int:
     """SIGKILL those of ``pids`` still running (``running(pid)``, by default any live process) after
     ``grace_s``; how many were."""
@@ -130,6 +140,16 @@ def is_stub(pid: int) -> bool:
         return running_pid(pid) and b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def is_stub_of(pid: int, model_store: Path) -> bool:
+    """Whether ``pid`` runs a python-backend stub of a model in ``model_store``: a stub's pid, once it has exited, may
+    already be another server's stub (pids wrap around, at 32768 on many hosts)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return running_pid(pid) and b"triton_python_backend_stub" in argv and str(model_store).encode() + b"/" in argv
 
 
 def stubs_of(model_store: Path) -> list[int]:
@@ -167,7 +187,9 @@ def stop_all(procs: dict, say, grace_s: float = 15.0) -> None:
     killed; ``say(line)`` tells of each that had to be killed."""
     import subprocess
 
-    trees = {name: descendants(proc.pid) for name, proc in procs.items()}
+    # (each with its start: a process of the tree that exits leaves its pid to whatever starts next, e.g. another
+    # server's stub)
+    trees = {name: {pid: started(pid) for pid in descendants(proc.pid)} for name, proc in procs.items()}
     for proc in procs.values():
         if proc.poll() is None:
             proc.terminate()
@@ -178,5 +200,7 @@ def stop_all(procs: dict, say, grace_s: float = 15.0) -> None:
             say(f"worker {name} did not stop; killing it")
             proc.kill()
             proc.wait()
-        if left := kill_left([*trees[name], *descendants(proc.pid)]):
+        # (the tree as it was: once the worker is reaped, its pid and its children's parent are no longer its own)
+        tree = trees[name]
+        if left := kill_left(list(tree), running=lambda pid: tree[pid] is not None and started(pid) == tree[pid]):
             say(f"worker {name} left {left} process(es) running; killed them")

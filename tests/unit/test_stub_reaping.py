@@ -1,0 +1,45 @@
+"""A stopping server kills the python-backend stubs that outlive its Triton, and only its own: once a stub has
+exited, its pid may already run another server's stub (pids wrap around at 32768 on many hosts), which a kill by
+pid alone would take down mid-request (real processes; no Triton)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from trident.launcher.processes import is_stub_of, kill_left
+
+
+def _stub(store) -> subprocess.Popen:
+    """A process whose command line reads as a python-backend stub of a model in ``store``."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "triton_python_backend_stub",
+                             f"{store}/encode/1/model.py"])
+
+
+def test_only_the_server_s_own_stubs_are_killed(tmp_path):
+    ours, theirs = tmp_path / "a" / "model-store", tmp_path / "ab" / "model-store"
+    mine, other = _stub(ours), _stub(theirs)
+    try:
+        assert is_stub_of(mine.pid, ours) and not is_stub_of(other.pid, ours) and is_stub_of(other.pid, theirs)
+        # (as if both pids had been listed as this server's stubs: the other's is a reused pid)
+        assert kill_left([mine.pid, other.pid], 0.2, running=lambda pid: is_stub_of(pid, ours)) == 1
+        assert mine.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        for proc in (mine, other):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_process_is_known_by_its_pid_and_its_start():
+    """A pid and when its process started name that process: a new process on the same pid starts later."""
+    from trident.launcher.processes import started
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        birth = started(proc.pid)
+        assert birth is not None and started(proc.pid) == birth
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert started(proc.pid) is None or started(proc.pid) != birth
