@@ -11,6 +11,7 @@ The LLaVA server shared with test_serving.py, test_openai.py and test_bad_input.
 - a party that knows a lease's id and the producer's agent (as one that can read the producer's stamp table
   would) still cannot end the lease: the release needs the key that only the record carries;
 - every TCP/UDP listener of the server's processes is on loopback;
+- no HTTP request ends Triton or makes it read an unbounded body (the bounded front before it);
 - the server's files are its user's alone;
 - last, the server stopped with SIGTERM: a stream in flight runs to its end, new requests are refused at once, and
   the BLS entry model's python-backend stub exits cleanly (gdb attached to it says how it ended).
@@ -375,6 +376,49 @@ def test_model_configs_show_nothing_of_the_host_or_the_scheduler(server):
         parameters = json.loads(text).get("parameters", {})
         assert set(parameters) == ({"mode"} if name in ("epd", "e_pd", "e_p_d", "ep_d") else
                                    {"supervised"} if name == "trident_bind" else set()), (name, parameters)
+
+
+def _raw_http(server, head: bytes, parts=()) -> bytes:
+    """A request written by hand to Triton's public HTTP port, and the answer's status line and headers."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=60) as s:
+        s.sendall(head)
+        for part in parts:
+            s.sendall(part)
+        answer = b""
+        while b"\r\n\r\n" not in answer and (chunk := s.recv(65536)):
+            answer += chunk
+    return answer
+
+
+def test_no_http_request_ends_triton_or_makes_it_read_an_unbounded_body(server):
+    """Triton 2.51's HTTP server ended (SIGSEGV) on a chunked body of 2,000,000 one-byte chunks, from anyone, and read
+    bodies of any size. Behind the launcher's bounded front (launcher/http_front.py) the chunked request is the
+    client's 400 (it is not JSON), a body declared over the limit is a 413 at once, the server serves on with the
+    same answer, and Triton itself listens for HTTP and metrics only on Unix sockets its user alone can reach."""
+    from support import descendants, http_generate
+
+    params = {"max_tokens": 8, "temperature": 0}
+    before = http_generate(server.http, "epd", "USER: Say something. ASSISTANT:", [], params)
+    assert before[0] == 200, before
+    head = (b"POST /v2/models/epd/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\n\r\n")
+    answer = _raw_http(server, head, [b"1\r\na\r\n" * 100_000] * 20 + [b"0\r\n\r\n"])
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    declared = _raw_http(server, b"POST /v2/models/epd/generate HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                                 b"100000000000\r\n\r\n")
+    assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
+    assert http_generate(server.http, "epd", "USER: Say something. ASSISTANT:", [], params) == before
+    triton = [pid for pid in descendants(server.proc.pid)
+              if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"]
+    assert len(triton) == 1
+    ports = {addr.rsplit(":", 1)[1] for addr, _ in _listeners(set(triton))}
+    assert ports == {str(server.grpc_port)}, ports  # (HTTP and metrics: the head's front listens)
+    sockets = server.workspace / "sockets"
+    assert oct(sockets.stat().st_mode & 0o777) == "0o700" and {p.name for p in sockets.iterdir()} == {
+        "http.sock", "metrics.sock"}
+    assert requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).status_code == 200
 
 
 def _bind(server, request: dict, credential: bool = True):

@@ -25,14 +25,15 @@ def test_wait_for_server_ready_is_what_bind_when_live_replaces():
 def test_triton_s_exporter_errors_are_shown_once_a_minute(capsys):
     from pytriton.server.triton_server import TritonServer
 
-    from trident.launcher.pytriton_patch import quiet_trace_exporter
+    from trident.launcher.pytriton_patch import quiet_triton_output
 
     assert _params(TritonServer._record_logs) == ["self", "line"]
-    quiet_trace_exporter()
+    quiet_triton_output()
     server = TritonServer.__new__(TritonServer)
     server._verbose, server._tritonserver_logs = True, ""
     error = "[Error] File: otlp_http_client.cc:200 [OTLP HTTP Client] Session state: connection failed.\n"
-    for chunk in (error, error.encode(), "I1127 model ", "loaded\n", error[:20], error[20:]):
+    nodelay = "[WARN]  evhtp.c:4050     NODELAY NOT SUPPORTED :: (errno: Operation not supported)\n"
+    for chunk in (error, error.encode(), "I1127 model ", "loaded\n", error[:20], error[20:], nodelay):
         server._record_logs(chunk)
     assert capsys.readouterr().out.splitlines() == [
         "[trident] Triton's spans not exported: Session state: connection failed.", "I1127 model loaded"]

@@ -1,5 +1,6 @@
 """The library tritonserver runs with (launcher/triton_shim.c), tried on a Python process: the token reaches main's
-argv while the command line other users can read keeps the placeholder, and /dev/shm files stay 0600."""
+argv while the command line other users can read keeps the placeholder, and /dev/shm files stay 0600; tried on
+``echo`` named tritonserver: Triton's HTTP and metrics addresses become the front's Unix sockets."""
 
 import os
 import subprocess
@@ -53,3 +54,30 @@ def test_without_the_token_the_process_does_not_start(library):
     done = _run(library, None, triton_shim.restriction(["logging"], "h"))
     assert done.returncode == 78 and "TRIDENT_ACCESS_TOKEN is not set" in done.stderr
     assert done.stdout == ""
+
+
+def _as_tritonserver(library, tmp_path, env_extra: dict, *args):
+    """``echo`` run under the name ``tritonserver``: it prints the argv its main got."""
+    program = tmp_path / "tritonserver"
+    program.symlink_to("/bin/echo")
+    env = {k: v for k, v in os.environ.items() if k not in triton_shim.SOCKET_ENVS.values()}
+    env.update(LD_PRELOAD=str(library), **env_extra)
+    return subprocess.run([str(program), *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_triton_s_http_and_metrics_servers_move_to_the_front_s_sockets(library, tmp_path):
+    envs = triton_shim.SOCKET_ENVS
+    sockets = {envs["http"]: "/ws/sockets/http.sock", envs["metrics"]: "/ws/sockets/metrics.sock"}
+    done = _as_tritonserver(library, tmp_path, sockets, "--http-address", "0.0.0.0", "--http-port", "8000",
+                            "--metrics-address=0.0.0.0", "--grpc-address", "0.0.0.0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["--http-address", "unix:/ws/sockets/http.sock", "--http-port", "8000",
+                                   "--metrics-address=unix:/ws/sockets/metrics.sock", "--grpc-address", "0.0.0.0"]
+    # asked for with no address to replace: Triton would listen on the public port itself, so it does not start
+    (tmp_path / "b").mkdir()
+    missing = _as_tritonserver(library, tmp_path / "b", sockets, "--http-address", "0.0.0.0")
+    assert missing.returncode == 78 and "no --metrics-address argument" in missing.stderr
+    # not asked for: nothing changes
+    (tmp_path / "c").mkdir()
+    plain = _as_tritonserver(library, tmp_path / "c", {}, "--http-address", "0.0.0.0")
+    assert plain.stdout.split() == ["--http-address", "0.0.0.0"]

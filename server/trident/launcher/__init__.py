@@ -42,6 +42,7 @@ from .processes import (
     HEAD_PID_ENV, OWN_GROUP, descendants, is_stub, is_stub_of, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
 )
 from . import triton_shim
+from .http_front import HttpFront, Route, max_body_bytes
 from .joined import JoinedWatch
 from .warmup import warm_up
 from .zygote import Forked, Zygote
@@ -86,6 +87,7 @@ class Launcher:
         self._joined: JoinedWatch | None = None
         self._serving = False  # start-up is over
         self.triton = None
+        self._front: HttpFront | None = None
         self._tmp: str | None = None
         self.workspace = Path(settings.workspace or self._make_tmp())
         self.model_path: str | None = settings.model
@@ -280,10 +282,10 @@ class Launcher:
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
         )
-        from .pytriton_patch import bind_when_live, quiet_trace_exporter
+        from .pytriton_patch import bind_when_live, quiet_triton_output
 
         bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
-        quiet_trace_exporter()
+        quiet_triton_output()
         close_gate(self.model_store)
         # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards. Triton
         # reads it from its argv alone, so the argv holds a placeholder the preloaded shim swaps for it.
@@ -291,7 +293,7 @@ class Launcher:
                                               TRITON_ACCESS_HEADER)
         config = TritonConfig(
             http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
-            metrics_port=self.s.metrics_port, exit_timeout_secs=self.s.drain_s, log_verbose=0,
+            metrics_address=self.s.host, metrics_port=self.s.metrics_port, exit_timeout_secs=self.s.drain_s, log_verbose=0,
             log_file=self.workspace / "triton.log", exit_on_error=False,  # (the gate fails to load, by design)
             # GPU metrics need NVML; without an NVIDIA driver, asking for them only prints an error at start
             allow_gpu_metrics=None if shutil.which("nvidia-smi") else False,
@@ -304,8 +306,28 @@ class Launcher:
             # PyTriton's own calls carry the token; the restriction is the config's above, not PyTriton's (with argv)
             security_config=TritonSecurityConfig(access_token=self.token, restricted_endpoints=[]),
         )
-        with triton_shim.preloaded(triton_shim.build(self.workspace), self.token, self.s.allow_code_upload):
+        # Triton's HTTP and metrics servers on Unix sockets of the workspace, the bounded front on their public ports
+        sockets = self._socket_folder()
+        upstream = {"http": sockets / "http.sock", "metrics": sockets / "metrics.sock"}
+        self._front = HttpFront([Route("HTTP", self.s.host, self.s.http_port, upstream["http"]),
+                                 Route("metrics", self.s.host, self.s.metrics_port, upstream["metrics"])],
+                                max_body_bytes(self.s.media_limits))
+        self._front.start()
+        with triton_shim.preloaded(triton_shim.build(self.workspace), self.token, self.s.allow_code_upload, upstream):
             self.triton.run()
+
+    def _socket_folder(self) -> Path:
+        """The folder of Triton's Unix sockets: its user's alone, whatever the workspace's mode."""
+        folder = self.workspace / "sockets"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        longest = folder / "metrics.sock"
+        if len(os.fsencode(longest)) >= 108:
+            raise StartupError(f"the workspace's path is too long for a Unix socket ({longest}): choose a shorter "
+                               "workspace")
+        for name in ("http.sock", "metrics.sock"):  # (a server stopped by SIGKILL leaves its sockets)
+            (folder / name).unlink(missing_ok=True)
+        return folder
 
     def _load_bind_model(self, names: list[str]) -> None:
         """The model every worker binds its stage model through (:mod:`..workers.bind_model`); ``names``: the
@@ -581,6 +603,8 @@ class Launcher:
             self._reap(stubs)
             if regions := remove_shm_regions(os.getpid()):
                 self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
+        if self._front is not None:  # (after Triton: the streams it let finish came through it)
+            self._front.stop()
         stop_all(self.workers, lambda line: self.out(f"[trident] {line}"))
         for stage, proc in self.workers.items():
             remove_direct_socket(self.model_store / stage, proc.pid)

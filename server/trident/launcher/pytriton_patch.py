@@ -8,6 +8,7 @@ import time
 
 EXPORTER_LINE = "[OTLP HTTP Client]"  # what opentelemetry-cpp's OTLP exporter in Triton prefixes its errors with
 EXPORTER_QUIET_S = 60.0
+UNIX_SOCKET_NOISE = "NODELAY NOT SUPPORTED"  # libevhtp's warning at each server it starts on a Unix socket (http_front)
 
 
 def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
@@ -42,11 +43,12 @@ def bind_when_live() -> None:
         importlib.import_module(name).wait_for_server_ready = _wait_for_server_live
 
 
-def quiet_trace_exporter() -> None:
+def quiet_triton_output() -> None:
     """PyTriton 0.7 prints every line of Triton's output. With tracing to a collector that cannot be reached,
     Triton's exporter writes two lines for each batch of spans; they are shown once a minute, in one line, as
     Trident's own exporters say it (``tracing._OnceAMinute``); the other lines are passed on whole (PyTriton
-    reads Triton's output unbuffered, in parts of lines). ``tests/unit/test_pytriton_patches.py`` fails when
+    reads Triton's output unbuffered, in parts of lines). libevhtp's warning that a Unix socket takes no TCP_NODELAY
+(one line per server, at each start) is dropped. ``tests/unit/test_pytriton_patches.py`` fails when
     the patched method changes."""
     from pytriton.server.triton_server import TritonServer
 
@@ -60,6 +62,8 @@ def quiet_trace_exporter() -> None:
             chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk)
         *lines, self._trident_partial = text.split("\n")
         for line in lines:
+            if UNIX_SOCKET_NOISE in line:
+                continue
             if EXPORTER_LINE in line:
                 now = time.monotonic()
                 if now - last[0] < EXPORTER_QUIET_S:

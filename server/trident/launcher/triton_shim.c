@@ -14,6 +14,7 @@
  * 4. Model-config auto-completion off (below).
  * 5. Freed large buffers go back to the system (below).
  * 6. Triton in a process group of its own (below).
+ * 7. Triton's HTTP and metrics servers on Unix sockets, behind the launcher's bounded front (below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -205,4 +206,39 @@ __attribute__((constructor)) static void give_freed_buffers_back(void) { mallopt
  *    PR_SET_PDEATHSIG). */
 __attribute__((constructor)) static void own_process_group(void) {
     if (strcmp(program_invocation_short_name, "tritonserver") == 0) setpgid(0, 0);
+}
+
+/* 7. Triton 2.51's HTTP server reads bodies of any size, and a chunked body of many small chunks ends it (one stack
+ *    entry per chunk). The launcher's front (launcher/http_front.py) takes the public HTTP and metrics ports and
+ *    relays to Triton over Unix sockets in the server's workspace, its user's alone; PyTriton, which writes
+ *    --http-address=HOST and --metrics-address=HOST and calls the public port, is left as it is. This puts
+ *    unix:<path> in place of each HOST (before main, in its argv copy). Asked for and not done is an exit: Triton must
+ *    never listen on the public ports itself. */
+static void put_socket(int argc, char **argv, const char *flag, const char *env) {
+    const char *path = getenv(env);
+    if (path == NULL) return;
+    size_t n = strlen(flag);
+    int done = 0;
+    for (int i = 0; i < argc; i++) {
+        int joined = strncmp(argv[i], flag, n) == 0 && argv[i][n] == '='; /* --flag=HOST, or --flag HOST */
+        if (!joined && !(strcmp(argv[i], flag) == 0 && i + 1 < argc)) continue;
+        if (!joined) i++;
+        char *arg = malloc(n + 6 + strlen(path) + 1);
+        if (arg == NULL) _exit(71);
+        sprintf(arg, "%s%sunix:%s", joined ? flag : "", joined ? "=" : "", path);
+        argv[i] = arg;
+        done = 1;
+    }
+    if (!done) {
+        fprintf(stderr, "trident: %s is set but tritonserver has no %s argument\n", env, flag);
+        _exit(78);
+    }
+    unsetenv(env);
+}
+
+__attribute__((constructor)) static void behind_the_front(int argc, char **argv, char **envp) {
+    (void)envp;
+    if (strcmp(program_invocation_short_name, "tritonserver") != 0) return;
+    put_socket(argc, argv, "--http-address", "TRIDENT_HTTP_SOCKET");
+    put_socket(argc, argv, "--metrics-address", "TRIDENT_METRICS_SOCKET");
 }

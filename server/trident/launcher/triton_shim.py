@@ -20,6 +20,7 @@ from .startup import StartupError
 PLACEHOLDER = "@TRIDENT_ACCESS_TOKEN@"
 TOKEN_ENV = "TRIDENT_ACCESS_TOKEN"
 UPLOAD_ENV = "TRIDENT_ALLOW_CODE_UPLOAD"
+SOCKET_ENVS = {"http": "TRIDENT_HTTP_SOCKET", "metrics": "TRIDENT_METRICS_SOCKET"}  # Triton's servers on Unix sockets
 SOURCE = Path(__file__).with_name("triton_shim.c")
 
 
@@ -43,13 +44,16 @@ def restriction(endpoints: list[str], header: str) -> str:
 
 
 @contextlib.contextmanager
-def preloaded(library: Path, token: str, allow_code_upload: bool = False):
-    """Within it, the processes started (Triton) get the library and the token by environment, and with
-    ``allow_code_upload`` may load models with files uploaded through the repository API."""
-    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV, UPLOAD_ENV)}
+def preloaded(library: Path, token: str, allow_code_upload: bool = False, sockets: dict[str, Path] | None = None):
+    """Within it, the processes started (Triton) get the library and the token by environment, with
+    ``allow_code_upload`` may load models with files uploaded through the repository API, and with ``sockets``
+    (``http``, ``metrics``: a path each) serve HTTP and metrics on those Unix sockets (the HTTP front's)."""
+    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV, UPLOAD_ENV, *SOCKET_ENVS.values())}
     os.environ["LD_PRELOAD"] = " ".join(filter(None, [str(library), saved["LD_PRELOAD"]]))
     os.environ[TOKEN_ENV] = token
     os.environ[UPLOAD_ENV] = "1" if allow_code_upload else "0"
+    for what, path in (sockets or {}).items():
+        os.environ[SOCKET_ENVS[what]] = str(path)
     try:
         yield
     finally:
