@@ -11,6 +11,7 @@ whose best round is under 0.95 too (below 0.95, outside the spread) is marked RE
 
     make bench-ab BASE=<commit>                     (every mode, both engines; ~10 min on 2 cores)
     make bench-ab BASE=<commit> AB_ARGS="--engines vllm --modes e_p_d ep_d --new <commit>"
+    make bench-ab BASE=<commit> AB_ARGS="--client triton-http"   (the same load through Triton's HTTP port)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_engines import MODES, Process, load
+from bench_engines import MODES, Process, load, load_triton_http
 from report import write_section
 from trident.netutil import free_ports
 
@@ -83,6 +84,7 @@ class Server:
     def __init__(self, tree: Tree, args, backend: str, workspace: Path) -> None:
         self.tree = tree
         http, grpc, metrics, self.openai_port = free_ports(4)
+        self.http_url = f"http://127.0.0.1:{http}"
         cmd = [tree.python, "-m", "trident.cli", "serve", "--model", args.model, "--mode", *args.modes,
                "--backend", backend, "--workspace", str(workspace), "--http-port", str(http), "--grpc-port", str(grpc),
                "--metrics-port", str(metrics), "--openai-port", str(self.openai_port), "--served-model-name", "demo"]
@@ -118,8 +120,12 @@ def run_engine(args, backend: str, trees: list[Tree], seeds: list[int]) -> None:
                     order = servers if (r + args.modes.index(mode)) % 2 == 0 else servers[::-1]
                     seed = seeds.pop()  # the same new images for both trees (separate servers: no shared cache)
                     for server in order:
-                        result = asyncio.run(load(server.url(), f"demo:{mode}", args.requests, args.concurrency,
-                                                  args.max_tokens, seed=seed))
+                        if args.client == "triton-http":
+                            result = asyncio.run(load_triton_http(server.http_url, mode, args.requests,
+                                                                  args.concurrency, args.max_tokens, seed=seed))
+                        else:
+                            result = asyncio.run(load(server.url(), f"demo:{mode}", args.requests, args.concurrency,
+                                                      args.max_tokens, seed=seed))
                         server.tree.runs.setdefault((backend, mode), []).append(result)
                         print(f"[bench-ab] round {r + 1} {backend} {mode} {server.tree.name}: {result['tok_s']:.1f} "
                               f"tok/s, TTFT p50 {result['ttft_p50']:.0f} ms", flush=True)
@@ -171,6 +177,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--client", choices=["openai", "triton-http"], default="openai",
+                   help="the load's client: OpenAI streaming chat (default), or Triton's HTTP generate_stream")
     p.add_argument("--serve-config", metavar="FILE", help="`trident serve` config file of both servers")
     p.add_argument("--report", type=Path, help="also write the table into this Markdown file (section bench-ab)")
     args = p.parse_args()
@@ -206,7 +214,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     header, rows, regressions = table(args, base, new)
-    caption = (f"base {base.label}, new {new.label}: {args.rounds} rounds of {args.requests} streaming chat requests "
+    what = "streaming chat requests" if args.client == "openai" else "Triton HTTP generate_stream requests"
+    caption = (f"base {base.label}, new {new.label}: {args.rounds} rounds of {args.requests} {what} "
                f"at concurrency {args.concurrency} per mode and tree, one new 224 px image each, {args.max_tokens} new "
                f"tokens (greedy, ignore_eos), {Path(args.model).name}; {os.cpu_count()} CPU cores")
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
@@ -215,8 +224,13 @@ def main() -> int:
     for r in rows:
         print(" | ".join(c.rjust(w) for c, w in zip(r, widths)))
     if args.report:
-        write_section(args.report, SECTION, [
-            "## A base commit against the working tree (`make bench-ab BASE=...`)", "",
+        http = args.client == "triton-http"
+        write_section(args.report, SECTION + ("-http" if http else ""), [
+            "## A base commit against the working tree (`make bench-ab BASE=...`)" if not http else
+            "## The same through Triton's HTTP port (`make bench-ab BASE=... AB_ARGS=\"--client triton-http\"`)", "",
+            *(["The load of the section above, each request a Triton HTTP `generate_stream` (SSE) to the mode's entry "
+               "model (the prompt written out, the image base64): what a `tritonclient` or `perf_analyzer` user's "
+               "requests pass.", ""] if http else []),
             "`clients/perf/bench_ab.py`, the speed guard to run before a change that touches a serving path lands. Per "
             "engine it starts a `trident serve` of every mode from the base commit's tree (`git archive`) and one from "
             "the working tree, both from the same environments (the base's in a venv that links `.venv`'s and "

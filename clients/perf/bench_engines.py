@@ -172,6 +172,58 @@ async def load(base_url: str, model: str, requests: int, concurrency: int, max_t
     }
 
 
+async def load_triton_http(http_url: str, mode: str, requests: int, concurrency: int, max_tokens: int,
+                           seed: int = 1000) -> dict:
+    """As :func:`load`, through Triton's HTTP ``generate_stream`` of entry model ``mode`` (the LLaVA demo's prompt
+    written out, the image as base64): what a Triton HTTP client measures."""
+    import aiohttp
+
+    ttfts: list[float] = []
+    tokens = 0
+
+    async def one(session, i: int) -> None:
+        nonlocal tokens
+        t0 = time.monotonic()
+        first = None
+        body = {"text_input": "USER: <image>\nDescribe the picture in detail, please. ASSISTANT:",
+                "image": [image_url(seed + i).split(",", 1)[1]], "stream": True, "return_num_output_tokens": True,
+                "sampling_parameters": json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})}
+        async with session.post(f"{http_url}/v2/models/{mode}/generate_stream", json=body) as answer:
+            if answer.status != 200:
+                raise RuntimeError(f"{mode}: HTTP {answer.status}: {(await answer.text())[:300]}")
+            async for line in answer.content:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(f"{mode}: {event['error']}")
+                if first is None and event.get("text_output"):
+                    first = time.monotonic() - t0
+                tokens += int(event.get("num_output_tokens", 0))
+        ttfts.append(first if first is not None else float("nan"))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def worker() -> None:
+            while queue:
+                await one(session, queue.pop(0))
+
+        await one(session, seed + 999_999)  # warm-up, not counted
+        tokens = 0
+        ttfts.clear()
+        queue = list(range(requests))
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        span = time.monotonic() - t0
+    ttfts.sort()
+    return {
+        "ttft_p50": 1000 * statistics.median(ttfts),
+        "ttft_p99": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "tok_s": tokens / span,
+        "tokens": tokens,
+        "ttfts": ttfts,
+    }
+
+
 def bench_vllm_server(args, model: str) -> dict:
     port = free_ports(1)[0]
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
