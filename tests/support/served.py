@@ -47,8 +47,7 @@ class Server:
         token_file.touch(mode=0o600)
         token_file.chmod(0o600)  # trident refuses a secret file others may read
         token_file.write_text(self.token)
-        # a test server drains for 5 s unless told otherwise: Triton counts an idle HTTP connection (one a process
-        # keeps open) against the drain, and a stop then takes all of it
+        # a test server drains for 5 s at most unless told otherwise (a stream a test left running ends by then)
         config = {"drain_s": DRAIN_S, **(config or {}), **({"load": load} if load is not None else {})}
         cmd = [
             sys.executable, "-m", "trident.cli", "serve", "--model", model,
