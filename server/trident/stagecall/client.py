@@ -40,7 +40,7 @@ from ..protocol import (
     error_of, failure,
 )
 from . import directory
-from .frames import ends, recv_message
+from .frames import fail_when_unanswered, ends, recv_message
 
 
 log = logging.getLogger("trident")
@@ -190,7 +190,7 @@ def open_stage_socket(info: dict) -> socket.socket:
             host, port = info["tcp"]
             sock = socket.create_connection((str(host), int(port)), timeout=CONNECT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _fail_when_unanswered(sock)
+            fail_when_unanswered(sock, CONNECT_S)
         auth.connect(sock)
         sock.settimeout(None)
         return sock
@@ -198,18 +198,6 @@ def open_stage_socket(info: dict) -> socket.socket:
         if sock is not None:
             sock.close()
         raise
-
-
-def _fail_when_unanswered(sock: socket.socket) -> None:
-    """A TCP stage connection whose peer stops answering (its host cut off, or gone without closing) fails within
-    :data:`CONNECT_S`, as one that cannot be opened does, instead of after the kernel's retransmissions (minutes):
-    data it sent unacknowledged that long ends it, and so do keep-alive probes unanswered while it is idle (a busy
-    worker's kernel answers them)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(CONNECT_S * 1000))
 
 
 def lost_message(instance: str, info: dict) -> str:

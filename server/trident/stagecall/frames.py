@@ -16,6 +16,18 @@ def ends(message: StageMessage) -> bool:
     return not isinstance(message, Reply) or message.end
 
 
+def fail_when_unanswered(sock: socket.socket, within_s: float) -> None:
+    """A TCP stage connection whose peer stops answering (its host cut off, or gone without closing) fails within
+    ``within_s``, as one that cannot be opened does, instead of after the kernel's retransmissions (minutes): data
+    sent unacknowledged that long ends it, and so do keep-alive probes unanswered while it is idle (a busy peer's
+    kernel answers them). Both ends set it: the callers (``client.open_stage_socket``) and the worker's server."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(within_s * 1000))
+
+
 def recv_exact(conn: socket.socket, n: int) -> bytearray | None:
     """``n`` bytes from a blocking socket; None at its end."""
     buf = bytearray(n)

@@ -5,7 +5,9 @@ model's python-backend stub (the calls of Triton's clients and ensembles), the B
 cancels, withdrawals) and the encode worker handing a record on (:class:`~trident.protocol.Deliver`). It listens on
 a Unix socket for callers on this host (a file in a folder of mode 0700) and on TCP at the data-plane address for
 callers on other hosts; both are named in the worker file of the stage model's folder. A connection is served
-only after both ends proved the deployment secret (:mod:`trident.auth`).
+only after both ends proved the deployment secret (:mod:`trident.auth`); handshakes in progress on the TCP socket
+are bounded by peer and in all (:mod:`.handshakes`), and a TCP caller that stops answering is dropped with its
+calls (:func:`.frames.fail_when_unanswered`).
 
 All of it runs on one thread's event loop, the engine's: the calls' stage function, the control hooks, the
 reading and writing. A one-answer stage's calls run at most ``calls_at_once`` at a time (:func:`at_most`), from
@@ -36,11 +38,13 @@ from ..errors import InvalidRequest, MalformedRecord, TridentError, client_messa
 from ..protocol import (
     Abandon, Call, Control, Gone, Reply, StageMessage, Stats, encode_message, failure, worker_file,
 )
-from .frames import read_message
+from .frames import fail_when_unanswered, read_message
+from .handshakes import Handshakes
 
 SOCKET_NAME = "calls.sock"
 DIR_PREFIX = "trident-calls-"
 DRAIN_S = 60.0  # how long a stopping worker lets the calls it took finish
+UNANSWERED_S = 60.0  # a TCP caller that answers neither data nor keep-alive probes this long is gone: its calls end
 
 log = logging.getLogger("trident.worker")
 
@@ -99,6 +103,7 @@ class StageServer:
         self._connections: set[asyncio.Task] = set()
         self._calls: set[asyncio.Task] = set()
         self._stopping = False
+        self._handshakes = Handshakes(log)
 
     def worker_file(self, pid: int | None, name: str) -> dict:
         """What the worker file says of this server: the Unix socket (with the pid: on this host only) and TCP."""
@@ -148,12 +153,23 @@ class StageServer:
             await asyncio.wait(set(self._connections), timeout=5)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        peer = None
+        if sock is not None and sock.family != socket.AF_UNIX:  # (TCP: anyone who reaches the data address)
+            peer = str(writer.get_extra_info("peername")[0])
+            if not self._handshakes.admit(peer):
+                writer.transport.abort()
+                return
+            fail_when_unanswered(sock, UNANSWERED_S)
         try:
             await auth.accept_stream(reader, writer)  # a caller of this deployment, or it gets nothing
         except auth.NotAuthenticated as e:
-            log.warning("worker: refused a connection to its stage socket: %s", e)
+            self._handshakes.refused(str(e))
             writer.close()
             return
+        finally:
+            if peer is not None:
+                self._handshakes.done(peer)
         self._writers.add(writer)
         me = asyncio.current_task()
         self._connections.add(me)
