@@ -12,6 +12,7 @@ The LLaVA server shared with test_serving.py, test_openai.py and test_bad_input.
   would) still cannot end the lease: the release needs the key that only the record carries;
 - every TCP/UDP listener of the server's processes is on loopback;
 - no HTTP request ends Triton or makes it read an unbounded body (the bounded front before it);
+- Triton killed under load comes back within seconds with the same workers (before the last test);
 - the server's files are its user's alone;
 - last, the server stopped with SIGTERM: a stream in flight runs to its end, new requests are refused at once, and
   the BLS entry model's python-backend stub exits cleanly (gdb attached to it says how it ended).
@@ -24,6 +25,7 @@ lease id released it, UCX listened on every interface).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -38,7 +40,7 @@ import requests
 import torch
 
 from support import (
-    b64, cancellable_stream, descendants, drain_kv, grpc_generate, make_image, png_bytes, shared_llava_server,
+    b64, cancellable_stream, descendants, drain_kv, grpc_generate, http_generate, make_image, png_bytes, shared_llava_server,
     stage_output, strings,
 )
 from support.server import SHARED_LLAVA_NAME
@@ -397,8 +399,6 @@ def test_no_http_request_ends_triton_or_makes_it_read_an_unbounded_body(server):
     bodies of any size. Behind the launcher's bounded front (launcher/http_front.py) the chunked request is the
     client's 400 (it is not JSON), a body declared over the limit is a 413 at once, the server serves on with the
     same answer, and Triton itself listens for HTTP and metrics only on Unix sockets its user alone can reach."""
-    from support import descendants, http_generate
-
     params = {"max_tokens": 8, "temperature": 0}
     before = http_generate(server.http, "epd", "USER: Say something. ASSISTANT:", [], params)
     assert before[0] == 200, before
@@ -563,6 +563,86 @@ def _refused_at_once(server) -> None:
                       json={"model": f"{SHARED_LLAVA_NAME}:e_p_d", "prompt": "Hi.", "max_tokens": 2}, timeout=10)
     assert r.status_code == 503 and says in r.json()["error"]["message"] and r.headers["Retry-After"], r.text
     assert time.monotonic() - t0 < 5, "the refusals were not at once"  # (three requests, on a busy 2-core machine)
+
+
+def _workers(server) -> dict[str, int]:
+    """The server's stage workers: pid by name."""
+    found = {}
+    for pid in descendants(server.proc.pid):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if args.startswith("trident worker "):
+            found[args.split("\0")[0].split()[2]] = pid
+    return found
+
+
+def _http_stream(server, prompt: str, params: dict, first: threading.Event, out: list) -> None:
+    """A generate_stream over HTTP; what it ends with: ("whole", text) or ("error", what)."""
+    body = {"text_input": f"USER: {prompt} ASSISTANT:", "stream": True, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(params), "return_finish_reason": True}
+    text, finish = "", None
+    try:
+        with requests.post(f"http://{server.http}/v2/models/e_p_d/generate_stream", json=body, stream=True,
+                           timeout=60) as answer:
+            if answer.status_code != 200:
+                out.append(("error", answer.status_code))
+                return
+            for line in answer.iter_lines():
+                if line.startswith(b"data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        out.append(("error", event["error"]))
+                        return
+                    text += event.get("text_output", "")
+                    finish = event.get("finish_reason", finish)
+                    first.set()
+        out.append(("whole", text, finish))
+    except requests.RequestException as e:
+        out.append(("error", type(e).__name__))
+    finally:
+        first.set()
+
+
+def test_triton_killed_under_load_comes_back_with_the_same_workers(server):
+    """kill -9 tritonserver while four streams are in flight: each stream ends whole or with an error, never cut
+    short and ended as if whole; readiness is false until the server serves again, within 15 s, with the same
+    worker processes (their engines kept) and the same answers, on HTTP and gRPC (launcher ``_triton_back``)."""
+    prompt, params = "Count from one to one hundred, in words, please.", {"max_tokens": 200, "temperature": 0}
+    reference = grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True)
+    workers = _workers(server)
+    assert {"encode", "prefill", "decode"} <= set(workers), workers
+    (triton,) = [pid for pid in descendants(server.proc.pid)
+                 if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"]
+    ends: list = []
+    firsts = [threading.Event() for _ in range(4)]
+    streams = [threading.Thread(target=_http_stream, args=(server, prompt, params, f, ends)) for f in firsts]
+    for t in streams:
+        t.start()
+    for f in firsts:
+        assert f.wait(60)
+    os.kill(triton, signal.SIGKILL)
+    t0, seen = time.monotonic(), set()
+    while time.monotonic() - t0 < 15:
+        try:
+            status = requests.get(f"http://{server.http}/v2/health/ready", timeout=2).status_code
+        except requests.RequestException:
+            status = None
+        seen.add(status)
+        if status == 200 and seen != {200}:
+            break
+        time.sleep(0.1)
+    assert status == 200 and seen - {200}, (seen, "\n".join(server.log[-20:]))
+    for t in streams:
+        t.join(60)
+    assert len(ends) == 4
+    for end in ends:  # (a whole one finished before the kill: the reference's text, to its length)
+        assert end[0] == "error" or (end[1] == reference.text and end[2] == "length"), end
+    assert _workers(server) == workers  # the same processes: no engine loaded again
+    assert grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True).text == reference.text
+    assert http_generate(server.http, "epd", f"USER: {prompt} ASSISTANT:", [], params)[0] == 200
+    assert any("Triton is back in" in line for line in server.log)
 
 
 def test_a_stopping_server_finishes_its_streams_refuses_new_requests_and_exits_cleanly(server, tmp_path):

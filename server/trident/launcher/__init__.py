@@ -41,7 +41,7 @@ from .startup import StartupError
 from .processes import (
     HEAD_PID_ENV, OWN_GROUP, descendants, is_stub, is_stub_of, kill_left, remove_direct_socket, remove_shm_regions, stop_all, stubs_of,
 )
-from . import triton_shim
+from . import pytriton_patch, triton_shim
 from .http_front import HttpFront, Route, max_body_bytes
 from .joined import JoinedWatch
 from .warmup import warm_up
@@ -50,6 +50,7 @@ from .zygote import Forked, Zygote
 __all__ = ["Launcher", "descendants", "serve"]
 
 log = logging.getLogger("trident.launcher")
+TRITON = "tritonserver"  # its name in the launcher's Restarts
 
 
 def _server_environment() -> None:
@@ -93,6 +94,7 @@ class Launcher:
         self.model_path: str | None = settings.model
         self._stopping = False
         self._restarts = Restarts()  # when a worker (or the frontend) that exited starts again
+        self._triton_restarts = Restarts()  # Triton's own deaths in a row (_triton_back)
         self._coming_back: set[str] = set()  # restarted workers whose stage model is not ready yet
         self._gpus: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES by worker (device.place); none on a CPU host
 
@@ -282,7 +284,7 @@ class Launcher:
             f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
             f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
         )
-        from .pytriton_patch import bind_when_live, quiet_triton_output
+        from .pytriton_patch import bind_when_live, keep_workspace, quiet_triton_output
 
         bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it to be live
         quiet_triton_output()
@@ -313,8 +315,17 @@ class Launcher:
                                  Route("metrics", self.s.host, self.s.metrics_port, upstream["metrics"])],
                                 max_body_bytes(self.s.media_limits))
         self._front.start()
-        with triton_shim.preloaded(triton_shim.build(self.workspace), self.token, self.s.allow_code_upload, upstream):
+        self._shim = triton_shim.build(self.workspace)
+        with self._preloaded():
             self.triton.run()
+        keep_workspace(self.triton)  # (its exit is the launcher's to handle: _triton_back)
+        self._triton_restarts.started(TRITON)
+
+    def _preloaded(self):
+        """What Triton starts with: the shim, the token, the front's sockets."""
+        sockets = self.workspace / "sockets"
+        return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload,
+                                     {"http": sockets / "http.sock", "metrics": sockets / "metrics.sock"})
 
     def _socket_folder(self) -> Path:
         """The folder of Triton's Unix sockets: its user's alone, whatever the workspace's mode."""
@@ -491,8 +502,8 @@ class Launcher:
 
     # -- run and stop -------------------------------------------------------------------------------
     def supervise(self) -> int:
-        """Block until a signal (returns 0) or until Triton dies (returns 1: everything is stopped, and a service
-        manager restarts the server, as for any other crash). A worker that exits has its stage model unloaded, so
+        """Block until a signal (returns 0) or until Triton has died too often (returns 1: everything is stopped, and
+        a service manager restarts the server); a Triton that dies is started again (:meth:`_triton_back`). A worker that exits has its stage model unloaded, so
         that the schedulers stop sending to it (its modes fall back, or answer 503) while the rest serve, and
         is started again after a backoff (:mod:`.restarts`: 1 s, or 2, 4, 8, ... s after quick exits in a row); after :data:`MAX_QUICK_DEATHS` exits in a row
         each within :data:`QUICK_DEATH_S` of its start it is marked failed and left down. A worker that joined
@@ -507,8 +518,7 @@ class Launcher:
         signal.signal(signal.SIGINT, _handler)
         signal.signal(signal.SIGTERM, _handler)
         while stop["signal"] is None:
-            if self.triton is not None and not self.triton.is_alive():
-                self.out("[trident] Triton exited; stopping everything (exit code 1)")
+            if self.triton is not None and not self.triton.is_alive() and not self._triton_back(stop):
                 return 1
             for name, proc in list(self.workers.items()):
                 if proc.poll() is not None:
@@ -518,6 +528,68 @@ class Launcher:
             time.sleep(0.2)
         self.out(f"[trident] received {signal.Signals(stop['signal']).name}; shutting down")
         return 0
+
+    def _triton_back(self, stop: dict) -> bool:
+        """Triton exited on its own (a crash, the OOM killer): start it again, with the workers as they are (their
+        engines loaded), and serve again: its stubs and shared memory gone, the start-up gate closed (not READY),
+        Triton started loading only the bind model and the gate, then the stage models of this head's workers
+        loaded (the joined workers bind again themselves), the entry models, and the gate opened. The requests that
+        were in flight through it end with an error (the HTTP front cuts their answers; gRPC streams break). False
+        when it has exited :data:`MAX_QUICK_DEATHS` times in a row, each within :data:`QUICK_DEATH_S` of its start:
+        the head gives up (exit 1), and a supervisor above it (Kubernetes, systemd) takes over."""
+        delay = self._triton_restarts.exited(TRITON)
+        if delay is None:
+            self.out(f"[trident] Triton exited {MAX_QUICK_DEATHS} times in a row within {QUICK_DEATH_S:.0f} s of "
+                     "starting; stopping everything (exit code 1)")
+            return False
+        t0 = time.monotonic()
+        self.out("[trident] Triton exited; starting it again (the workers keep their engines; not READY meanwhile)")
+        self._reap(stubs_of(self.model_store), grace_s=1.0)
+        remove_shm_regions(os.getpid())
+        for name in ("http.sock", "metrics.sock"):
+            (self.workspace / "sockets" / name).unlink(missing_ok=True)
+        close_gate(self.model_store)
+        deadline = time.monotonic() + min(delay - 1.0, 8.0)  # (none after a long life; backoff after quick deaths)
+        while time.monotonic() < deadline and stop["signal"] is None:
+            time.sleep(0.1)
+        with self._preloaded():
+            pytriton_patch.start_again(self.triton, [GATE, BIND_MODEL])
+        self._triton_restarts.started(TRITON)
+        try:
+            self._serve_again(stop)
+        except Exception as e:  # noqa: BLE001 - it died again, or a load failed: the next round of the loop sees it
+            self.out(f"[trident] Triton did not come back: {e}")
+            return True
+        self.out(f"[trident] Triton is back in {time.monotonic() - t0:.1f} s: READY")
+        return True
+
+    def _serve_again(self, stop: dict) -> None:
+        """After :meth:`_triton_back` started Triton: the stage and entry models loaded again, the gate opened."""
+        deadline = time.monotonic() + self.s.startup_timeout_s
+        with self._client(network_timeout=10) as client:
+            while not _live(client):
+                if not self.triton.is_alive() or stop["signal"] is not None or time.monotonic() > deadline:
+                    raise RuntimeError("Triton is not live")
+                time.sleep(0.1)
+        own = [name for name, proc in self.workers.items() if name != "frontend" and proc.poll() is None
+               and (self.model_store / name).is_dir()]
+        with self._client(network_timeout=self.s.startup_timeout_s) as client:
+            for name in own:  # (a stage model loads once its stub has reached its worker: ready when loaded)
+                try:
+                    client.load_model(name, headers=self.headers)
+                except Exception as e:  # noqa: BLE001 - its worker exited meanwhile: the supervision restarts it
+                    self.out(f"[trident] stage model {name} did not load again: {e}")
+        loaded = []
+        for mode in self.s.load if self.s.load is not None else self.s.modes:
+            try:
+                self.load_entry_model(mode)
+                loaded.append(mode)
+            except Exception as e:  # noqa: BLE001 - a stage of it is down: the mode stays unloaded, the rest serve
+                self.out(f"[trident] entry model {mode} did not load again: {e}")
+        if not self.triton.is_alive():
+            raise RuntimeError("it exited again")
+        with self._client() as client:
+            open_gate(client, self.headers, self.model_store, loaded[0] if loaded else None, self.out)
 
     def _worker_exited(self, name: str, code: int, pid: int) -> None:
         self._coming_back.discard(name)
@@ -599,7 +671,7 @@ class Launcher:
         # (then the workers have no model to unbind)
         if self.triton is not None:
             stubs = sorted({*(pid for pid in descendants(os.getpid()) if is_stub(pid)), *stubs_of(self.model_store)})
-            self.triton.stop()
+            pytriton_patch.stop(self.triton)
             self._reap(stubs)
             if regions := remove_shm_regions(os.getpid()):
                 self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
@@ -647,6 +719,13 @@ class Launcher:
         # (only stubs of this server's models: an exited stub's pid may be another server's stub by now)
         if killed := kill_left(stubs, grace_s, running=lambda pid: is_stub_of(pid, self.model_store)):
             self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
+
+
+def _live(client) -> bool:
+    try:
+        return client.is_server_live()
+    except Exception:  # noqa: BLE001 - not up yet (the front answers 503, or the client's own errors)
+        return False
 
 
 def _say(line: str) -> None:

@@ -11,7 +11,8 @@ alone: no other local user reaches them either), and this front listens on the p
   the client's chunks are);
 - a compressed body (``Content-Encoding``) is inflated here, within the same bound, and reaches Triton plain;
 - the answer goes back as Triton writes it (a ``generate_stream`` event by event), and a client that goes away
-  closes its connection to Triton, which stops its request;
+  closes its connection to Triton, which stops its request; an answer Triton breaks off (it died) is cut off for
+  the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
 - a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500).
 
@@ -129,8 +130,10 @@ class _Relay:
             body = request.content.iter_any() if declared else None
         else:
             body = self._pieces(request, over) if request.body_exists else None
+        out = None
         try:
-            async with self.session.request(request.method, URL("http://triton" + request.raw_path, encoded=True), headers=headers, data=body,
+            target = URL("http://triton" + request.raw_path, encoded=True)
+            async with self.session.request(request.method, target, headers=headers, data=body,
                                             allow_redirects=False) as answer:
                 status, first = answer.status, b""
                 if status == 500 and answer.content_length is not None and answer.content_length < 4096:
@@ -151,6 +154,10 @@ class _Relay:
                 await out.write_eof()
                 return out
         except (ClientError, OSError, ValueError) as e:
+            if out is not None and out.prepared:  # Triton went away mid-answer: the client's answer is cut off, never
+                if request.transport is not None:  # ended as if whole (no last chunk, or short of its length)
+                    request.transport.abort()
+                return out
             if over:
                 return self._too_large()
             if request.transport is None or request.transport.is_closing():

@@ -9,6 +9,7 @@ import time
 EXPORTER_LINE = "[OTLP HTTP Client]"  # what opentelemetry-cpp's OTLP exporter in Triton prefixes its errors with
 EXPORTER_QUIET_S = 60.0
 UNIX_SOCKET_NOISE = "NODELAY NOT SUPPORTED"  # libevhtp's warning at each server it starts on a Unix socket (http_front)
+STUB_ORPHANED = "Non-graceful termination detected"  # each python-backend stub's line when Triton died under it
 
 
 def _wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
@@ -48,7 +49,8 @@ def quiet_triton_output() -> None:
     Triton's exporter writes two lines for each batch of spans; they are shown once a minute, in one line, as
     Trident's own exporters say it (``tracing._OnceAMinute``); the other lines are passed on whole (PyTriton
     reads Triton's output unbuffered, in parts of lines). libevhtp's warning that a Unix socket takes no TCP_NODELAY
-(one line per server, at each start) is dropped. ``tests/unit/test_pytriton_patches.py`` fails when
+(one line per server, at each start) is dropped, and so is each stub's line when Triton died under it (the
+launcher says that Triton exited, once). ``tests/unit/test_pytriton_patches.py`` fails when
     the patched method changes."""
     from pytriton.server.triton_server import TritonServer
 
@@ -62,7 +64,7 @@ def quiet_triton_output() -> None:
             chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk)
         *lines, self._trident_partial = text.split("\n")
         for line in lines:
-            if UNIX_SOCKET_NOISE in line:
+            if UNIX_SOCKET_NOISE in line or STUB_ORPHANED in line:
                 continue
             if EXPORTER_LINE in line:
                 now = time.monotonic()
@@ -74,3 +76,27 @@ def quiet_triton_output() -> None:
 
     _record_logs.trident_quiet = True
     TritonServer._record_logs = _record_logs
+
+
+def keep_workspace(triton) -> None:
+    """PyTriton 0.7 limitation: when ``tritonserver`` exits, PyTriton's :class:`~pytriton.triton.Triton` stops itself
+    and removes its workspace, the model store with it (the stage models' folders and their worker files). The
+    launcher starts Triton again instead (:func:`start_again`), so the exit callback is taken off;
+    :func:`stop` puts it back for PyTriton's own stop. ``tests/unit/test_pytriton_patches.py`` fails when the
+    attributes these use change."""
+    triton._triton_server.unregister_on_exit(triton._on_tritonserver_exit)
+
+
+def start_again(triton, load: list[str]) -> None:
+    """Start ``triton``'s ``tritonserver`` process again (the same arguments, its workspace as it was), loading only
+    the models named in ``load`` at start-up (the rest are the launcher's to load)."""
+    server = triton._triton_server
+    server._server_config["load-model"] = list(load)
+    server.start()
+
+
+def stop(triton) -> None:
+    """PyTriton's stop of ``triton`` (its process, then its workspace), with the exit callback it expects back."""
+    if triton._on_tritonserver_exit not in triton._triton_server._on_exit:
+        triton._triton_server.register_on_exit(triton._on_tritonserver_exit)
+    triton.stop()

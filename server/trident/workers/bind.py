@@ -200,8 +200,13 @@ def run_worker(settings: WorkerSettings) -> int:
                 "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
             if health:
                 health.state = "serving"
-            if not settings.free_name:  # `trident serve` stops its workers; they stop too when its Triton goes
-                _watch_server(settings.url, None)
+            if not settings.free_name:
+                from ..launcher.processes import HEAD_PID_ENV
+
+                if os.environ.get(HEAD_PID_ENV):  # `trident serve`'s own: it loads the stage model again after a
+                    while True:                   # Triton restart, and stops the worker (or its death does)
+                        time.sleep(3600)
+                _watch_server(settings.url, None)  # one started by hand with --url: it stops when the server goes
                 break
             _watch_server(settings.url, name)
             # its server went away (a restart) or no longer serves its stage model: bind again once it is back
