@@ -634,6 +634,7 @@ def test_triton_killed_under_load_comes_back_with_the_same_workers(server):
             break
         time.sleep(0.1)
     assert status == 200 and seen - {200}, (seen, "\n".join(server.log[-20:]))
+    print(f"READY again {time.monotonic() - t0:.1f} s after the kill (pytest -s)")
     for t in streams:
         t.join(60)
     assert len(ends) == 4
@@ -642,6 +643,9 @@ def test_triton_killed_under_load_comes_back_with_the_same_workers(server):
     assert _workers(server) == workers  # the same processes: no engine loaded again
     assert grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True).text == reference.text
     assert http_generate(server.http, "epd", f"USER: {prompt} ASSISTANT:", [], params)[0] == 200
+    chat = requests.post(f"{server.openai_url}/chat/completions", timeout=60, json={
+        "model": f"{SHARED_LLAVA_NAME}:e_p_d", "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]})
+    assert chat.status_code == 200, chat.text  # (the OpenAI frontend's gRPC channel to the new Triton)
     assert any("Triton is back in" in line for line in server.log)
 
 

@@ -532,8 +532,8 @@ class Launcher:
     def _triton_back(self, stop: dict) -> bool:
         """Triton exited on its own (a crash, the OOM killer): start it again, with the workers as they are (their
         engines loaded), and serve again: its stubs and shared memory gone, the start-up gate closed (not READY),
-        Triton started loading only the bind model and the gate, then the stage models of this head's workers
-        loaded (the joined workers bind again themselves), the entry models, and the gate opened. The requests that
+        Triton started with the gate, the bind model and the stage models of this head's workers (side by side; the
+        joined workers bind again themselves), then the entry models loaded, and the gate opened. The requests that
         were in flight through it end with an error (the HTTP front cuts their answers; gRPC streams break). False
         when it has exited :data:`MAX_QUICK_DEATHS` times in a row, each within :data:`QUICK_DEATH_S` of its start:
         the head gives up (exit 1), and a supervisor above it (Kubernetes, systemd) takes over."""
@@ -544,7 +544,7 @@ class Launcher:
             return False
         t0 = time.monotonic()
         self.out("[trident] Triton exited; starting it again (the workers keep their engines; not READY meanwhile)")
-        self._reap(stubs_of(self.model_store), grace_s=1.0)
+        kill_left(stubs_of(self.model_store), grace_s=0)  # (the dead Triton's: orphans now)
         remove_shm_regions(os.getpid())
         for name in ("http.sock", "metrics.sock"):
             (self.workspace / "sockets" / name).unlink(missing_ok=True)
@@ -552,37 +552,39 @@ class Launcher:
         deadline = time.monotonic() + min(delay - 1.0, 8.0)  # (none after a long life; backoff after quick deaths)
         while time.monotonic() < deadline and stop["signal"] is None:
             time.sleep(0.1)
+        # the stage models of this head's workers load with Triton, side by side (a load through the API waits
+        # for the others); the entry models need them
+        own = [name for name, proc in self.workers.items() if name != "frontend" and proc.poll() is None
+               and (self.model_store / name).is_dir()]
         with self._preloaded():
-            pytriton_patch.start_again(self.triton, [GATE, BIND_MODEL])
+            pytriton_patch.start_again(self.triton, [GATE, BIND_MODEL, *own])
         self._triton_restarts.started(TRITON)
         try:
-            self._serve_again(stop)
+            self._serve_again(own, stop)
         except Exception as e:  # noqa: BLE001 - it died again, or a load failed: the next round of the loop sees it
             self.out(f"[trident] Triton did not come back: {e}")
             return True
         self.out(f"[trident] Triton is back in {time.monotonic() - t0:.1f} s: READY")
         return True
 
-    def _serve_again(self, stop: dict) -> None:
-        """After :meth:`_triton_back` started Triton: the stage and entry models loaded again, the gate opened."""
+    def _serve_again(self, own: list[str], stop: dict) -> None:
+        """After :meth:`_triton_back` started Triton with the stage models ``own``: the entry models loaded again
+        once those are ready, the gate opened."""
         deadline = time.monotonic() + self.s.startup_timeout_s
+        pending = set(own)
         with self._client(network_timeout=10) as client:
-            while not _live(client):
+            while pending or not _live(client):
                 if not self.triton.is_alive() or stop["signal"] is not None or time.monotonic() > deadline:
-                    raise RuntimeError("Triton is not live")
+                    raise RuntimeError(f"Triton is not live, or stage models {sorted(pending)} not ready")
+                pending = {name for name in pending if self.workers[name].poll() is None
+                           and not _model_ready(client, name)}  # (a worker that exited: its supervision's)
                 time.sleep(0.1)
-        own = [name for name, proc in self.workers.items() if name != "frontend" and proc.poll() is None
-               and (self.model_store / name).is_dir()]
-        with self._client(network_timeout=self.s.startup_timeout_s) as client:
-            for name in own:  # (a stage model loads once its stub has reached its worker: ready when loaded)
-                try:
-                    client.load_model(name, headers=self.headers)
-                except Exception as e:  # noqa: BLE001 - its worker exited meanwhile: the supervision restarts it
-                    self.out(f"[trident] stage model {name} did not load again: {e}")
+        modes = self.s.load if self.s.load is not None else self.s.modes
+        loading = {mode: self._load_beside(mode) for mode in modes}
         loaded = []
-        for mode in self.s.load if self.s.load is not None else self.s.modes:
+        for mode, done in loading.items():
             try:
-                self.load_entry_model(mode)
+                done.result()
                 loaded.append(mode)
             except Exception as e:  # noqa: BLE001 - a stage of it is down: the mode stays unloaded, the rest serve
                 self.out(f"[trident] entry model {mode} did not load again: {e}")
@@ -725,6 +727,13 @@ def _live(client) -> bool:
     try:
         return client.is_server_live()
     except Exception:  # noqa: BLE001 - not up yet (the front answers 503, or the client's own errors)
+        return False
+
+
+def _model_ready(client, name: str) -> bool:
+    try:
+        return client.is_model_ready(name)
+    except Exception:  # noqa: BLE001 - Triton still starting
         return False
 
 
