@@ -19,3 +19,21 @@ def test_quick_deaths_double_the_delay_until_the_process_is_left_down_and_a_long
     r.started("w")
     now[0] += QUICK_DEATH_S + 1  # a long life: the count starts again
     assert r.exited("w") == 1.0
+
+
+def test_the_head_gives_up_on_a_triton_that_keeps_dying(tmp_path):
+    """A Triton that died MAX_QUICK_DEATHS times in a row, each soon after its start, is not started again: the head
+    says so and stops (supervise returns 1), for the supervisor above it. (The restart itself:
+    tests/e2e/test_trust.py `test_triton_killed_under_load_...`.)"""
+    from trident.config import ServeSettings
+    from trident.launcher import TRITON, Launcher
+
+    said: list[str] = []
+    launcher = Launcher(ServeSettings(workspace=str(tmp_path)), out=said.append)
+    for _ in range(MAX_QUICK_DEATHS - 1):
+        launcher._triton_restarts.started(TRITON)
+        assert launcher._triton_restarts.exited(TRITON) is not None
+    launcher._triton_restarts.started(TRITON)
+    assert launcher._triton_back({"signal": None}) is False  # (before anything is started: self.triton is None)
+    assert said == [f"[trident] Triton exited {MAX_QUICK_DEATHS} times in a row within {QUICK_DEATH_S:.0f} s of "
+                    "starting; stopping everything (exit code 1)"]
