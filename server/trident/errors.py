@@ -6,15 +6,17 @@ matching status), and whether a retry may help. Torch-free: the python-backend s
 
 Across processes a stage worker's error travels as a :class:`~trident.protocol.Failure` naming its class; the
 stage model's python-backend stub turns it into a Triton error with the class's code and the message
-``"<ClassName>: <message>"``. Only an error that ends a stream after other responses, on its way through Triton
-to a BLS, travels as a small JSON envelope (:func:`to_wire` / :func:`from_wire`) in the last response. Triton's gRPC stream carries only that message, so a client of a
-stream reads the class back with :func:`from_message`; elsewhere the Triton status already says it.
+``"<ClassName>: <message>"``. Triton's gRPC stream carries only that message, so a client of a stream reads the
+class back with :func:`from_message`; elsewhere the Triton status already says it. An exception that is not a
+Trident error (a bug) reaches no client with its own text, which may name a path, an address or a line of code:
+the client reads a reference, and the process's log has the exception under it (:func:`as_trident_error`).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import re
+import secrets
 from typing import ClassVar
 
 
@@ -145,32 +147,16 @@ ERRORS: dict[str, type[TridentError]] = {
 """Every error class by name: the one table the wire format and the frontend read."""
 
 
-def as_trident_error(error: BaseException) -> TridentError:
-    """``error`` itself when it is a Trident error, else an internal error naming its type."""
+def as_trident_error(error: BaseException, log: bool = True) -> TridentError:
+    """``error`` itself when it is a Trident error; else an internal error that names only a reference, the
+    exception (its type, text and traceback) logged under that reference here (``log``: by the caller)."""
     if isinstance(error, TridentError):
         return error
-    return TridentError(f"{type(error).__name__}: {error}")
-
-
-# -- between a stage worker and its python-backend stub ----------------------------------------------------
-_WIRE_KEY = "trident_error"
-
-
-def to_wire(error: BaseException) -> str:
-    """The envelope a stage worker sends for a failed request."""
-    e = as_trident_error(error)
-    return json.dumps({_WIRE_KEY: type(e).__name__, "message": e.message})
-
-
-def from_wire(text: str) -> TridentError:
-    """The error an envelope describes; anything else (e.g. PyTriton's own traceback) is an internal error."""
-    try:
-        doc = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        doc = None
-    if isinstance(doc, dict) and isinstance(doc.get(_WIRE_KEY), str) and isinstance(doc.get("message"), str):
-        return ERRORS.get(doc[_WIRE_KEY], TridentError)(doc["message"])
-    return TridentError(str(text).strip().splitlines()[-1] if str(text).strip() else "internal error")
+    reference = secrets.token_hex(4)
+    if log:
+        logging.getLogger("trident").error("internal error %s: %s: %s", reference, type(error).__name__, error,
+                                           exc_info=error)
+    return TridentError(f"internal error (reference {reference}: the server's log has its cause)")
 
 
 def client_message(error: TridentError) -> str:

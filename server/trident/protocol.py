@@ -225,7 +225,8 @@ _message_decoder = msgspec.msgpack.Decoder(StageMessage, ext_hook=_decode_array)
 
 
 def failure(id: int, error: BaseException) -> Failure:
-    """``error``'s :class:`Failure` (anything not a Trident error is an internal one, its text kept)."""
+    """``error``'s :class:`Failure` (anything not a Trident error is an internal one, shown by a reference only:
+    :func:`~trident.errors.as_trident_error`)."""
     e = as_trident_error(error)
     return Failure(id, type(e).__name__, e.message)
 

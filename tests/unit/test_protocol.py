@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 
@@ -191,18 +193,30 @@ def test_error_classes_carry_their_status():
 
 
 @pytest.mark.parametrize("cls", list(ERRORS.values()))
-def test_errors_cross_the_wire_and_come_back_from_a_message(cls):
-    error = errors.from_wire(errors.to_wire(cls("the reason")))
-    assert type(error) is cls and error.message == "the reason"
-    shown = "in ensemble 'e_p_d', " + errors.client_message(error)
+def test_errors_come_back_from_the_message_a_client_reads(cls):
+    shown = "in ensemble 'e_p_d', " + errors.client_message(cls("the reason"))
     back = errors.from_message(shown)
     assert type(back) is cls and back.message == "the reason"
-
-
-def test_other_failures_are_internal_errors():
-    assert type(errors.from_wire(errors.to_wire(KeyError("x")))) is TridentError
-    assert errors.from_wire("Traceback (most recent call last):\n  ...\nRuntimeError: boom").message == "RuntimeError: boom"
     assert errors.from_message("Request for unknown model: 'e_pd' is not found") is None
+
+
+def test_an_internal_error_shows_a_client_a_reference_and_the_log_its_cause(caplog):
+    """A bug's exception text (a path, an address) never reaches a client: the Failure a worker sends, and so the
+    client's message, carries a reference; the log has the exception under the same reference."""
+    from trident.protocol import error_of, failure
+
+    try:
+        raise OSError("[Errno 111] Connection refused: 10.1.2.3:41235 /opt/secret/path")
+    except OSError as e:
+        with caplog.at_level("ERROR", logger="trident"):
+            sent = failure(7, e)
+    shown = errors.client_message(error_of(sent))
+    assert sent.error == "TridentError" and "10.1.2.3" not in shown and "/opt" not in shown
+    reference = re.search(r"internal error \(reference ([0-9a-f]{8})", shown).group(1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"internal error {reference}: OSError: [Errno 111] Connection refused: 10.1.2.3:41235 /opt/secret/path"]
+    assert caplog.records[0].exc_info is not None
+    assert errors.as_trident_error(errors.Unavailable("as it is")).message == "as it is"
 
 
 def test_received_tensors_are_views_of_the_pool_in_the_records_layout():
@@ -234,3 +248,12 @@ def test_received_tensors_are_views_of_the_pool_in_the_records_layout():
         unpack_tensors(pool.buffer, (TensorSpec("float32", (1024,)),), 256, pool.typed)
     with pytest.raises(MalformedRecord, match="float32 tensor at byte 6, not a multiple of its element size"):
         unpack_tensors(pool.buffer, (TensorSpec("float16", (3,)), TensorSpec("float32", (2,))), 256, pool.typed)
+
+
+def test_a_lost_worker_on_another_host_is_named_by_its_stage_never_its_address():
+    from trident.stagecall.client import lost_message
+
+    remote = lost_message("prefill-2", {"tcp": ["198.18.7.3", 41235], "pid": 77})
+    assert remote == "the prefill-2 stage's worker on another host went away; the request was lost with it"
+    local = lost_message("prefill", {"tcp": ["127.0.0.1", 41235], "direct": "/tmp/x/calls.sock", "pid": 77})
+    assert local.startswith("the prefill stage's worker (pid 77) exited")

@@ -442,7 +442,8 @@ class TritonEngine:
         except TridentError:
             raise
         except Exception as e:  # connection refused, server gone
-            raise Unavailable(f"the Triton server at {self.url} is unavailable: {type(e).__name__}") from None
+            log.warning("Triton at %s: %s: %s", self.url, type(e).__name__, e)  # (the address for the log alone)
+            raise Unavailable(f"the Triton server is unavailable ({type(e).__name__}); retry later") from None
 
     async def _error(self, mode: str, message: str) -> TridentError:
         """The error of a failed stream: the Trident error its message names (a gRPC stream carries only a

@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import drain, tracing
 from ..config import MODEL_ENV, SCHEDULING_ENV, SchedulerConfig
-from ..errors import InvalidRequest, TridentError, Unavailable, client_message
+from ..errors import InvalidRequest, TridentError, Unavailable, as_trident_error, client_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
     ENCODE_REPORT, REQUEST_ID, HandTo, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord,
@@ -215,10 +215,11 @@ class TritonPythonModel:
             message = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
             self.metrics.add("trident_scheduler_errors_total", code=str(code))
             self._end_with_error(req, pb.TritonError(message, code))
-        except Exception as e:  # a bug here must not leave the client waiting
-            self.logger.log_error(f"[trident] {self.mode}: scheduler failed: {type(e).__name__}: {e}")
+        except Exception as e:  # a bug here must not leave the client waiting (nor show it the bug's text)
+            error = as_trident_error(e, log=False)
+            self.logger.log_error(f"[trident] {self.mode}: scheduler failed: {type(e).__name__}: {e} ({error.message})")
             self.metrics.add("trident_scheduler_errors_total", code="INTERNAL")
-            self._end_with_error(req, pb.TritonError(f"TridentError: scheduler failed: {e}", pb.TritonError.INTERNAL))
+            self._end_with_error(req, pb.TritonError(client_message(error), pb.TritonError.INTERNAL))
         finally:
             self._open -= 1
             if req.answered is not None and req.first_ns is not None:

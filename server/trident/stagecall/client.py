@@ -99,8 +99,8 @@ class _Connection:
     its relaying thread, a one-answer call's to its waiter, without passing through an event loop). When the
     socket ends, each call still waiting gets a :class:`~trident.protocol.Failure` (``lost``: its message)."""
 
-    def __init__(self, sock: socket.socket, lost: str) -> None:
-        self._sock, self._lost = sock, lost
+    def __init__(self, sock: socket.socket, lost: str, where: str = "") -> None:
+        self._sock, self._lost, self._where = sock, lost, where
         self._send_lock = threading.Lock()
         self._pending: dict[int, Callable[[StageMessage], None] | None] = {}
         self._ids = itertools.count(1)
@@ -159,6 +159,8 @@ class _Connection:
         finally:
             self._closed = True
             self._sock.close()
+            if self._pending and self._where:  # (the client's message names no address: the log does)
+                log.warning("%s (the worker%s)", self._lost, self._where)
             for rid in list(self._pending):
                 target = self._pending.pop(rid, None)
                 if target is not None:
@@ -201,10 +203,11 @@ def open_stage_socket(info: dict) -> socket.socket:
 
 
 def lost_message(instance: str, info: dict) -> str:
-    """What a call that its worker's end of the connection ended says: a worker on another host by its address
-    (its pid there means nothing here, and no launcher here restarts it), one on this host by its pid."""
-    if where := _where(info):
-        return f"the {instance} stage's worker{where} went away; the request was lost with it"
+    """What a call that its worker's end of the connection ended says: a worker on another host as such (its
+    address is for the log alone, :class:`_Connection`; its pid there means nothing here, and no launcher here
+    restarts it), one on this host by its pid."""
+    if _where(info):
+        return f"the {instance} stage's worker on another host went away; the request was lost with it"
     pid = f" (pid {info['pid']})" if info.get("pid") else ""
     return f"the {instance} stage's worker{pid} exited; the request was lost with it (the server restarts the worker)"
 
@@ -233,8 +236,10 @@ class StageClient:
         except asyncio.TimeoutError:
             with contextlib.suppress(NotSent):
                 connection.send(Abandon(connection.next_id(), call.id), None)
-            raise StageTimeout(f"stage instance {instance}{_where(directory.lookup(instance))} did not answer within "
-                               f"{timeout_s:g} s (scheduling.stage_timeout_s)") from None
+            if where := _where(directory.lookup(instance)):  # (an address is the log's, never a client's)
+                log.warning("stage instance %s%s did not answer within %g s", instance, where, timeout_s)
+            raise StageTimeout(f"stage instance {instance} did not answer within {timeout_s:g} s "
+                               "(scheduling.stage_timeout_s)") from None
         if isinstance(answer, Gone):  # the worker is stopping
             return None
         if isinstance(answer, Failure):
@@ -327,7 +332,7 @@ class StageClient:
         except (OSError, ValueError, KeyError, TypeError):
             self._connections.pop(key, None)
             return None
-        connection = self._connections[key] = _Connection(sock, lost_message(instance, info))
+        connection = self._connections[key] = _Connection(sock, lost_message(instance, info), _where(info))
         return connection
 
     def close(self) -> None:
@@ -369,7 +374,7 @@ class StageLink:
                 self._stop.wait(0.05)
                 continue
             told = False
-            self._conn = _Connection(sock, lost_message(self._instance, info))
+            self._conn = _Connection(sock, lost_message(self._instance, info), _where(info))
             self._connected.set()
             self._conn._reader.join()  # until the worker's end closes
             self._connected.clear()

@@ -248,6 +248,6 @@ class StageServer:
         except Exception as e:
             if isinstance(e, TridentError) and type(e) is not TridentError:
                 log.info("stage request refused: %s", client_message(e))
-            else:
+            elif isinstance(e, TridentError):
                 log.warning("stage request failed", exc_info=True)
-            await self._write(writer, failure(call.id, e))
+            await self._write(writer, failure(call.id, e))  # (any other exception: logged with its reference)
