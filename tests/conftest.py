@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One record-signing key for the session: servers the tests start take it from the environment, so a test can
 # act as a worker of the deployment (sign a record) or as another deployment (sign with another key).
-os.environ.setdefault("TRIDENT_TRANSFER_SECRET", "trident-tests-" + os.urandom(8).hex())
+os.environ.setdefault("TRIDENT_TRANSFER_SECRET", "trident-tests-" + os.urandom(32).hex())
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -22,8 +22,12 @@ handing on its record):
   each other when the connection opens (:class:`Handshake`: a challenge each way, keyed BLAKE2b), and the side
   that accepted the connection sends nothing but its challenge until the other side has proved it.
 
-Neither gives away the secret: the credential is a one-way derivation of it, and the handshake's proofs are
-MACs over fresh random challenges.
+Neither gives away the secret: every key is derived from it with HKDF-SHA256, one label per use (records' keys
+and ids, the credential, the handshake's key), the handshake's proofs are MACs over fresh random challenges, and a
+secret weaker than :data:`MIN_SECRET_BITS` (by its length and alphabet) is refused where it comes in
+(:func:`check_secret`), so that a leaked credential does not let anyone guess it offline. During a rotation (a
+second key line), the first key seals records and makes calls, and every listed key opens records and is accepted
+as credential and in handshakes.
 
 The secret comes from ``TRIDENT_TRANSFER_SECRET``. ``trident serve`` generates one per deployment (or reads it
 from a file) and passes it to Triton and every worker; workers on other hosts get the same secret through the
@@ -35,16 +39,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import socket
 import threading
 import time
+import zlib
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import ForgedRecord, MalformedRecord, ReplayedRecord
 
@@ -73,10 +82,58 @@ def secret() -> str:
     return value
 
 
+MIN_SECRET_BITS = 128
+SALT = b"trident deployment secret v2"  # HKDF's salt: one per derivation scheme
+
+
+def key_lines(value: str | None = None) -> list[str]:
+    """The secret's keys, one per line (the first seals and calls; every one opens and is accepted)."""
+    return [line.strip() for line in (value if value is not None else secret()).strip().splitlines() if line.strip()]
+
+
+def strength(key: str) -> float:
+    """A key's entropy in bits, as its length and alphabet bound it: per character, log2 of the smaller of its
+    alphabet (hex digits 16; else 26 each for lower and upper case letters, 10 for digits, 32 for the rest, those
+    it uses) and the number of distinct characters it has; and at most 8 bits per byte it compresses to (a
+    repeated pattern is short)."""
+    if not key:
+        return 0.0
+    if all(c in "0123456789abcdef" for c in key) or all(c in "0123456789ABCDEF" for c in key):
+        pool = 16
+    else:
+        pool = sum(size for test, size in ((str.islower, 26), (str.isupper, 26), (str.isdigit, 10))
+                   if any(test(c) for c in key)) + (32 if any(not c.isalnum() for c in key) else 0)
+    by_alphabet = len(key) * math.log2(min(pool, len(set(key))))
+    return min(by_alphabet, 8.0 * max(0, len(zlib.compress(key.encode(), 9)) - 8))  # (zlib's 8 bytes of framing)
+
+
+def check_secret(value: str, where: str) -> None:
+    """A :class:`ValueError` naming ``where`` (the variable or file it came from) when a key of the secret is
+    weaker than :data:`MIN_SECRET_BITS`: a leaked credential or record must not let anyone guess it offline."""
+    keys = key_lines(value)
+    if not keys:
+        raise ValueError(f"{where}: the deployment secret is empty")
+    for n, key in enumerate(keys, 1):
+        if (bits := strength(key)) < MIN_SECRET_BITS:
+            raise ValueError(
+                f"{where}: the deployment secret's key on line {n} has about {bits:.0f} bits of entropy (by its length "
+                f"and alphabet); at least {MIN_SECRET_BITS} are needed. Make one with `openssl rand -hex 32`, or leave "
+                f"{ENV} unset and `trident serve` makes one")
+
+
+@functools.lru_cache(maxsize=256)
+def _hkdf(key: str, label: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=SALT, info=label).derive(key.encode())
+
+
 def derive(label: bytes, value: str | None = None) -> bytes:
-    """A 32-byte key for one use (``label``) of the secret's first key; each use has its own."""
-    first = (value if value is not None else secret()).strip().splitlines()[0].strip()
-    return hashlib.blake2b(first.encode(), digest_size=32, person=label[:16]).digest()
+    """A 32-byte key for one use (``label``) of the secret's first key (HKDF-SHA256); each use has its own."""
+    return _hkdf(key_lines(value)[0], label)
+
+
+def derive_all(label: bytes) -> list[bytes]:
+    """:func:`derive` of every key of the secret (what a receiver accepts during a rotation)."""
+    return [_hkdf(key, label) for key in key_lines()]
 
 
 def _ciphers() -> tuple[bytes, dict[bytes, ChaCha20Poly1305]]:
@@ -86,12 +143,10 @@ def _ciphers() -> tuple[bytes, dict[bytes, ChaCha20Poly1305]]:
         with _lock:
             keys: dict[bytes, ChaCha20Poly1305] = {}
             order = []
-            for line in value.strip().splitlines():
-                if line.strip():
-                    key = hashlib.blake2b(line.strip().encode(), digest_size=32, person=b"trident-key").digest()
-                    kid = hashlib.blake2b(key, digest_size=KEY_ID_BYTES, person=b"trident-kid").digest()
-                    keys[kid] = ChaCha20Poly1305(key)
-                    order.append(kid)
+            for line in key_lines(value):
+                kid = _hkdf(line, b"trident-record-key-id", KEY_ID_BYTES)
+                keys[kid] = ChaCha20Poly1305(_hkdf(line, b"trident-record-key"))
+                order.append(kid)
             _keys, _sealing, _source = keys, order[0], value
     return _sealing, _keys
 
@@ -158,21 +213,25 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 
 def credential() -> str:
-    """The stage credential of this deployment (hex)."""
+    """The stage credential of this deployment (hex), from the secret's first key."""
     return derive(b"trident-stage-cr").hex()
 
 
 def check_credential(value) -> bool:
-    """Whether ``value`` (a request parameter, any type) is this deployment's stage credential."""
-    return isinstance(value, str) and hmac.compare_digest(value.encode(), credential().encode())
+    """Whether ``value`` (a request parameter, any type) is this deployment's stage credential, from any key of
+    the secret (a caller a rotation has not reached yet)."""
+    if not isinstance(value, str):
+        return False
+    given = value.encode()
+    return any([hmac.compare_digest(given, key.hex().encode()) for key in derive_all(b"trident-stage-cr")])
 
 
 class NotAuthenticated(ConnectionError):
     """The other end of a stage socket did not prove the deployment secret."""
 
 
-def _proof(side: bytes, challenge: bytes, answer: bytes) -> bytes:
-    key = derive(b"trident-stage-hs")
+def _proof(side: bytes, challenge: bytes, answer: bytes, key: bytes | None = None) -> bytes:
+    key = key or derive(b"trident-stage-hs")
     return hashlib.blake2b(side + challenge + answer, digest_size=PROOF_BYTES, key=key).digest()
 
 
@@ -200,11 +259,11 @@ class Handshake:
     def check(hello: bytes, reply: bytes) -> bytes:
         """The acceptor's last message, once ``reply`` proves the secret; :class:`NotAuthenticated` otherwise."""
         challenge, nonce, proof = hello[len(MAGIC):], reply[:CHALLENGE_BYTES], reply[CHALLENGE_BYTES:]
-        expected = _proof(b"c", challenge, nonce)
-        proved = len(reply) == CHALLENGE_BYTES + PROOF_BYTES and hmac.compare_digest(proof, expected)
-        if not proved:
-            raise NotAuthenticated("the caller did not prove the deployment secret")
-        return _proof(b"s", challenge, nonce)
+        if len(reply) == CHALLENGE_BYTES + PROOF_BYTES:
+            for key in derive_all(b"trident-stage-hs"):  # (the caller's first key: any of ours, during a rotation)
+                if hmac.compare_digest(proof, _proof(b"c", challenge, nonce, key)):
+                    return _proof(b"s", challenge, nonce, key)  # proved with the key the caller used
+        raise NotAuthenticated("the caller did not prove the deployment secret")
 
 
 HELLO_BYTES = len(MAGIC) + CHALLENGE_BYTES

@@ -139,7 +139,23 @@ def read_secret_file(path: str, flag: str) -> str:
         secret = f.read().strip()
     if not secret:
         raise UsageError(f"{flag} {path}: the file is empty")
+    if flag == "--transfer-secret-file":
+        strong_secret(secret, f"{flag} {path}")
     return secret
+
+
+def strong_secret(value: str, where: str) -> None:
+    """A :class:`UsageError` when the deployment secret is weak (:func:`trident.auth.check_secret`)."""
+    try:
+        auth.check_secret(value, where)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _secret_from_environment() -> None:
+    """A worker's or a node's secret from its environment, when set there: refused when weak."""
+    if value := os.environ.get(auth.ENV):
+        strong_secret(value, auth.ENV)
 
 
 def _put(tree: dict, key: str, value: Any) -> None:
@@ -293,6 +309,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     if args.transfer_secret_file:
         os.environ[auth.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
+    _secret_from_environment()
     if args.settings:
         settings = WorkerSettings.model_validate_json(args.settings)
     else:
@@ -339,6 +356,8 @@ def _node(args: argparse.Namespace) -> int:
     env.pop("TRIDENT_ACCESS_TOKEN", None)  # (workers bind through the server's bind model: no token of its)
     if args.transfer_secret_file:
         env[auth.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
+    elif env.get(auth.ENV):
+        strong_secret(env[auth.ENV], auth.ENV)
     address = route_address(args.join)  # the data plane of each: the address this host reaches the head from
     workers = {
         f"{stage}#{i}": WorkerSettings(

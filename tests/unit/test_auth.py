@@ -17,17 +17,13 @@ def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
     a, b = socket.socketpair()
     results: dict = {}
 
-    # one process, one environment: each side's handshake key is derived first, then handed to it by thread
-    with monkeypatch.context() as m:
-        m.setenv(auth.ENV, accept_secret)
-        acc_key = auth.derive(b"trident-stage-hs")
-    with monkeypatch.context() as m:
-        m.setenv(auth.ENV, connect_secret)
-        con_key = auth.derive(b"trident-stage-hs")
-    keys = {"accept": acc_key, "connect": con_key}
+    # one process, one environment: each side reads its own secret's keys, by thread
+    secrets_of = {"accept": accept_secret, "connect": connect_secret}
     local = threading.local()
-    real = auth.derive
-    monkeypatch.setattr(auth, "derive", lambda label, value=None: keys[local.side] if label == b"trident-stage-hs" else real(label, value))
+    real = auth.key_lines
+    patched = monkeypatch.context()
+    patched.__enter__().setattr(auth, "key_lines", lambda value=None: real(
+        value if value is not None else secrets_of[local.side]))
 
     def run(name, fn, sock):
         local.side = name
@@ -43,11 +39,36 @@ def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
     run("connect", auth.connect, b)
     t.join(10)
     a.close(), b.close()
+    patched.__exit__(None, None, None)
     return results["accept"], results["connect"]
 
 
 def test_the_same_secret_passes_both_ways(monkeypatch):
     assert _pair_with_secrets(monkeypatch, "s1", "s1") == (None, None)
+
+
+def test_during_a_rotation_every_listed_key_is_accepted(monkeypatch):
+    """A second key line rolls out first (everyone still calls with the old one), then the order is swapped: a
+    process with either order and one with the other key alone still handshake, and credentials pass."""
+    assert _pair_with_secrets(monkeypatch, "new\nold", "old") == (None, None)
+    assert _pair_with_secrets(monkeypatch, "old\nnew", "new\nold") == (None, None)
+    monkeypatch.setenv(auth.ENV, "old")
+    old_credential = auth.credential()
+    monkeypatch.setenv(auth.ENV, "new\nold")
+    assert auth.credential() != old_credential and auth.check_credential(old_credential)
+    monkeypatch.setenv(auth.ENV, "new")
+    assert not auth.check_credential(old_credential)
+
+
+def test_a_weak_secret_is_refused_where_it_comes_in():
+    auth.check_secret(auth.new_secret(), "TRIDENT_TRANSFER_SECRET")  # 64 hex digits: 256 bits
+    auth.check_secret("new-" + auth.new_secret() + "\n" + auth.new_secret(), "f")
+    for weak in ("s3cret", "the deployment's secret", "a" * 200, "0123456789abcdef" * 1, "Password1!" * 3):
+        with pytest.raises(ValueError, match="at least 128 are needed"):
+            auth.check_secret(weak, "TRIDENT_TRANSFER_SECRET")
+    with pytest.raises(ValueError, match="key on line 2"):
+        auth.check_secret(auth.new_secret() + "\nshort", "f")
+    assert all(auth.strength(auth.new_secret()) >= 192 for _ in range(50))  # (256 by its alphabet; zlib bounds it too)
 
 
 def test_another_deployments_secret_is_refused_by_both_ends(monkeypatch):
@@ -135,3 +156,21 @@ def test_the_head_removes_only_a_direct_socket_folder_its_own_worker_made(tmp_pa
         assert not own.exists()
     finally:
         shutil.rmtree(own, ignore_errors=True)
+
+
+def test_serve_and_a_joining_worker_refuse_a_weak_secret(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from trident.config import ServeSettings
+    from trident.launcher import Launcher
+    from trident.launcher.startup import StartupError
+
+    with pytest.raises(StartupError, match="transfer_secret: the deployment secret's key on line 1 has about"):
+        Launcher(ServeSettings(workspace=str(tmp_path), transfer_secret="correct horse"))
+    env = dict(os.environ, **{auth.ENV: "correct horse battery"})
+    done = subprocess.run([sys.executable, "-m", "trident.cli", "worker", "prefill", "--model", str(tmp_path),
+                           "--join", "http://127.0.0.1:9"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "TRIDENT_TRANSFER_SECRET: the deployment secret's key on line 1" in done.stderr, \
+        done.stderr[-500:]

@@ -83,6 +83,10 @@ class Launcher:
         self.token = settings.access_token or from_env or secrets.token_urlsafe(24)
         # the key every record is signed with: Triton (the schedulers) and every worker get it by environment
         self.transfer_secret = settings.transfer_secret or os.environ.get(auth.ENV) or auth.new_secret()
+        try:  # (a weak one would let a leaked credential or record give it away offline)
+            auth.check_secret(self.transfer_secret, "transfer_secret" if settings.transfer_secret else auth.ENV)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         self.workers: dict[str, subprocess.Popen | Forked] = {}  # by Triton model name (and "frontend")
         self._zygote: Zygote | None = None
         self._joined: JoinedWatch | None = None
