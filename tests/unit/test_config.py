@@ -123,13 +123,17 @@ def test_a_config_file_that_is_not_one_is_refused(tmp_path, capsys, name, text, 
 
 def test_secrets_come_from_files_only_their_owner_may_read(tmp_path, capsys):
     token, secret = tmp_path / "token", tmp_path / "secret"
+    strong = "s3cret-" + "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     token.write_text("tok-123\n")
-    secret.write_text("s3cret")
+    secret.write_text(strong)
     for f in (token, secret):
         f.chmod(0o600)
     s = settings(["--access-token-file", str(token), "--transfer-secret-file", str(secret)])
-    assert s.access_token == "tok-123" and s.transfer_secret == "s3cret"
-    assert "s3cret" not in repr(s) and "tok-123" not in repr(s)
+    assert s.access_token == "tok-123" and s.transfer_secret == strong
+    assert strong not in repr(s) and "tok-123" not in repr(s)
+    secret.write_text("s3cret")  # (a weak one: refused, naming the file)
+    assert cli.main(["serve", "--transfer-secret-file", str(secret)]) == 2
+    assert f"--transfer-secret-file {secret}: the deployment secret's key on line 1" in capsys.readouterr().err
 
     token.chmod(0o640)
     assert cli.main(["serve", "--access-token-file", str(token)]) == 2
