@@ -1,5 +1,6 @@
 """vLLM's NIXL KV connector as Trident's vLLM stage workers run it: NIXL's progress thread off, the
-engine's model thread left on every core, and the transport of each KV peer's READs counted and logged.
+engine's model thread left on every core, the transport of each KV peer's READs counted and logged, and its side
+channel (the agent metadata it serves) sealed with the deployment's key (:mod:`.vllm_side_channel`).
 
 vLLM's ``NixlConnector`` builds its NIXL agent with NIXL's defaults, which start a UCX progress thread that
 polls without pausing: a whole CPU core per KV worker, busy or idle. On a GPU host with dozens of cores that
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
 from ..transfer import transport
+from . import vllm_side_channel
 
 PEER_KEYS = {transport.TCP: "peers_tcp", transport.NOT_TCP: "peers_not_tcp"}
 
@@ -65,6 +67,7 @@ class TridentNixlConnector(NixlPullConnector):
     the transport to each peer it READs from in its statistics and in a log line."""
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        vllm_side_channel.close()  # (the metadata served and asked for only under the deployment's key)
         cores = os.sched_getaffinity(0)
         with _agents_without_progress_thread():
             super().__init__(vllm_config, role, kv_cache_config)
