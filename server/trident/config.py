@@ -138,7 +138,7 @@ class MediaPolicy(_Settings):
     allowed_ports: list[int] | None = Field(
         [80, 443, 8080, 8443], description="ports a media URL may name (null: any)"
     )
-    timeout_s: float = Field(10.0, gt=0, description="longest a media URL may take to fetch")
+    timeout_s: float = Field(10.0, gt=0, description="longest a request's media URLs may take to fetch, together")
 
 
 Scheduler = Literal["bls", "ensemble"]

@@ -317,6 +317,10 @@ BAD = {
     "seed past 64 bits": (_messages("data:,"), {"seed": 1 << 64}, 400, "seed: Input should be less than or equal"),
     "17 stops": (_messages("data:,"), {"stop": ["x"] * 17}, 400, "stop: List should have at most 16 items"),
     "4097 messages": ([{"role": "user", "content": "hi"}] * 4097, {}, 400, "messages: List should have at most 4096"),
+    "4097 parts in all": ([{"role": "user", "content": [{"type": "text", "text": "hi"}] * 17}] * 241, {}, 400,
+                          "the messages have 4097 content parts in all; at most 4096"),
+    "a prompt longer than the context window holds": ([{"role": "user", "content": "hi " * 30_000}], {}, 400,
+                                                      "as rendered: more than any prompt that fits the model's context"),
 }
 
 

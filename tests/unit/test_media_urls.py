@@ -153,3 +153,16 @@ def test_a_local_file_counts_against_the_budget(tmp_path):
     assert asyncio.run(media_url_to_base64(str(tmp_path / "a.png"), policy, 0, "image", budget))
     with pytest.raises(InvalidRequest, match="past 0 MiB together"):
         asyncio.run(media_url_to_base64(str(tmp_path / "a.png"), policy, 1, "image", budget))
+
+
+def test_a_request_s_urls_share_one_time_budget(image_server):
+    """Each URL may take frontend.media.timeout_s, and a request's URLs all together too: 28 slow URLs (as many as
+    the media limits allow) cannot hold a request for 28 times the timeout."""
+    budget = FetchBudget(64 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequest, match=r"image 0 URL took longer than 1 s to fetch"):
+        _get(image_server, "/slow.png", budget, timeout_s=1.0)  # (the first: its own bound, the whole's too)
+    with pytest.raises(InvalidRequest, match=r"image 0 URL: the request's media URLs took longer than 1 s to fetch "
+                                             r"together \(frontend.media.timeout_s\)"):
+        _get(image_server, "/slow.png", budget, timeout_s=1.0)
+    assert time.monotonic() - t0 < 1.6

@@ -32,6 +32,7 @@ from ..media.audio import input_audio_to_base64
 from ..media.urls import FetchBudget, media_url_to_base64
 from ..processor import SamplingParams
 from ..protocol import MODES
+from ..scheduler.prompt_length import text_bytes_limit
 from .api_keys import load_keys, require_keys
 from .body_limit import BodyLimit
 from .responses import DONE, Chunk, Completion, error_body, error_headers
@@ -70,6 +71,7 @@ class OpenAIServer:
         self.name = settings.served_name
         self.engine = engine
         self.tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        self.text_limit = text_bytes_limit(settings.model_path)  # (the entry models' bound, applied before sending)
         self.metrics = Metrics()
 
     def resolve(self, req) -> str:
@@ -162,7 +164,7 @@ class OpenAIServer:
                       http: Request | None = None, tools: ToolChoice | None = None):
         """The response to a request: ``req.n`` choices of one generation (``sampling_parameters.n``: one prefill,
         choice i sampling with seed + i, as vLLM's children do), whole or streamed."""
-        _check_text(prompt)
+        _check_text(prompt, self.text_limit)
         sampling = req.sampling(self.settings.default_max_tokens)
         traceparent = http.headers.get(tracing.PARAMETER) if http is not None else None
         chunks = self._chunks(mode, endpoint, prompt, media, sampling, traceparent)
@@ -263,14 +265,19 @@ async def _unless_gone(work, http: Request | None, every_s: float = 0.25):
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _check_text(prompt: str) -> None:
-    """JSON may carry lone surrogates (``"\\ud800"``), which are not text: a 400, not a failure later."""
+def _check_text(prompt: str, limit: int | None = None) -> None:
+    """JSON may carry lone surrogates (``"\\ud800"``), which are not text: a 400, not a failure later. ``limit``: the
+    most UTF-8 bytes a prompt that fits the model's context window can have (the entry models' own bound), checked
+    here before a prompt of tens of MiB goes to Triton."""
     try:
-        prompt.encode("utf-8")
+        size = len(prompt.encode("utf-8"))
     except UnicodeEncodeError as e:
         raise InvalidRequest(
             f"the prompt is not valid UTF-8 text: {e.reason} at character {e.start} ({prompt[e.start]!r})"
         ) from None
+    if limit is not None and size > limit:
+        raise InvalidRequest(f"the prompt is {size} bytes as rendered: more than any prompt that fits the model's "
+                             f"context window can have ({limit} bytes)")
 
 
 def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:

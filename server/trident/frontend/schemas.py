@@ -55,7 +55,7 @@ class ContentPart(BaseModel):
 
 
 MAX_MESSAGES = 4096  # per chat request
-MAX_PARTS = 4096  # content parts per message
+MAX_PARTS = 4096  # content parts per message, and per request (all its messages' together)
 
 
 class Message(BaseModel):
@@ -143,6 +143,19 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts_in_all(cls, data: Any) -> Any:
+        """At most :data:`MAX_PARTS` content parts in all its messages, counted in the JSON before any is built (a
+        request of 4096 messages of 4096 parts each would have 16 million made on the event loop)."""
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            parts = sum(len(m["content"]) for m in data["messages"]
+                        if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > MAX_PARTS:
+                raise ValueError(f"the messages have {parts} content parts in all; at most {MAX_PARTS}")
+        return data
+
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import ipaddress
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -35,10 +36,23 @@ def is_public_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bo
 
 
 class FetchBudget:
-    """The bytes a request's media URLs and files may still bring (``frontend.media.max_bytes`` for them all)."""
+    """The bytes a request's media URLs and files may still bring (``frontend.media.max_bytes`` for them all), and
+    the time its URLs may still take, together (``frontend.media.timeout_s``, counted from the first fetch: a
+    request's URLs are fetched one after another, and each may take all that is left of it)."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, time_s: float | None = None) -> None:
         self.total, self.left = total, total
+        self.time_s = time_s
+        self._deadline: float | None = None
+
+    def time_left(self, policy_s: float) -> tuple[float, bool]:
+        """The time the next fetch may take, and whether the request's whole budget (not one URL's) bounds it."""
+        time_s = self.time_s if self.time_s is not None else policy_s
+        if self._deadline is None:  # (the request's first fetch)
+            self._deadline = time.monotonic() + time_s
+            return min(time_s, policy_s), time_s < policy_s
+        left = self._deadline - time.monotonic()
+        return (left, True) if left < policy_s else (policy_s, False)
 
     def limit(self, kind: str) -> int:
         """The most the next item may hold: its kind's limit, or what is left."""
@@ -100,8 +114,11 @@ async def _fetch(url: str, policy: MediaPolicy, index: int, kind: str, budget: F
     host_header = parsed.netloc.rsplit("@", 1)[-1]
     data = bytearray()
     limit = budget.limit(kind)
+    time_s, whole_request = budget.time_left(policy.timeout_s)
     try:
-        async with asyncio.timeout(policy.timeout_s):
+        if time_s <= 0:
+            raise TimeoutError
+        async with asyncio.timeout(time_s):
             async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
                 async with client.stream("GET", pinned, headers={"Host": host_header, "Accept-Encoding": "identity"},
                                          extensions={"sni_hostname": parsed.hostname}) as response:
@@ -119,6 +136,10 @@ async def _fetch(url: str, policy: MediaPolicy, index: int, kind: str, budget: F
                         if len(data) > limit:
                             raise budget.refuse(kind, index)
     except TimeoutError:
+        if whole_request:
+            raise InvalidRequest(f"{kind} {index} URL: the request's media URLs took longer than "
+                                 f"{budget.time_s or policy.timeout_s:g} s to fetch together "
+                                 "(frontend.media.timeout_s)") from None
         raise InvalidRequest(f"{kind} {index} URL took longer than {policy.timeout_s:g} s to fetch") from None
     except httpx.HTTPError as e:
         raise InvalidRequest(f"{kind} {index} URL could not be fetched: {type(e).__name__}") from None
