@@ -278,7 +278,7 @@ class Bind(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     direct: str | None = None
     leave: bool = False
 
-    MAX_INSTANCES = 256
+    MAX_INSTANCES = 16  # (a worker takes at most vllm.prefill_calls, 16, at once; each instance is a stub on the head)
 
     def check(self) -> None:
         """Raise :class:`InvalidRequest` naming what is wrong with this request."""
@@ -299,6 +299,52 @@ class Bind(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def worker_file(self, name: str) -> dict:
         """The worker file of instance ``name``'s worker."""
         return worker_file(name, self.pid, self.direct, self.tcp)
+
+
+class SealedBind(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A :class:`Bind` as it travels: with the time it was made and a fresh nonce, under a MAC (:func:`seal_bind`)."""
+
+    bind: Bind
+    sent_at: float
+    nonce: str
+
+
+BIND_FRESH_S = 60.0  # a sealed bind made longer ago than this (or this far ahead) is refused
+BIND_KEY = b"trident-bind-mac"  # the label of the bind key (auth.derive): not the stage credential's
+
+
+def seal_bind(request: Bind) -> bytes:
+    """``request`` as the bind model takes it: ``<HMAC-SHA256 hex>.<JSON>``, under the deployment's bind key (derived
+    from the secret, which no client holds: the stage credential alone cannot make one)."""
+    import hmac
+    import os
+    import time
+
+    body = msgspec.json.encode(SealedBind(request, time.time(), os.urandom(16).hex()))
+    return hmac.new(auth.derive(BIND_KEY), body, "sha256").hexdigest().encode() + b"." + body
+
+
+def open_bind(data: bytes, take) -> Bind:
+    """The :class:`Bind` ``data`` carries: :class:`~trident.errors.Unauthenticated` unless a key of the deployment
+    sealed it within :data:`BIND_FRESH_S` and ``take(nonce)`` says its nonce is new (False: a replay);
+    :class:`InvalidRequest` for a sealed one that is not a request."""
+    import hmac
+    import time
+
+    from .errors import Unauthenticated
+
+    mac, _, body = bytes(data).partition(b".")
+    if not any(hmac.compare_digest(mac, hmac.new(key, body, "sha256").hexdigest().encode())
+               for key in auth.derive_all(BIND_KEY)):
+        raise Unauthenticated("the bind model answers only the deployment's own workers (a bind sealed with the "
+                              "deployment secret)")
+    try:
+        sealed = msgspec.json.decode(body, type=SealedBind)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"bind: {e}") from None
+    if abs(time.time() - sealed.sent_at) > BIND_FRESH_S or not take(sealed.nonce):
+        raise Unauthenticated("a bind made more than a minute ago, or one already taken (a replay): refused")
+    return sealed.bind
 
 
 def worker_file(name: str, pid: int | None, direct: str | None, tcp) -> dict:

@@ -421,8 +421,25 @@ def test_no_http_request_ends_triton_or_makes_it_read_an_unbounded_body(server):
     assert requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).status_code == 200
 
 
-def _bind(server, request: dict, credential: bool = True):
-    """Call the head's bind model as a client would (the deployment's credential or none): (name, error)."""
+def _sealed(request: dict, sent_at: float | None = None, secret: bool = True) -> bytes:
+    """A bind request as the deployment's workers seal it (protocol.seal_bind), whatever its fields; ``secret``
+    off: MAC'd with the stage credential, all a stage's caller holds."""
+    import hashlib
+    import hmac
+    import os
+
+    from trident import auth
+    from trident.protocol import BIND_KEY
+
+    body = json.dumps({"bind": request, "sent_at": time.time() if sent_at is None else sent_at,
+                       "nonce": os.urandom(16).hex()}).encode()
+    key = auth.derive(BIND_KEY) if secret else auth.credential().encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode() + b"." + body
+
+
+def _bind(server, request: dict | bytes, credential: bool = True):
+    """Call the head's bind model as a client would, with ``request`` sealed (or bytes as they are), and the stage
+    credential as a parameter when ``credential``: (name, error)."""
     import numpy as np
     import tritonclient.http as httpclient
 
@@ -431,7 +448,8 @@ def _bind(server, request: dict, credential: bool = True):
 
     client = httpclient.InferenceServerClient(server.http)
     given = httpclient.InferInput("bind", [1], "BYTES")
-    given.set_data_from_numpy(np.array([json.dumps(request).encode()], dtype=np.object_))
+    data = request if isinstance(request, bytes) else _sealed(request)
+    given.set_data_from_numpy(np.array([data], dtype=np.object_))
     try:
         answer = client.infer(BIND_MODEL, [given], parameters={auth.CREDENTIAL: auth.credential()} if credential else None)
         return answer.as_numpy("name").reshape(-1)[0].decode(), None
@@ -442,48 +460,72 @@ def _bind(server, request: dict, credential: bool = True):
 
 
 def test_the_bind_model_binds_nothing_for_a_stranger_or_a_wrong_request(server):
-    """The head's bind model answers the deployment's own workers alone: a client without the credential is refused
-    (Unauthenticated), a wrong request gets a 400 naming its fault, and a worker cannot unbind a stage model bound
-    for another worker's socket. The stage models stay as they were."""
-    stage = {"stage": "prefill", "tcp": ["127.0.0.1", 9]}
-    name, error = _bind(server, stage, credential=False)
-    assert name is None and "Unauthenticated" in str(error), error
-    for request, fault in [({**stage, "stage": "decoder"}, "unknown stage 'decoder'"),
-                           ({**stage, "tcp": ["127.0.0.1", 0]}, "tcp must be a host and a port"),
-                           ({**stage, "instances": 10**6}, "instances must be 1-256"),
-                           ({**stage, "name": "decode-2"}, "not an instance name of stage prefill"),
-                           ({**stage, "pid": 1}, "pid and direct go together"),
-                           ({**stage, "exec": "x"}, "unknown field")]:
-        name, error = _bind(server, request)
-        assert name is None and "InvalidRequest" in str(error) and fault in str(error) and error.status() == "400", (
-            request, error)
-    name, error = _bind(server, {**stage, "name": "prefill", "leave": True})
-    assert name is None and "NameTaken" in str(error) and "is not bound to the worker at" in str(error), error
+    """The head's bind model answers the deployment's own workers alone: a request not sealed with the secret is
+    refused (Unauthenticated), even from a holder of the stage credential, and so are a stale and a replayed one; a
+    bind to an address where no worker of the deployment listens (a bare socket) is refused before anything is
+    loaded; a wrong request gets a 400 naming its fault, a worker cannot unbind a stage model bound for another
+    worker's socket, and a worker from another host cannot take the launcher's own workers' names. The stage
+    models stay as they were."""
+    import socket
+
+    bare = socket.create_server(("127.0.0.1", 0))
+    stage = {"stage": "prefill", "tcp": ["127.0.0.1", bare.getsockname()[1]]}
+    try:
+        plain = json.dumps(stage).encode()
+        for request, why in [(plain, "not sealed"), (_sealed(stage, secret=False), "MAC'd with the credential"),
+                             (_sealed(stage, sent_at=time.time() - 600), "stale")]:
+            name, error = _bind(server, request)
+            assert name is None and "Unauthenticated" in str(error), (why, error)
+        once = _sealed({**stage, "name": "prefill", "leave": True})
+        assert "NameTaken" in str(_bind(server, once)[1])  # (taken: not the prefill worker's socket)
+        name, error = _bind(server, once)
+        assert name is None and "already taken (a replay)" in str(error), error
+        name, error = _bind(server, {**stage, "name": "prefill-7"})
+        assert name is None and "no worker of this deployment answers at" in str(error), error
+        assert not server.ready("prefill-7")
+        name, error = _bind(server, {**stage, "name": "decode"} | {"stage": "decode"})
+        assert name is None and "the launcher's own worker's name" in str(error), error
+        for request, fault in [({**stage, "stage": "decoder"}, "unknown stage 'decoder'"),
+                               ({**stage, "tcp": ["127.0.0.1", 0]}, "tcp must be a host and a port"),
+                               ({**stage, "instances": 17}, "instances must be 1-16"),
+                               ({**stage, "name": "decode-2"}, "not an instance name of stage prefill"),
+                               ({**stage, "pid": 1}, "pid and direct go together"),
+                               ({**stage, "exec": "x"}, "unknown field")]:
+            name, error = _bind(server, request)
+            assert name is None and "InvalidRequest" in str(error) and fault in str(error) and error.status() == "400", (
+                request, error)
+        name, error = _bind(server, {**stage, "name": "prefill", "leave": True, "pid": 1, "direct": "/tmp/x.sock"})
+        assert name is None and "NameTaken" in str(error) and "is not bound to the worker at" in str(error), error
+    finally:
+        bare.close()
     assert server.ready("prefill")
 
 
 def test_a_name_whose_worker_has_gone_is_bound_again(server):
     """A name whose stage model is still loaded is refused while its worker listens (NameTaken), and taken over once
     nothing listens there: a restarted worker binds while Triton is still unloading its predecessor's model (an
-    unload finishes in the background; under load the launcher's restart came first, and the worker stayed down)."""
-    import socket
+    unload finishes in the background; under load the launcher's restart came first, and the worker stayed down).
+    The workers are stage servers of the deployment (the test holds its secret), answering nothing else."""
+    from trident.stagecall.server import StageServer
 
-    old, new = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
-    at = {w: ["127.0.0.1", w.getsockname()[1]] for w in (old, new)}
+    old, new = (StageServer(lambda call: {}, lambda message: None, "127.0.0.1") for _ in range(2))
+    for w in (old, new):
+        w.start()
+    at = {w: list(w.address) for w in (old, new)}
     stage = {"stage": "prefill", "name": "prefill-9"}
     try:
         name, error = _bind(server, {**stage, "tcp": at[old]})
         assert (name, error) == ("prefill-9", None) and server.ready("prefill-9")
         name, error = _bind(server, {**stage, "tcp": at[new]})
         assert name is None and "another worker serves prefill-9" in str(error), error
-        old.close()  # its worker dies; its model is still loaded
+        old.stop(drain_s=0)  # its worker dies; its model is still loaded
         name, error = _bind(server, {**stage, "tcp": at[new]})
         assert (name, error) == ("prefill-9", None) and server.ready("prefill-9")
         name, error = _bind(server, {**stage, "tcp": at[old], "leave": True})
         assert name is None and "is not bound to the worker at" in str(error), error  # the name is the new one's
     finally:
         _bind(server, {**stage, "tcp": at[new], "leave": True})
-        new.close()
+        new.stop(drain_s=0)
 
 
 class _Gdb:

@@ -257,3 +257,26 @@ def test_a_lost_worker_on_another_host_is_named_by_its_stage_never_its_address()
     assert remote == "the prefill-2 stage's worker on another host went away; the request was lost with it"
     local = lost_message("prefill", {"tcp": ["127.0.0.1", 41235], "direct": "/tmp/x/calls.sock", "pid": 77})
     assert local.startswith("the prefill stage's worker (pid 77) exited")
+
+
+def test_a_bind_is_sealed_with_the_secret_and_taken_once():
+    from trident.errors import Unauthenticated
+    from trident.protocol import Bind, open_bind, seal_bind
+
+    request = Bind(stage="prefill", tcp=("10.0.0.2", 4100), instances=2)
+    taken: set[str] = set()
+
+    def take(nonce: str) -> bool:
+        new = nonce not in taken
+        taken.add(nonce)
+        return new
+
+    sealed = seal_bind(request)
+    assert open_bind(sealed, take) == request
+    with pytest.raises(Unauthenticated, match="already taken"):
+        open_bind(sealed, take)  # a replay
+    mac, body = sealed.split(b".", 1)
+    for forged in (mac + b"." + body.replace(b"4100", b"4101"), b"0" * 64 + b"." + body, body):
+        with pytest.raises(Unauthenticated, match="sealed with the deployment secret"):
+            open_bind(forged, take)
+    assert open_bind(seal_bind(request), take) == request  # (a new one: a new nonce)

@@ -18,10 +18,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from .. import auth
 from ..config import WorkerSettings
 from ..errors import NameTaken, TridentError, Unavailable, from_message
-from ..protocol import BIND_MODEL, NAME_TAKEN_EXIT, STAGES, Bind
+from ..protocol import BIND_MODEL, NAME_TAKEN_EXIT, STAGES, Bind, seal_bind
 from .health import Health
 
 log = logging.getLogger("trident.worker")
@@ -91,8 +90,8 @@ def ask(url: str, request: Bind, timeout_s: float) -> str:
     client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=timeout_s)
     try:
         given = httpclient.InferInput("bind", [1], "BYTES")
-        given.set_data_from_numpy(np.array([msgspec.json.encode(request)], dtype=np.object_))
-        answer = client.infer(BIND_MODEL, [given], parameters={auth.CREDENTIAL: auth.credential()})
+        given.set_data_from_numpy(np.array([seal_bind(request)], dtype=np.object_))
+        answer = client.infer(BIND_MODEL, [given])
         return answer.as_numpy("name").reshape(-1)[0].decode()
     finally:
         client.close()

@@ -1,7 +1,11 @@
 """The head's bind model (:data:`~trident.protocol.BIND_MODEL`): it binds every worker's stage model.
 
-A worker, on the head's host or joining from another, sends it a :class:`~trident.protocol.Bind` with the
-deployment's stage credential. The model checks it, chooses the instance name (the one asked for, or for a joining
+A worker, on the head's host or joining from another, sends it a :class:`~trident.protocol.Bind` sealed with a key
+derived from the deployment secret (:func:`~trident.protocol.seal_bind`: a MAC over every field, the time and a fresh
+nonce; the stage credential, which a stage's caller holds, cannot make one). The model refuses a stale or replayed
+one, checks that a worker of the deployment listens at the address it names (its stage socket proves the secret),
+takes at most :data:`MAX_BINDS` binds per :data:`PACE_S`, keeps the launcher's own workers' names for workers on
+its host, and then checks the request, chooses the instance name (the one asked for, or for a joining
 worker the first ``<stage>-<n>``, n >= 2, that no live worker serves and the launcher's own workers do not bind as),
 writes the stage model's folder into this server's model store (config, the stub :mod:`.proxy_model`, and the worker
 file saying where the worker listens) and loads it by name. So workers need neither Triton's repository API nor its
@@ -17,20 +21,21 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 
-from trident import auth
 from trident.errors import InvalidRequest, NameTaken, TridentError, Unauthenticated, Unavailable
-from trident.protocol import WORKER_FILE, Bind, instance_name
+from trident.protocol import BIND_FRESH_S, WORKER_FILE, Bind, instance_name, open_bind
 from trident.repository import install_stage_model
 from trident.stagecall.client import open_stage_socket
 from trident.workers.proxy_model import triton_error
 
 MAX_BIND_BYTES = 4096
+MAX_BINDS, PACE_S = 20, 10.0  # binds per instance of this model in a window
 MAX_JOINED = 1024  # <stage>-<n> names a joining worker may take, per stage
 JOINING = ".joining"  # the lock joining workers choose their names under
 
@@ -65,6 +70,9 @@ class TritonPythonModel:
         self._supervised = set(json.loads(config["parameters"]["supervised"]["string_value"]))
         self._locks = self._store.parent / "binding"  # (beside the model store: Triton watches the model folders)
         self._locks.mkdir(mode=0o700, exist_ok=True)
+        self._nonces = self._locks / "nonces"  # of the sealed binds taken, across this model's instances
+        self._nonces.mkdir(mode=0o700, exist_ok=True)
+        self._recent: list[float] = []  # when the last binds came (_pace)
 
     @contextlib.contextmanager
     def _holding(self, name: str, wait: bool = True):
@@ -92,22 +100,53 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("name", np.array([name.encode()], np.object_))])
 
     def _serve(self, request) -> str:
-        try:
-            parameters = json.loads(request.parameters() or "{}")
-        except ValueError:
-            parameters = None
-        if not isinstance(parameters, dict) or not auth.check_credential(parameters.get(auth.CREDENTIAL)):
-            raise Unauthenticated("the bind model answers only the deployment's own workers (the request carries no "
-                                  f"valid {auth.CREDENTIAL})")
         data = pb_utils.get_input_tensor_by_name(request, "bind").as_numpy().reshape(-1)
         if data.size != 1 or not isinstance(data[0], bytes) or len(data[0]) > MAX_BIND_BYTES:
-            raise InvalidRequest(f"bind: one JSON object of at most {MAX_BIND_BYTES} bytes")
-        try:
-            bind = msgspec.json.decode(data[0], type=Bind)
-        except msgspec.DecodeError as e:
-            raise InvalidRequest(f"bind: {e}") from None
+            raise InvalidRequest(f"bind: one sealed request of at most {MAX_BIND_BYTES} bytes")
+        bind = open_bind(data[0], self._take)  # (sealed with the deployment secret, fresh, not a replay)
         bind.check()
+        if bind.name in self._supervised and bind.pid is None:
+            raise NameTaken(f"{bind.name} is the launcher's own worker's name; a worker from another host joins as "
+                            f"<stage>-<n> (no --name)")
+        if not bind.leave:
+            self._pace()
+            self._proves(bind)
         return self._leave(bind) if bind.leave else self._bind(bind)
+
+    def _take(self, nonce: str) -> bool:
+        """Whether ``nonce`` is new to every instance of this model (a file made exclusively); those older than
+        :data:`~trident.protocol.BIND_FRESH_S` are forgotten (a bind that old is refused anyway)."""
+        if not nonce.isalnum() or len(nonce) > 64:
+            return False
+        now = time.time()
+        for old in self._nonces.iterdir():
+            with contextlib.suppress(OSError):
+                if now - old.stat().st_mtime > BIND_FRESH_S:
+                    old.unlink()
+        try:
+            os.close(os.open(self._nonces / nonce, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return False
+        return True
+
+    def _pace(self) -> None:
+        """At most :data:`MAX_BINDS` binds per :data:`PACE_S` through this instance: a worker binds once, and again
+        only after a restart."""
+        now = time.monotonic()
+        self._recent = [t for t in self._recent if now - t < PACE_S]
+        if len(self._recent) >= MAX_BINDS:
+            raise Unavailable(f"{MAX_BINDS} binds in the last {PACE_S:g} s already; retry in a few seconds")
+        self._recent.append(now)
+
+    @staticmethod
+    def _proves(bind: Bind) -> None:
+        """A worker of this deployment listens where the bind says (its stage socket proves the secret), before
+        anything is written or loaded: a bare socket, or an address of someone else's, is not bound."""
+        try:
+            open_stage_socket(bind.worker_file("")).close()
+        except Exception as e:  # noqa: BLE001 - refused, no answer, or no proof of the secret
+            raise Unavailable(f"no worker of this deployment answers at {list(bind.tcp)} ({type(e).__name__}); "
+                              "not bound") from None
 
     def _bind(self, bind: Bind) -> str:
         if bind.name is not None:
