@@ -230,17 +230,59 @@ class NotAuthenticated(ConnectionError):
     """The other end of a stage socket did not prove the deployment secret."""
 
 
-def _proof(side: bytes, challenge: bytes, answer: bytes, key: bytes | None = None) -> bytes:
+def _proof(side: bytes, challenge: bytes, answer: bytes, identity: bytes, key: bytes | None = None) -> bytes:
     key = key or derive(b"trident-stage-hs")
-    return hashlib.blake2b(side + challenge + answer, digest_size=PROOF_BYTES, key=key).digest()
+    return hashlib.blake2b(side + challenge + answer + identity, digest_size=PROOF_BYTES, key=key).digest()
+
+
+def identity(where) -> bytes:
+    """What names a stage socket in the handshake's proofs: ``unix:<path>`` for a Unix socket's path (a str), or
+    ``tcp:<host>:<port>`` for a TCP address (host, port), as its worker file says it (and its server listens)."""
+    if isinstance(where, str):
+        return f"unix:{where}".encode()
+    host, port = where
+    return f"tcp:{host}:{int(port)}".encode()
+
+
+class Session:
+    """One authenticated stage connection's frames after the handshake: each sealed with ChaCha20-Poly1305 under a
+    key of its direction (derived with HKDF from the handshake's key, both sides' random values and the socket's
+    identity), its nonce the frame's number in that direction. A frame altered, dropped, replayed or reordered by
+    anyone between fails to open, and the connection ends (:class:`~trident.errors.MalformedRecord`); nothing
+    after the handshake is readable without the secret."""
+
+    def __init__(self, key: bytes, challenge: bytes, nonce: bytes, identity: bytes, connector: bool) -> None:
+        both = HKDF(algorithm=hashes.SHA256(), length=64, salt=challenge + nonce,
+                    info=b"trident-stage-session " + identity).derive(key)
+        to_acceptor, to_connector = ChaCha20Poly1305(both[:32]), ChaCha20Poly1305(both[32:])
+        self._out, self._in = (to_acceptor, to_connector) if connector else (to_connector, to_acceptor)
+        self._sent = self._received = 0
+
+    def seal(self, body: bytes) -> bytes:
+        """``body`` as the next frame's sealed payload (the caller writes frames in the order it seals them)."""
+        nonce = self._sent.to_bytes(RECORD_NONCE_BYTES, "little")
+        self._sent += 1
+        return self._out.encrypt(nonce, body, None)
+
+    def open(self, payload: bytes) -> bytes:
+        """The next frame's body; :class:`MalformedRecord` when it is not the other side's next frame."""
+        nonce = self._received.to_bytes(RECORD_NONCE_BYTES, "little")
+        try:
+            body = self._in.decrypt(nonce, bytes(payload), None)
+        except InvalidTag:
+            raise MalformedRecord("a stage frame that is not the other side's next one (altered, replayed or "
+                                  "not sealed with this connection's key)") from None
+        self._received += 1
+        return body
 
 
 class Handshake:
-    """The exchange when a stage socket opens, both ends proving the secret:
+    """The exchange when a stage socket opens, both ends proving the secret and the socket's :func:`identity` (a
+    connection relayed to another socket, or from another, fails), and agreeing on the :class:`Session` keys:
 
     1. acceptor -> ``MAGIC + challenge``
-    2. connector -> ``nonce + proof("c", challenge, nonce)``
-    3. acceptor -> ``proof("s", challenge, nonce)`` (or closes: the connector proved nothing)
+    2. connector -> ``nonce + proof("c", challenge, nonce, identity)``
+    3. acceptor -> ``proof("s", challenge, nonce, identity)`` (or closes: the connector proved nothing)
     """
 
     @staticmethod
@@ -248,22 +290,25 @@ class Handshake:
         return MAGIC + os.urandom(CHALLENGE_BYTES)
 
     @staticmethod
-    def answer(hello: bytes) -> tuple[bytes, bytes]:
-        """The connector's reply to ``hello`` and the proof it expects back."""
+    def answer(hello: bytes, where: bytes) -> tuple[bytes, bytes, Session]:
+        """The connector's reply to ``hello`` (to the socket named ``where``), the proof it expects back and its
+        session."""
         if len(hello) != len(MAGIC) + CHALLENGE_BYTES or not hello.startswith(MAGIC):
             raise NotAuthenticated("the other end is not a Trident stage socket")
-        challenge, nonce = hello[len(MAGIC):], os.urandom(CHALLENGE_BYTES)
-        return nonce + _proof(b"c", challenge, nonce), _proof(b"s", challenge, nonce)
+        challenge, nonce, key = hello[len(MAGIC):], os.urandom(CHALLENGE_BYTES), derive(b"trident-stage-hs")
+        return (nonce + _proof(b"c", challenge, nonce, where, key), _proof(b"s", challenge, nonce, where, key),
+                Session(key, challenge, nonce, where, connector=True))
 
     @staticmethod
-    def check(hello: bytes, reply: bytes) -> bytes:
-        """The acceptor's last message, once ``reply`` proves the secret; :class:`NotAuthenticated` otherwise."""
+    def check(hello: bytes, reply: bytes, where: bytes) -> tuple[bytes, Session]:
+        """The acceptor's last message, once ``reply`` proves the secret for the socket named ``where``, and its
+        session; :class:`NotAuthenticated` otherwise."""
         challenge, nonce, proof = hello[len(MAGIC):], reply[:CHALLENGE_BYTES], reply[CHALLENGE_BYTES:]
         if len(reply) == CHALLENGE_BYTES + PROOF_BYTES:
             for key in derive_all(b"trident-stage-hs"):  # (the caller's first key: any of ours, during a rotation)
-                if hmac.compare_digest(proof, _proof(b"c", challenge, nonce, key)):
-                    return _proof(b"s", challenge, nonce, key)  # proved with the key the caller used
-        raise NotAuthenticated("the caller did not prove the deployment secret")
+                if hmac.compare_digest(proof, _proof(b"c", challenge, nonce, where, key)):  # proved with this key
+                    return _proof(b"s", challenge, nonce, where, key), Session(key, challenge, nonce, where, False)
+        raise NotAuthenticated("the caller did not prove the deployment secret (for this socket)")
 
 
 HELLO_BYTES = len(MAGIC) + CHALLENGE_BYTES
@@ -296,50 +341,40 @@ def _handshaking(sock: socket.socket, timeout_s: float):
         sock.settimeout(previous)
 
 
-def accept(sock: socket.socket, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """The accepting side of :class:`Handshake` on a blocking socket; raises :class:`NotAuthenticated`
-    (the caller closes the socket)."""
+def accept(sock: socket.socket, where: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+    """The accepting side of :class:`Handshake` on a blocking socket (named ``where``: :func:`identity`); raises
+    :class:`NotAuthenticated` (the caller closes the socket)."""
     with _handshaking(sock, timeout_s):
         hello = Handshake.hello()
         sock.sendall(hello)
-        sock.sendall(Handshake.check(hello, _recv(sock, REPLY_BYTES)))
+        last, session = Handshake.check(hello, _recv(sock, REPLY_BYTES), where)
+        sock.sendall(last)
+        return session
 
 
-def connect(sock: socket.socket, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """The connecting side of :class:`Handshake` on a blocking socket."""
+def connect(sock: socket.socket, where: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+    """The connecting side of :class:`Handshake` on a blocking socket, to the socket named ``where``."""
     with _handshaking(sock, timeout_s):
-        reply, expected = Handshake.answer(_recv(sock, HELLO_BYTES))
+        reply, expected, session = Handshake.answer(_recv(sock, HELLO_BYTES), where)
         sock.sendall(reply)
         if not hmac.compare_digest(_recv(sock, PROOF_BYTES), expected):
             raise NotAuthenticated("the stage socket did not prove the deployment secret")
+        return session
 
 
 # -- asyncio streams -------------------------------------------------------------------------------------------
-async def accept_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+async def accept_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: bytes,
+                        timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
     """The accepting side of :class:`Handshake` on an asyncio stream."""
     try:
         hello = Handshake.hello()
         writer.write(hello)
         reply = await asyncio.wait_for(reader.readexactly(REPLY_BYTES), timeout_s)
-        writer.write(Handshake.check(hello, reply))
+        last, session = Handshake.check(hello, reply, where)
+        writer.write(last)
         await writer.drain()
+        return session
     except NotAuthenticated:
         raise
     except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as e:
         raise NotAuthenticated(f"stage handshake failed: {type(e).__name__}") from None
-
-
-async def connect_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """The connecting side of :class:`Handshake` on an asyncio stream."""
-    try:
-        reply, expected = Handshake.answer(await asyncio.wait_for(reader.readexactly(HELLO_BYTES), timeout_s))
-        writer.write(reply)
-        proof = await asyncio.wait_for(reader.readexactly(PROOF_BYTES), timeout_s)
-    except NotAuthenticated:
-        raise
-    except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as e:
-        raise NotAuthenticated(f"stage handshake failed: {type(e).__name__}") from None
-    if not hmac.compare_digest(proof, expected):
-        raise NotAuthenticated("the stage socket did not prove the deployment secret")

@@ -236,9 +236,12 @@ def error_of(message: Failure) -> TridentError:
     return ERRORS.get(message.error, TridentError)(message.message)
 
 
-def encode_message(message: StageMessage) -> bytes:
-    """``message`` as one frame (:data:`FRAME` + msgpack)."""
+def encode_message(message: StageMessage, session: "auth.Session | None" = None) -> bytes:
+    """``message`` as one frame (:data:`FRAME` + msgpack; with ``session``, the msgpack sealed as that connection's
+    next frame: every stage connection's frames are, :class:`~trident.auth.Session`)."""
     body = _message_encoder.encode(message)
+    if session is not None:
+        body = session.seal(body)
     return FRAME.pack(len(body)) + body
 
 

@@ -34,9 +34,10 @@ def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
             results[name] = e
             sock.close()
 
-    t = threading.Thread(target=run, args=("accept", auth.accept, a))
+    where = auth.identity("/the/socket")
+    t = threading.Thread(target=run, args=("accept", lambda sock: auth.accept(sock, where), a))
     t.start()
-    run("connect", auth.connect, b)
+    run("connect", lambda sock: auth.connect(sock, where), b)
     t.join(10)
     a.close(), b.close()
     patched.__exit__(None, None, None)
@@ -81,7 +82,7 @@ def test_a_connector_that_is_not_a_stage_socket_is_refused():
     a, b = socket.socketpair()
     a.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 17)
     with pytest.raises(auth.NotAuthenticated, match="not a Trident stage socket"):
-        auth.connect(b)
+        auth.connect(b, auth.identity("/the/socket"))
     a.close(), b.close()
 
 
@@ -174,3 +175,57 @@ def test_serve_and_a_joining_worker_refuse_a_weak_secret(tmp_path):
                            "--join", "http://127.0.0.1:9"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "TRIDENT_TRANSFER_SECRET: the deployment secret's key on line 1" in done.stderr, \
         done.stderr[-500:]
+
+
+def _sessions(accept_where: bytes, connect_where: bytes):
+    """A handshake over a socket pair, the acceptor naming itself ``accept_where``, the connector asking for
+    ``connect_where``: (acceptor's session or error, connector's session or error, the pair)."""
+    a, b = socket.socketpair()
+    out: dict = {}
+
+    def run(name, fn, sock):
+        try:
+            out[name] = fn(sock)
+        except auth.NotAuthenticated as e:
+            out[name] = e
+            sock.close()
+
+    t = threading.Thread(target=run, args=("accept", lambda s: auth.accept(s, accept_where), a))
+    t.start()
+    run("connect", lambda s: auth.connect(s, connect_where), b)
+    t.join(10)
+    return out["accept"], out["connect"], (a, b)
+
+
+def test_a_connection_relayed_to_another_socket_fails_the_handshake():
+    """The proofs name the socket the connector meant (its worker file's address): a relay that hands a connection
+    meant for one worker to another (or a socket posing as one it is not) fails on both ends."""
+    accepted, connected, pair = _sessions(auth.identity(("10.0.0.5", 4100)), auth.identity(("10.0.0.6", 4100)))
+    assert isinstance(accepted, auth.NotAuthenticated) and isinstance(connected, auth.NotAuthenticated)
+    for s in pair:
+        s.close()
+
+
+def test_every_frame_after_the_handshake_is_sealed_in_order():
+    """After the handshake each side's frames are sealed under keys of the connection: readable by the other end
+    alone, and one altered, replayed, dropped or sent by a third party (who saw the handshake) fails to open."""
+    from trident.errors import MalformedRecord
+
+    where = auth.identity(("10.0.0.5", 4100))
+    accepted, connected, pair = _sessions(where, where)
+    assert isinstance(accepted, auth.Session) and isinstance(connected, auth.Session)
+    first, second = connected.seal(b"a prompt, an image"), connected.seal(b"the next call")
+    assert b"a prompt" not in first
+    assert accepted.open(first) == b"a prompt, an image"
+    with pytest.raises(MalformedRecord):
+        accepted.open(first)  # a replay of the first: not the next frame
+    tampered = bytearray(second)
+    tampered[3] ^= 1
+    with pytest.raises(MalformedRecord):
+        accepted.open(bytes(tampered))
+    assert accepted.open(second) == b"the next call"
+    assert connected.open(accepted.seal(b"the answer")) == b"the answer"  # (each direction its own key)
+    with pytest.raises(MalformedRecord):
+        connected.open(connected.seal(b"my own frame, reflected back"))
+    for s in pair:
+        s.close()

@@ -184,7 +184,7 @@ def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
 
     def take_and_die() -> None:
         conn, _ = listener.accept()
-        auth.accept(conn)
+        auth.accept(conn, auth.identity(path))
         conn.recv(65536)
         conn.close()
 
@@ -369,10 +369,10 @@ def test_control_messages_reach_the_stage_hooks(worker):
     assert handler.inbox.stats()["delivered"] == 1 and handler.inbox.stats()["withdrawn"] == 1
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(worker["path"])
-    auth.connect(sock)
+    session = auth.connect(sock, auth.identity(worker["path"]))
     sock.settimeout(5)
-    sock.sendall(encode_message(Reply(7, {})))
-    answer = recv_message(sock)
+    sock.sendall(encode_message(Reply(7, {}), session))
+    answer = recv_message(sock, session)
     sock.close()
     assert isinstance(answer, Failure) and answer.id == 7 and answer.error == "InvalidRequest", answer
     assert "does not send Reply" in answer.message

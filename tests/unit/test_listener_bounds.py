@@ -46,11 +46,11 @@ def test_one_peer_holds_at_most_its_share_of_handshakes_and_refusals_are_one_lin
         other = socket.socket()
         other.bind(("127.0.0.2", 0))
         other.connect(server.address)
-        auth.connect(other)
+        auth.connect(other, auth.identity(server.address))
         other.close()
         local = socket.socket(socket.AF_UNIX)
         local.connect(server.path)
-        auth.connect(local)
+        auth.connect(local, auth.identity(server.path))
         local.close()
     finally:
         for s in flood:

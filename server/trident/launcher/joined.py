@@ -60,7 +60,7 @@ class JoinedWatch:
             if info is None:
                 continue
             try:
-                open_stage_socket(info).close()
+                open_stage_socket(info)[0].close()
             except ConnectionRefusedError:
                 self._refused[name] = self._refused.get(name, 0) + 1
             except Exception:  # no answer (a link cut, a host down), or a peer that failed the handshake: not gone

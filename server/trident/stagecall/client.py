@@ -99,8 +99,8 @@ class _Connection:
     its relaying thread, a one-answer call's to its waiter, without passing through an event loop). When the
     socket ends, each call still waiting gets a :class:`~trident.protocol.Failure` (``lost``: its message)."""
 
-    def __init__(self, sock: socket.socket, lost: str, where: str = "") -> None:
-        self._sock, self._lost, self._where = sock, lost, where
+    def __init__(self, sock: socket.socket, session: auth.Session, lost: str, where: str = "") -> None:
+        self._sock, self._session, self._lost, self._where = sock, session, lost, where
         self._send_lock = threading.Lock()
         self._pending: dict[int, Callable[[StageMessage], None] | None] = {}
         self._ids = itertools.count(1)
@@ -122,8 +122,8 @@ class _Connection:
         try:
             if self._closed:
                 raise OSError("closed")
-            with self._send_lock:  # one write: the worker wakes once
-                self._sock.sendall(encode_message(message))
+            with self._send_lock:  # one write: the worker wakes once (frames sealed in the order they are written)
+                self._sock.sendall(encode_message(message, self._session))
         except OSError:
             self._pending.pop(message.id, None)
             raise NotSent from None
@@ -147,7 +147,7 @@ class _Connection:
 
     def _read(self) -> None:
         try:
-            while (message := recv_message(self._sock)) is not None:
+            while (message := recv_message(self._sock, self._session)) is not None:
                 target = self._pending.pop(message.id, None) if ends(message) else self._pending.get(message.id)
                 if target is not None:
                     try:
@@ -180,22 +180,25 @@ def _where(info: dict | None) -> str:
     return ""
 
 
-def open_stage_socket(info: dict) -> socket.socket:
-    """A connection to the worker a worker file describes, both ends having proved the deployment secret: its Unix
-    socket when it is on this host (``direct``), else its TCP one (``tcp``: host, port)."""
+def open_stage_socket(info: dict) -> tuple[socket.socket, auth.Session]:
+    """A connection to the worker a worker file describes, both ends having proved the deployment secret for that
+    socket, and the session its frames are sealed with: its Unix socket when it is on this host (``direct``), else
+    its TCP one (``tcp``: host, port)."""
     sock = None
     try:
         if info.get("direct") and os.path.exists(info["direct"]):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(info["direct"])  # a local socket: at once, or refused
+            where = auth.identity(info["direct"])
         else:
             host, port = info["tcp"]
             sock = socket.create_connection((str(host), int(port)), timeout=CONNECT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             fail_when_unanswered(sock, CONNECT_S)
-        auth.connect(sock)
+            where = auth.identity((host, port))
+        session = auth.connect(sock, where)
         sock.settimeout(None)
-        return sock
+        return sock, session
     except BaseException:
         if sock is not None:
             sock.close()
@@ -328,11 +331,11 @@ class StageClient:
         try:
             if info is None:
                 raise OSError("no entry in the stage directory")
-            sock = await asyncio.get_running_loop().run_in_executor(None, open_stage_socket, info)
+            sock, session = await asyncio.get_running_loop().run_in_executor(None, open_stage_socket, info)
         except (OSError, ValueError, KeyError, TypeError):
             self._connections.pop(key, None)
             return None
-        connection = self._connections[key] = _Connection(sock, lost_message(instance, info), _where(info))
+        connection = self._connections[key] = _Connection(sock, session, lost_message(instance, info), _where(info))
         return connection
 
     def close(self) -> None:
@@ -366,7 +369,7 @@ class StageLink:
         while not self._stop.is_set():
             try:
                 info = json.loads(self._file.read_text())
-                sock = open_stage_socket(info)
+                sock, session = open_stage_socket(info)
             except Exception as e:  # noqa: BLE001 - not there yet, or gone: try again
                 if not told:
                     log.info("stage %s: waiting for its worker (%s)", self._instance, e)
@@ -374,7 +377,7 @@ class StageLink:
                 self._stop.wait(0.05)
                 continue
             told = False
-            self._conn = _Connection(sock, lost_message(self._instance, info), _where(info))
+            self._conn = _Connection(sock, session, lost_message(self._instance, info), _where(info))
             self._connected.set()
             self._conn._reader.join()  # until the worker's end closes
             self._connected.clear()

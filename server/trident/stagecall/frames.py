@@ -1,12 +1,13 @@
-"""A stage socket's frames, read: each is :data:`~trident.protocol.FRAME` (the message's length) and one
-:data:`~trident.protocol.StageMessage` (:func:`~trident.protocol.encode_message` writes them). The same frames on a
-Unix socket and over TCP."""
+"""A stage socket's frames, read: each is :data:`~trident.protocol.FRAME` (the payload's length) and one
+:data:`~trident.protocol.StageMessage`, sealed with the connection's :class:`~trident.auth.Session`
+(:func:`~trident.protocol.encode_message` writes them). The same frames on a Unix socket and over TCP."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
+from ..auth import Session
 from ..errors import MalformedRecord
 from ..protocol import FRAME, MAX_FRAME, Reply, StageMessage, decode_message
 
@@ -47,16 +48,17 @@ def _size(head: bytes) -> int:
     return size
 
 
-def recv_message(conn: socket.socket) -> StageMessage | None:
-    """The next message on a blocking socket; None at its end. Raises :class:`MalformedRecord` for a frame that
-    is not one (the connection is then useless)."""
+def recv_message(conn: socket.socket, session: Session) -> StageMessage | None:
+    """The next message on a blocking socket, opened with the connection's ``session``; None at its end. Raises
+    :class:`MalformedRecord` for a frame that is not one (the connection is then useless)."""
     head = recv_exact(conn, FRAME.size)
     if head is None:
         return None
     body = recv_exact(conn, _size(head))
-    return None if body is None else decode_message(body)
+    return None if body is None else decode_message(session.open(body))
 
 
-async def read_message(reader: asyncio.StreamReader) -> StageMessage:
-    """The next message on a stream (``asyncio.IncompleteReadError`` at its end)."""
-    return decode_message(await reader.readexactly(_size(await reader.readexactly(FRAME.size))))
+async def read_message(reader: asyncio.StreamReader, session: Session) -> StageMessage:
+    """The next message on a stream, opened with the connection's ``session`` (``asyncio.IncompleteReadError`` at
+    its end)."""
+    return decode_message(session.open(await reader.readexactly(_size(await reader.readexactly(FRAME.size)))))

@@ -100,6 +100,7 @@ class StageServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="trident-stage-server", daemon=True)
         self._servers: list[asyncio.AbstractServer] = []
         self._writers: set[asyncio.StreamWriter] = set()
+        self._sessions: dict[asyncio.StreamWriter, auth.Session] = {}  # each connection's, after its handshake
         self._connections: set[asyncio.Task] = set()
         self._calls: set[asyncio.Task] = set()
         self._stopping = False
@@ -161,8 +162,9 @@ class StageServer:
                 writer.transport.abort()
                 return
             fail_when_unanswered(sock, UNANSWERED_S)
+        where = auth.identity(self.address if peer is not None else self.path)  # (the socket as its worker file says)
         try:
-            await auth.accept_stream(reader, writer)  # a caller of this deployment, or it gets nothing
+            session = await auth.accept_stream(reader, writer, where)  # a caller of this deployment, or it gets nothing
         except auth.NotAuthenticated as e:
             self._handshakes.refused(str(e))
             writer.close()
@@ -171,13 +173,14 @@ class StageServer:
             if peer is not None:
                 self._handshakes.done(peer)
         self._writers.add(writer)
+        self._sessions[writer] = session
         me = asyncio.current_task()
         self._connections.add(me)
         tasks: set[asyncio.Task] = set()
         by_id: dict[int, asyncio.Task] = {}  # this connection's calls in progress
         try:
             while True:
-                message = await read_message(reader)
+                message = await read_message(reader, session)
                 if isinstance(message, Abandon):  # the caller gave up on one of its calls: it stops
                     if (abandoned := by_id.get(message.call)) is not None:
                         abandoned.cancel()
@@ -204,14 +207,15 @@ class StageServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._writers.discard(writer)
+            self._sessions.pop(writer, None)
             self._connections.discard(me)
             writer.close()
 
-    @staticmethod
-    async def _write(writer: asyncio.StreamWriter, message: StageMessage) -> None:
-        if writer.is_closing():
+    async def _write(self, writer: asyncio.StreamWriter, message: StageMessage) -> None:
+        session = self._sessions.get(writer)
+        if writer.is_closing() or session is None:
             return
-        writer.write(encode_message(message))  # one write: the caller wakes once
+        writer.write(encode_message(message, session))  # one write (sealed and written at once: in order)
         await writer.drain()
 
     async def _control_message(self, writer: asyncio.StreamWriter, message: StageMessage) -> None:

@@ -55,7 +55,7 @@ def _answers(worker) -> bool:
     if not isinstance(worker, dict):
         return False
     try:
-        open_stage_socket(worker).close()
+        open_stage_socket(worker)[0].close()
     except ConnectionRefusedError:
         return False
     except Exception:  # noqa: BLE001 - no answer in time, or no proof of the secret: not gone
@@ -143,7 +143,7 @@ class TritonPythonModel:
         """A worker of this deployment listens where the bind says (its stage socket proves the secret), before
         anything is written or loaded: a bare socket, or an address of someone else's, is not bound."""
         try:
-            open_stage_socket(bind.worker_file("")).close()
+            open_stage_socket(bind.worker_file(""))[0].close()
         except Exception as e:  # noqa: BLE001 - refused, no answer, or no proof of the secret
             raise Unavailable(f"no worker of this deployment answers at {list(bind.tcp)} ({type(e).__name__}); "
                               "not bound") from None
