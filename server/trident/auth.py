@@ -19,8 +19,9 @@ handing on its record):
   python-backend stub refuses a request without it (:class:`~trident.errors.Unauthenticated`) before the
   request reaches the worker, and strips it from the ones it passes on;
 - on a stage socket (the stub <-> worker channel and a worker's direct socket), the two ends prove the secret to
-  each other when the connection opens (:class:`Handshake`: a challenge each way, keyed BLAKE2b), and the side
-  that accepted the connection sends nothing but its challenge until the other side has proved it.
+  each other for that socket when the connection opens (:class:`Handshake`: a challenge each way, keyed BLAKE2b
+  over the socket's :func:`identity`), the side that accepted the connection sends nothing but its challenge until
+  the other side has proved it, and every frame after it is sealed with the connection's :class:`Session`.
 
 Neither gives away the secret: every key is derived from it with HKDF-SHA256, one label per use (records' keys
 and ids, the credential, the handshake's key), the handshake's proofs are MACs over fresh random challenges, and a
