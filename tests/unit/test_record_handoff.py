@@ -172,3 +172,19 @@ def test_the_encode_worker_hands_on_only_a_prompt_too_long_for_the_decode_worker
     assert run(hand_on(calls, HandTo("prefill-2", "tok", above=149), record))
     assert calls.posts == [("prefill-2", "tok", record)]  # a Deliver message: the record, for the call's token
     assert not run(hand_on(_Calls(written=False), HandTo("prefill", "tok"), record))  # no socket to write to
+
+
+def test_the_refused_tokens_are_bounded():
+    """Withdrawn tokens are remembered (a record that comes later is freed at once), at most MAX_REFUSED of them:
+    a flood of withdrawals forgets the oldest instead of growing without bound."""
+    async def main():
+        inbox, discarded = _inbox()
+        for i in range(infer.MAX_REFUSED + 100):
+            inbox.withdraw(f"w{i}")
+        assert len(inbox._refused) == infer.MAX_REFUSED
+        inbox.deliver(f"w{infer.MAX_REFUSED + 99}", b"late")  # (the newest is still refused: freed at once)
+        assert discarded == [b"late"]
+        inbox.deliver("w0", b"kept")  # (the oldest was forgotten: kept for a call)
+        assert await inbox.take("w0") == b"kept"
+
+    run(main())

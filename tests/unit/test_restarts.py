@@ -1,13 +1,11 @@
 """When a supervised process starts again (launcher/restarts.py), on a clock the test moves."""
 
-from trident.launcher.restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
+from trident.launcher.restarts import MAX_QUICK_DEATHS, PAUSE_S, QUICK_DEATH_S, Restarts
 
 
-def test_quick_deaths_double_the_delay_until_the_process_is_left_down_and_a_long_life_resets_it():
-    now = [0.0]
-    r = Restarts(clock=lambda: now[0])
+def _deaths(r: Restarts, now: list[float], count: int) -> list[float | None]:
     delays = []
-    for _ in range(MAX_QUICK_DEATHS):
+    for _ in range(count):
         r.started("w")
         now[0] += 1.0
         delays.append(r.exited("w"))
@@ -15,10 +13,20 @@ def test_quick_deaths_double_the_delay_until_the_process_is_left_down_and_a_long
         if delays[-1] is not None:
             now[0] += delays[-1]
             assert r.due() == ["w"] and r.due() == []
-    assert delays == [2.0, 4.0, 8.0, 16.0, None]
+    return delays
+
+
+def test_quick_deaths_double_the_delay_until_a_pause_and_a_long_life_resets_it():
+    """A process that keeps dying soon after its start (a stage crashed by the same bad input) pauses after
+    MAX_QUICK_DEATHS, then starts again with the backoff from its start: never down for good."""
+    now = [0.0]
+    r = Restarts(clock=lambda: now[0])
+    assert _deaths(r, now, MAX_QUICK_DEATHS + 1) == [2.0, 4.0, 8.0, 16.0, PAUSE_S, 2.0]
     r.started("w")
     now[0] += QUICK_DEATH_S + 1  # a long life: the count starts again
     assert r.exited("w") == 1.0
+    given_up = Restarts(clock=lambda: now[0], give_up=True)  # (Triton's: the head exits instead)
+    assert _deaths(given_up, now, MAX_QUICK_DEATHS) == [2.0, 4.0, 8.0, 16.0, None]
 
 
 def test_the_head_gives_up_on_a_triton_that_keeps_dying(tmp_path):

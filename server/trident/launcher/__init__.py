@@ -35,7 +35,7 @@ from ..protocol import BIND_MODEL, MODES, NAME_TAKEN_EXIT, STAGES, instance_name
 from ..repository import install_bind_model, install_entry_model
 from ..stagecall import directory
 from .gate import GATE, close_gate, open_gate
-from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
+from .restarts import MAX_QUICK_DEATHS, PAUSE_S, QUICK_DEATH_S, Restarts
 from .quiet import quiet
 from .startup import StartupError
 from .processes import (
@@ -98,7 +98,7 @@ class Launcher:
         self.model_path: str | None = settings.model
         self._stopping = False
         self._restarts = Restarts()  # when a worker (or the frontend) that exited starts again
-        self._triton_restarts = Restarts()  # Triton's own deaths in a row (_triton_back)
+        self._triton_restarts = Restarts(give_up=True)  # Triton's own deaths in a row (_triton_back)
         self._coming_back: set[str] = set()  # restarted workers whose stage model is not ready yet
         self._gpus: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES by worker (device.place); none on a CPU host
 
@@ -614,9 +614,9 @@ class Launcher:
                 self.out(f"[trident] could not unload {name}: {e}")
         what = "the OpenAI frontend" if name == "frontend" else f"worker {name}"
         delay = self._restarts.exited(name)
-        if delay is None:
-            self.out(f"[trident] {what} failed: it exited {MAX_QUICK_DEATHS} times in a row within "
-                     f"{QUICK_DEATH_S:.0f} s of starting; not restarting it (its modes answer 503 or fall back)")
+        if delay == PAUSE_S:
+            self.out(f"[trident] {what} exited {MAX_QUICK_DEATHS} times in a row within {QUICK_DEATH_S:.0f} s of "
+                     f"starting; restarting it after a pause of {delay:.0f} s (its modes answer 503 or fall back)")
             return
         self.out(f"[trident] restarting {what} in {delay:.0f} s")
 

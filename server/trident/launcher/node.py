@@ -10,7 +10,7 @@ import time
 
 from ..config import WorkerSettings
 from .processes import stop_all
-from .restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S, Restarts
+from .restarts import MAX_QUICK_DEATHS, PAUSE_S, QUICK_DEATH_S, Restarts
 from .zygote import Forked, Zygote
 
 
@@ -47,15 +47,12 @@ class Node:
                         continue
                     del self.procs[key]
                     delay = self._restarts.exited(key)
-                    if delay is None:
-                        self.out(f"[trident node] worker {key} failed: it exited {MAX_QUICK_DEATHS} times in a row "
-                                 f"within {QUICK_DEATH_S:.0f} s of starting; not restarting it")
+                    if delay == PAUSE_S:
+                        self.out(f"[trident node] worker {key} exited {MAX_QUICK_DEATHS} times in a row within "
+                                 f"{QUICK_DEATH_S:.0f} s of starting; starting it again after a pause of {delay:.0f} s")
                     else:
                         self.out(f"[trident node] worker {key} exited with code {proc.returncode}; starting it "
                                  f"again in {delay:.0f} s")
-                if not self.procs and not self._restarts.due_at:
-                    self.out("[trident node] every worker has failed; stopping")
-                    return 1
                 for key in self._restarts.due():
                     self._start(key)
                 time.sleep(0.2)

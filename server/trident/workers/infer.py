@@ -178,6 +178,7 @@ class Admission:
 EARLY_S = 30.0  # how long a record waits for its call (the two come on different sockets, in either order)
 WAIT_S = 300.0  # how long a call waits for its record at most (the scheduler withdraws it before, as a rule)
 MAX_EARLY = 64  # records waiting for their calls; one more pushes the oldest out
+MAX_REFUSED = 4096  # tokens remembered as refused (each for EARLY_S); one more forgets the oldest
 MAX_TOKEN = 64  # characters of a token
 
 
@@ -214,7 +215,7 @@ class Inbox:
         self._discard = discard
         self._calls: dict[str, asyncio.Future] = {}
         self._records: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # token -> (record, when it goes)
-        self._refused: dict[str, float] = {}  # token -> when it goes: withdrawn, or its record freed unread
+        self._refused: OrderedDict[str, float] = OrderedDict()  # token -> when it goes: withdrawn, or freed unread
         self.delivered = self.withdrawn = self.discarded = 0
 
     def deliver(self, token: str, record: bytes) -> None:
@@ -278,6 +279,10 @@ class Inbox:
                 "waiting_calls": len(self._calls), "early_records": len(self._records)}
 
     def _refuse(self, token: str) -> None:
+        """Remember ``token`` as refused for :data:`EARLY_S` (at most :data:`MAX_REFUSED` tokens: the oldest go)."""
+        self._refused.pop(token, None)
+        while len(self._refused) >= MAX_REFUSED:
+            self._refused.popitem(last=False)
         self._refused[token] = time.monotonic() + EARLY_S
 
     def _expire(self) -> None:
