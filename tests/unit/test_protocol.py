@@ -280,3 +280,25 @@ def test_a_bind_is_sealed_with_the_secret_and_taken_once():
         with pytest.raises(Unauthenticated, match="sealed with the deployment secret"):
             open_bind(forged, take)
     assert open_bind(seal_bind(request), take) == request  # (a new one: a new nonce)
+
+
+@pytest.mark.parametrize("url, ssl", [("https://head.example:443", True), ("http://10.0.0.1:8000", False),
+                                      ("10.0.0.1:8000", False)])
+def test_a_worker_asks_the_bind_model_with_the_url_s_scheme(monkeypatch, url, ssl):
+    """A worker joining through a TLS terminator (``--join https://...``) talks TLS to it: the scheme is kept."""
+    import tritonclient.http as httpclient
+
+    from trident.protocol import Bind
+    from trident.workers import bind
+
+    made = {}
+
+    class Client:
+        def __init__(self, address, ssl=False, **kwargs):
+            made.update(address=address, ssl=ssl)
+            raise OSError("stop here")
+
+    monkeypatch.setattr(httpclient, "InferenceServerClient", Client)
+    with pytest.raises(OSError, match="stop here"):
+        bind.ask(url, Bind(stage="prefill", tcp=("10.0.0.2", 4100)), 1.0)
+    assert made == {"address": url.rpartition("://")[2], "ssl": ssl}

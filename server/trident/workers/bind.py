@@ -87,7 +87,9 @@ def ask(url: str, request: Bind, timeout_s: float) -> str:
     """One call of the head's bind model: the name it answers."""
     import tritonclient.http as httpclient
 
-    client = httpclient.InferenceServerClient(url.split("://", 1)[-1], network_timeout=timeout_s)
+    scheme, _, address = url.rpartition("://")
+    # (https: a TLS terminator before the head's HTTP port; the scheme is kept, and with it the certificate check)
+    client = httpclient.InferenceServerClient(address, ssl=scheme.lower() == "https", network_timeout=timeout_s)
     try:
         given = httpclient.InferInput("bind", [1], "BYTES")
         given.set_data_from_numpy(np.array([seal_bind(request)], dtype=np.object_))
