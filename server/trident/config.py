@@ -256,6 +256,10 @@ class FrontendSettings(_Settings):
     max_body_bytes: ByteSize = Field(
         64 * MiB, gt=0, description="largest request body; a larger one is refused with 413 before it is read in full"
     )
+    max_buffered_bytes: ByteSize = Field(
+        1024 * MiB, gt=0, description="request bodies held at once, all connections together; past it a request is "
+        "answered 503 at once"
+    )
     header_timeout_s: float = Field(
         10.0, gt=0, description="longest a request's headers may take to arrive, from the connection's start or the "
         "first byte of its next request; slower ones are answered 408 and the connection closed"

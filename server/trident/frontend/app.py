@@ -283,7 +283,8 @@ def _check_text(prompt: str, limit: int | None = None) -> None:
 def create_app(settings: FrontendSettings, engine: Engine) -> FastAPI:
     server = OpenAIServer(settings, engine)
     app = FastAPI(title="Trident OpenAI-compatible API")
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, deadline_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, deadline_s=settings.body_timeout_s,
+                       total=settings.max_buffered_bytes)
     if settings.api_key_file is not None:  # (outside the body limit: a request without a key is not read)
         require_keys(app, load_keys(settings.api_key_file))
 
@@ -483,11 +484,13 @@ def run_frontend(settings: FrontendSettings) -> int:
     import uvicorn
 
     from .header_deadline import header_deadline_protocol
+    from .idle_reclaim import ReclaimIdle
 
     tracing.start("frontend")
     app = create_app(settings, TritonEngine(settings.grpc_url))
     # an idle keep-alive connection stays open longer than clients keep theirs (aiohttp 15 s, load balancers
     # 60 s): with uvicorn's 5 s a client could send a request on a connection the server was just closing
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
-                limit_concurrency=settings.max_connections, http=header_deadline_protocol(settings.header_timeout_s))
+                limit_concurrency=settings.max_connections,
+                http=header_deadline_protocol(settings.header_timeout_s, base=ReclaimIdle))
     return 0

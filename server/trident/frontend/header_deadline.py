@@ -13,14 +13,16 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from .responses import error_body
 
 
-def header_deadline_protocol(deadline_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's HTTP protocol (``http=``) with a deadline of ``deadline_s`` on each request's headers."""
+def header_deadline_protocol(deadline_s: float, base: type[HttpToolsProtocol] = HttpToolsProtocol
+                             ) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol (``http=``; ``base``, a subclass of it) with a deadline of ``deadline_s`` on each
+    request's headers."""
     body = json.dumps(error_body(f"the request headers did not arrive within {deadline_s:g} s, this server's limit "
                                  "(frontend.header_timeout_s)", 408)).encode()
     answer = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
-    class HeaderDeadline(HttpToolsProtocol):
+    class HeaderDeadline(base):
         _timer = None
 
         def connection_made(self, transport) -> None:
