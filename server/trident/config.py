@@ -172,8 +172,13 @@ class SchedulerConfig(_Settings):
     refresh_s: float = Field(0.5, gt=0, description="how often the scheduler looks for stage instances that came or went")
     stage_timeout_s: float = Field(
         120.0, gt=0, description="longest a one-answer stage call (encode, prefill, encode_prefill) may take; past it "
-        "the request ends with 504 (gRPC/Triton: UNAVAILABLE) naming the instance and its host, and its worker is "
-        "told to stop the call"
+        "the request ends with 504 (gRPC/Triton: UNAVAILABLE) naming the instance, and its worker is told to stop "
+        "the call"
+    )
+    migration_limit: int = Field(
+        3, ge=0, description="times a request is moved to another stage instance (or a fallback mode) when the "
+        "worker serving it dies or is cut off mid-request; the stream goes on with no gap and no repeat. Past it "
+        "(0: never), the request ends with 503"
     )
 
 

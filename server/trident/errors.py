@@ -56,6 +56,11 @@ class Unavailable(TridentError):
     retry_after_s = 1
 
 
+class WorkerLost(Unavailable):
+    """The stage worker serving the request went away (exited, killed, cut off) before it finished: the scheduler
+    moves the request to another instance where it can (``scheduling.migration_limit``)."""
+
+
 class StageTimeout(TridentError):
     """A stage instance did not answer a call within the scheduler's deadline (``scheduling.stage_timeout_s``): its
     worker is alive but stuck, or its host stalls. The message names the instance and its host.
@@ -139,7 +144,7 @@ class LeaseExpired(TransferError):
 ERRORS: dict[str, type[TridentError]] = {
     cls.__name__: cls
     for cls in (
-        TridentError, InvalidRequest, NotFound, Unavailable, Unauthenticated, NameTaken, TransferError, MalformedRecord, ForgedRecord,
+        TridentError, InvalidRequest, NotFound, Unavailable, WorkerLost, Unauthenticated, NameTaken, TransferError, MalformedRecord, ForgedRecord,
         ReplayedRecord, PeerUnavailable,
         PoolExhausted, TransferTimeout, LeaseExpired, StageTimeout,
     )

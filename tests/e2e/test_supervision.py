@@ -1,6 +1,6 @@
-"""Supervision: a stage worker killed with SIGKILL fails only its own in-flight request, quickly and by name,
-and comes back; the other modes serve throughout (Triton's L0_lifecycle, Dynamo's worker-restart checks). The short
-soak runs on the same server, then Triton is killed."""
+"""Supervision: a stage worker killed with SIGKILL with a request inside: the request moves on and ends whole, and
+the worker comes back; the other modes serve throughout (Triton's L0_lifecycle, Dynamo's worker-restart and
+migration checks). The short soak runs on the same server, then Triton is killed until the head gives up."""
 
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ def _wait_back(server, name: str, pid: int, timeout: float = 180) -> float:
 
 
 @pytest.mark.parametrize("stage", ["decode", "prefill", "encode"])
-def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
+def test_a_killed_worker_s_request_moves_on_and_the_worker_comes_back(server, stage):
+    """SIGKILL to a stage's worker with a request inside (decode: mid-stream; prefill: held there by a test-only
+    marker): the request moves on (scheduling.migration_limit; here to a fallback mode, the only decode gone) and
+    the client's stream ends whole, with the uninterrupted greedy text; the migration is counted; the worker comes
+    back and the other modes serve throughout."""
     expected = grpc_generate(server.grpc, "epd", PROMPT, [], GREEDY, stream=True).text
     assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
     pid = server.worker_pid(stage)
@@ -52,27 +56,27 @@ def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
     background = threading.Thread(target=keep_serving_epd)
     background.start()
     try:
-        if stage in ("decode", "prefill"):  # with a request inside: it fails within 5 s, naming the stage
+        if stage in ("decode", "prefill"):
             result: dict = {}
-            # decode: mid-stream; prefill: held there by a test-only marker (the server injects faults)
             prompt = PROMPT if stage == "decode" else PROMPT.replace(" ASSISTANT:", " [[trident-stall@prefill]] ASSISTANT:")
+            long = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+            whole = grpc_generate(server.grpc, "epd", prompt, [], long, stream=True).text  # (epd: no prefill stage)
+            before = _migrations(server)
 
             def stream():
                 try:
-                    grpc_generate(server.grpc, "e_p_d", prompt, [], {"max_tokens": 400, "ignore_eos": True}, stream=True)
+                    result["text"] = grpc_generate(server.grpc, "e_p_d", prompt, [], long, stream=True).text
                 except Exception as e:
-                    result["error"], result["at"] = str(e), time.monotonic()
+                    result["error"] = str(e)
 
             t = threading.Thread(target=stream)
             t.start()
             time.sleep(2.0)
-            killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
-            t.join(30)
-            assert "error" in result, "the in-flight request did not fail"
-            assert result["at"] - killed < 5
-            print(f"{stage}: the request inside failed {result['at'] - killed:.2f} s after the kill")
-            assert f"Unavailable: the {stage} stage's worker" in result["error"] and "exited" in result["error"]
+            t.join(120)
+            assert result.get("text") == whole, result.get("error")
+            if stage == "decode":  # (a prefill lost mid-call had sent nothing: planned again, not a migration)
+                assert _migrations(server) > before
         else:
             os.kill(pid, signal.SIGKILL)
         back = _wait_back(server, stage, pid)
@@ -83,6 +87,10 @@ def test_a_killed_worker_fails_its_request_and_comes_back(server, stage):
     assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
     assert f"[trident] worker {stage} is back" in "".join(server.log)
     print(f"{stage} back in {back:.1f} s")
+
+
+def _migrations(server) -> float:
+    return sum(v for (name, _), v in server.metrics("trident_migrations").items() if name.endswith("_total"))
 
 
 def test_short_soak(server):
@@ -101,19 +109,26 @@ def test_short_soak(server):
     assert len(report.outcomes) == 64
 
 
-def test_triton_dying_stops_everything_and_exits_non_zero(server):
-    """Triton killed: the server stops every process it started and exits 1, so that a service manager restarts it
-    (it used to exit 0, as if stopped on purpose). Last of the module's tests on its server."""
+def test_a_triton_that_keeps_dying_stops_everything_and_exits_non_zero(server):
+    """Triton killed again and again, each soon after the head started it anew: after 5 deaths in a row the head
+    gives up, stops every process it started and exits 1, so that a service manager restarts it (a single death:
+    it comes back, tests/e2e/test_trust.py). Last of the module's tests on its server."""
     from support import descendants
 
     started = descendants(server.proc.pid)
-    triton = [p for p in started if _cmdline(p).startswith("tritonserver") or "/tritonserver " in _cmdline(p)]
-    assert len(triton) == 1, [_cmdline(p)[:80] for p in started]
     server.exit_code = 1
-    os.kill(triton[0], signal.SIGKILL)
-    assert server.proc.wait(90) == 1
+    killed: set[int] = set()
+    deadline = time.monotonic() + 150
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        for pid in descendants(server.proc.pid):
+            if pid not in killed and (_cmdline(pid).startswith("tritonserver") or "/tritonserver " in _cmdline(pid)):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+        time.sleep(0.1)
+    assert server.proc.wait(30) == 1, server.log[-10:]
     server._reader.join(10)
-    assert any("Triton exited; stopping everything (exit code 1)" in line for line in server.log), server.log[-10:]
+    assert 5 <= len(killed) <= 6, killed  # (the first death counts when Triton had run less than 60 s)
+    assert any("Triton exited 5 times in a row" in line for line in server.log), server.log[-10:]
     deadline = time.monotonic() + 10
     while (alive := [p for p in started if os.path.exists(f"/proc/{p}") and _cmdline(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,6 +1,7 @@
 """The BLS entry model's relay of a decode stream after it sent the first text itself (from the prefill's
 ``kv_meta``): the decode's copy of that text is dropped, a decode gone before anything else is retried, and a
-retry that begins differently ends the client's stream with a 503. The python backend's ``pb_utils`` is faked
+retry that begins differently ends the client's stream with a 503; a decode whose worker went away mid-stream moves
+the request (Migrate), and the new stream replays what the client has, dropped, before it goes on. The python backend's ``pb_utils`` is faked
 (the relay is plain Python around it); the real path is in tests/e2e/test_scheduler.py and test_supervision.py (its soak)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from trident.scheduler.request import EntryRequest
-from trident.scheduler.model import StageError, StageGone, TritonPythonModel
+from trident.scheduler.model import Migrate, StageError, StageGone, TritonPythonModel
 
 FINAL = 1
 
@@ -103,6 +104,8 @@ def _relay(bls, stream: list[Response], early: bytes | None, unasked: set[str] =
            req: EntryRequest | None = None) -> tuple[str, list]:
     sender = Sender()
     req = req or EntryRequest(Request(), sender, None, early=early)  # (no metric updates held)
+    if early is not None and not req.sent_responses:  # (as _send_early leaves it)
+        req.sent_text, req.sent_tokens, req.sent_responses = early, 1, 1
     req.sender = sender
     outcome = bls._relay(iter(stream), "decode", req, unasked, "call:decode", 0)
     return outcome, sender.sent
@@ -148,7 +151,9 @@ def test_a_first_response_that_goes_on_past_the_first_text_sends_the_rest(bls):
 
 
 def test_a_decode_gone_before_anything_else_is_retried(bls):
-    with pytest.raises(StageGone):  # a stream cut off right after the copy of the first text
+    with pytest.raises(StageGone):  # nothing sent at all: the instance is gone, the request planned again
+        _relay(bls, [], early=None)
+    with pytest.raises(Migrate):  # a stream cut off right after the copy of the first text: the request moves
         _relay(bls, [_text(b" a")], early=b" a")
     lost = Response(error=Error("Unavailable: the decode stage's worker exited; the request was lost with it",
                                 Error.UNAVAILABLE))
@@ -210,3 +215,47 @@ def test_past_its_open_requests_an_entry_model_answers_503_at_once(bls):
     assert flags == FINAL and response.error().code() == "UNAVAILABLE"
     assert response.error().message() == f"Unavailable: the e_p_d mode has {MAX_OPEN} requests in flight, its limit; retry later"
     assert bls._open == MAX_OPEN and Metrics.added == [("trident_scheduler_errors_total", {"code": "UNAVAILABLE"})]
+
+
+def _lost() -> Response:
+    return Response(error=Error("WorkerLost: the decode stage's worker (pid 7) exited; the request was lost with it",
+                                Error.UNAVAILABLE))
+
+
+def test_a_worker_lost_mid_stream_moves_the_request_with_what_the_client_has(bls):
+    req = EntryRequest(Request(), None, None)
+    with pytest.raises(Migrate) as moved:
+        _relay(bls, [_counted(b" a", b"None", 1), _counted(b" bc", b"None", 2), _lost()], None, req=req)
+    assert (moved.value.instance, moved.value.stage, moved.value.reason) == ("decode", "decode", "worker_lost")
+    assert "the decode stage's worker (pid 7) exited" in moved.value.message
+    assert (req.sent_text, req.sent_tokens, req.sent_responses) == (b" a bc", 3, 2)
+    with pytest.raises(Migrate) as cut:  # a stream that just ends, with no last response
+        _relay(bls, [_counted(b" a", b"None", 1)], None, req=EntryRequest(Request(), None, None))
+    assert cut.value.reason == "cut_off"
+    with pytest.raises(StageGone):  # lost before the client had anything: planned again, not moved
+        _relay(bls, [_lost()], None)
+
+
+def test_the_moved_request_s_new_stream_replays_what_the_client_has_then_goes_on(bls):
+    stream = [_counted(b" a", b"None", 1), _counted(b" bc", b"None", 2), _counted(b" d", b"None", 1),
+              _counted(b" e", b"length", 1)]
+    req = EntryRequest(Request(), None, None, sent_text=b" a bc", sent_tokens=3, sent_responses=2, migrations=1)
+    outcome, sent = _relay(bls, stream, None, unasked={"num_input_tokens"}, req=req)
+    assert outcome == "done" and _texts(sent) == [b" d", b" e", None]
+    assert req.answered[:2] == (9, 5) and (req.sent_text, req.sent_tokens) == (b" a bc d e", 5)
+    # a response that straddles what the client has: the rest of it goes on, its count and logprobs cut to match
+    straddle = Response([Tensor("text_output", np.array([b" bc d"], dtype=np.object_)),
+                         Tensor("num_output_tokens", np.array([3], dtype=np.uint32)),
+                         Tensor("logprobs", np.array([b'[{"1": 0}, {"2": 0}, {"3": 0}]'], dtype=np.object_))])
+    req = EntryRequest(Request(), None, None, sent_text=b" a bc", sent_tokens=3, sent_responses=2, migrations=1)
+    _, sent = _relay(bls, [_counted(b" a", b"None", 1), straddle, _counted(b" e", b"length", 1)], None,
+                     unasked={"num_input_tokens"}, req=req)
+    first = {t.name(): t.as_numpy().reshape(-1)[0] for t in sent[0][0].output_tensors()}
+    assert first == {"text_output": b" d", "num_output_tokens": 1, "logprobs": b'[{"3": 0}]'}
+
+
+def test_a_moved_request_whose_new_stream_differs_ends_with_a_503(bls):
+    req = EntryRequest(Request(), None, None, sent_text=b" a bc", sent_tokens=3, sent_responses=2, migrations=1)
+    outcome, sent = _relay(bls, [_counted(b" a", b"None", 1), _counted(b" xy", b"None", 2)], None, req=req)
+    (error, _), final = sent
+    assert outcome == "done" and "began differently" in error.error().message() and final == (None, FINAL)

@@ -23,6 +23,8 @@ _FAMILIES = {
     "trident_embedding_cache_bytes": ("GAUGE", "bytes held in an encode instance's embedding cache"),
     "trident_encodes_saved_total": ("COUNTER", "media item encodes (by kind) saved by encode-once (shared with a concurrent or repeated item)"),
     "trident_scheduler_errors_total": ("COUNTER", "requests the scheduler answered with an error, by status"),
+    "trident_migrations_total": ("COUNTER", "requests moved to another stage instance mid-stream, by stage and reason "
+                                            "(worker_lost, cut_off)"),
     "trident_model_info": ("GAUGE", "1, labelled with the served model's family (its adapter's name, else its model type), its "
                                     "model type and whether the hf engine has an adapter for it"),
 }

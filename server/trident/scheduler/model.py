@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import drain, tracing
 from ..config import MODEL_ENV, SCHEDULING_ENV, SchedulerConfig
-from ..errors import InvalidRequest, TridentError, Unavailable, as_trident_error, client_message
+from ..errors import InvalidRequest, TridentError, Unavailable, WorkerLost, as_trident_error, client_message, from_message
 from ..media import MODALITIES, check_count, content_id, decode_base64
 from ..protocol import (
     ENCODE_REPORT, REQUEST_ID, HandTo, ENTRY_INPUTS, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, STAGES, EmbeddingsRecord,
@@ -77,6 +77,16 @@ class _Posted:
 
 class StageGone(Exception):
     """The chosen instance is not there any more (its worker does not answer, or is stopping): try another."""
+
+
+class Migrate(Exception):
+    """The stage instance streaming the request went away after the client had some of its answer: the request is
+    planned again and its new stream replays what the client has (dropped, checked to be the same) before it goes on
+    (:meth:`TritonPythonModel._relay`)."""
+
+    def __init__(self, instance: str, stage: str, reason: str, message: str) -> None:
+        super().__init__(instance)
+        self.instance, self.stage, self.reason, self.message = instance, stage, reason, message
 
 
 class StageError(Exception):
@@ -253,9 +263,15 @@ class TritonPythonModel:
             req.image_ids, req.kinds = _media_ids(req.inputs)
             req.keys = prefix_keys(req.text, req.image_ids)
             req.n = _choices(req.inputs.get("sampling_parameters"))
-        retries = 3
+        retries, moved = 3, None
         while True:
-            p = self._plan(len(req.image_ids))
+            try:
+                p = self._plan(len(req.image_ids))
+            except Unavailable as e:
+                if moved is None:
+                    raise
+                raise Unavailable(f"{moved.message.removeprefix('WorkerLost: ')}; the request could not move on: "
+                                  f"{e.message}") from None
             try:
                 await self._follow(p, req)
                 return
@@ -264,6 +280,22 @@ class TritonPythonModel:
                 self.instances.mark_gone(str(gone))
                 if retries == 0:
                     raise Unavailable(f"stage instance {gone} went away while serving the request") from None
+                self.instances.refresh(force=True)
+            except Migrate as move:
+                self.instances.mark_gone(move.instance)
+                if req.migrations >= self.cfg.migration_limit:
+                    error = Unavailable(f"stage instance {move.instance} stopped before the end of the answer (its "
+                                        f"worker exited or was cut off), after {req.migrations} migration(s) "
+                                        "(scheduling.migration_limit)")
+                    self.metrics.add("trident_scheduler_errors_total", code=str(self.pb.TritonError.UNAVAILABLE))
+                    return self._end_with_error(req, self.pb.TritonError(client_message(error),
+                                                                         self.pb.TritonError.UNAVAILABLE))
+                req.migrations, moved = req.migrations + 1, move
+                self.metrics.add("trident_migrations_total", stage=move.stage, reason=move.reason)
+                tracing.mark(f"migration:{move.stage}", time.monotonic_ns())
+                self.logger.log_warn(f"[trident] {self.mode}: {move.instance} went away mid-stream ({move.reason}); "
+                                     f"moving the request (migration {req.migrations}), {req.sent_tokens} token(s) "
+                                     "already sent")
                 self.instances.refresh(force=True)
 
     async def _follow(self, p: Plan, req: EntryRequest) -> None:
@@ -335,6 +367,8 @@ class TritonPythonModel:
             with tracing.step("call:prefill"):
                 return await self._stages.call(instance, _arrays("prefill", inputs, None), [out], await_record=token,
                                                timeout_s=self.cfg.stage_timeout_s)
+        except WorkerLost:
+            return None  # (its worker went away mid-call: the request is planned again)
         finally:
             self._end("prefill", instance, held)
 
@@ -395,6 +429,8 @@ class TritonPythonModel:
             with tracing.step(f"call:{stage}"):
                 arrays = await self._stages.call(instance, _arrays(stage, inputs, record), outputs, hand_to=hand_to,
                                                  timeout_s=self.cfg.stage_timeout_s)
+        except WorkerLost:  # mid-call: nothing of the answer was out, the request is planned again elsewhere
+            raise StageGone(instance) from None
         finally:
             self._end(stage, instance, held)
         if arrays is None:
@@ -421,7 +457,7 @@ class TritonPythonModel:
         goes out before the call when the prefill's record tells it (once per request: an attempt after a stage
         instance went away finds it sent)."""
         record = self._record_for(stage, req.records, p.local_prefill)  # a decode prefilling: the embeddings
-        if req.early is None:  # before anything else: this text is the client's first token
+        if req.early is None and not req.sent_responses:  # before anything else: this text is the client's first token
             req.early = self._send_early(record, req)
         instance = self._route(stage, req.keys, req.held)
         request_id = uuid.uuid4().hex
@@ -476,6 +512,7 @@ class TritonPythonModel:
         t1 = req.first_ns = time.monotonic_ns()
         req.sender.send(self.pb.InferenceResponse(
             output_tensors=[self.pb.Tensor(name, value) for name, value in outputs.items()]))
+        req.sent_text, req.sent_tokens, req.sent_responses = text, 1, 1
         tracing.mark("first_send", t1)
         req.held.add("trident_decisions_total", decision="first_text_from_prefill")
         req.held.apply()
@@ -490,19 +527,25 @@ class TritonPythonModel:
 
         The stage's responses carry ``finish_reason`` (its last one's not "None") and the token counts (asked for
         whether or not the client did; passed on only where it did: ``unasked`` are the ones it did not; the counts
-        go to ``req.answered``). A stream that ends without a last response was cut off: with nothing sent yet the
-        instance counts as gone (the request is planned again), after some tokens the client's stream ends with a
-        503. A stage's error before anything was sent is the request's error; after, it ends the client's stream.
+        go to ``req.answered``). A stream whose worker went away (:class:`~trident.errors.WorkerLost`, or a stream
+        that ends without a last response) with nothing sent yet makes the instance count as gone (the request is
+        planned again); after some of the answer, the request moves (:class:`Migrate`, up to
+        ``scheduling.migration_limit``): it is planned again, and the new stream's first tokens, the ones the client
+        has (``req.sent_text``, ``req.sent_tokens``), are checked to be the same and dropped before it goes on
+        (greedy and seeded requests continue exactly; one that sampled differently ends with a 503). A stage's error
+        before anything was sent is the request's error; after, it ends the client's stream.
 
         ``req.early``: the text already sent as the first response (:meth:`_send_early`); the stage's first response,
-        the same text, is not sent again. A stage gone before it sent anything else is gone as above (the next
-        attempt's first response must begin with the same text); a first response that does not (a retry that
-        sampled again) ends the client's stream with a 503.
+        the same text, is not sent again.
         """
         pb = self.pb
-        request, sender, held, early = req.triton, req.sender, req.held, req.early
-        before = int(early is not None)  # responses the client had before this stage's
-        sent, finished, check_at = before, False, time.monotonic() + _CANCEL_CHECK_S
+        request, sender, held = req.triton, req.sender, req.held
+        stage = step.split(":", 1)[-1]
+        resumed = req.migrations > 0
+        early = None if resumed else req.early
+        replay, left = (req.sent_text, req.sent_tokens) if resumed else (b"", 0)  # what the client has: dropped
+        before = req.sent_responses  # (the early first text's, or a moved request's earlier streams')
+        finished, check_at = False, time.monotonic() + _CANCEL_CHECK_S
         prompt = generated = 0  # the answer's token counts, from the stage's responses
         last_ns = req.first_ns or 0  # when the client's last response went out
         for response in stream:
@@ -512,51 +555,105 @@ class TritonPythonModel:
                 check_at = time.monotonic() + _CANCEL_CHECK_S
             reason = _finish_reason(self.pb, response)
             if response.has_error():
-                if sent > before:  # the client has a partial answer: end it with the stage's error
+                error = response.error()
+                if isinstance(from_message(error.message()), WorkerLost):
+                    if not req.sent_responses:
+                        raise StageGone(instance)
+                    if req.n == 1:
+                        raise Migrate(instance, stage, "worker_lost", error.message())
+                if req.sent_responses > before:  # the client has a partial answer: end it with the stage's error
                     # (as a response of its own: an error on the final response after others is dropped)
-                    sender.send(pb.InferenceResponse(error=response.error()))
+                    sender.send(pb.InferenceResponse(error=error))
                     sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     return "done"
-                error = response.error()
                 raise StageError(error.message(), error.code())
             tensors = response.output_tensors()
             n_in, n_out = _counts(tensors)
             prompt, generated = n_in or prompt, generated + n_out  # (each response counts its own tokens)
             tensors = [t for t in tensors if t.name() not in unasked]
+            skipped = 0  # of this response's tokens, those the client has
             if early is not None:  # the stage's first response: the one already sent
                 tensors, early = self._not_again(tensors, early, reason, instance), None
                 tracing.mark(step, t0)
                 if tensors is None:
-                    error = Unavailable(f"the answer was cut off after its first text: a stage instance went away, and "
-                                        f"the retry on {instance} began differently (it sampled again); retry the request")
-                    sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
-                    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    return "done"
+                    return self._diverged(sender, instance)
+                skipped = n_out if not tensors else 1
                 if request.is_cancelled():  # (see _stream)
                     return "cancelled"
+            elif left:  # a moved request's new stream: what the client has first
+                past = self._past_replay(tensors, n_out, reason, replay, left)
+                if past is None:
+                    return self._diverged(sender, instance)
+                tensors, replay, left, skipped = past
             if reason is not None:
                 finished = True
             if tensors:
-                t1 = 0 if sent else time.monotonic_ns()
+                t1 = 0 if req.sent_responses else time.monotonic_ns()
                 sender.send(pb.InferenceResponse(output_tensors=tensors))
                 last_ns = time.monotonic_ns()
-                if not sent:
+                req.sent_text += _text_of(tensors) or b""
+                req.sent_tokens += n_out - skipped
+                if not req.sent_responses:
                     req.first_ns = t1
                     tracing.mark(step, t0, t1)
                     tracing.mark("first_send", t1)
                     if held is not None:  # the first response is out: now the metric updates (an IPC each),
                         held.loop.call_soon_threadsafe(held.apply)  # from the model's event loop, as before
-                sent += 1
+                req.sent_responses += 1
         if not finished:
-            if sent == before:
+            if not req.sent_responses:
                 raise StageGone(instance)
+            if req.n == 1:
+                raise Migrate(instance, stage, "cut_off", f"stage instance {instance} stopped before the end of the "
+                              "answer (its worker exited or its model was unloaded)")
             error = Unavailable(f"stage instance {instance} stopped before the end of the answer (its worker exited "
                                 "or its model was unloaded)")
             sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if finished:
-            req.answered = (prompt, generated, last_ns or time.monotonic_ns(), sent)
+            req.answered = (prompt, generated, last_ns or time.monotonic_ns(), req.sent_responses)
         return "done"
+
+    def _diverged(self, sender, instance: str) -> str:
+        """End a client's stream whose new stream (after a stage instance went away) did not begin with what the
+        client has: the request sampled differently."""
+        pb = self.pb
+        error = Unavailable(f"the answer was cut off: a stage instance went away, and the retry on {instance} began "
+                            "differently (it sampled again); retry the request")
+        sender.send(pb.InferenceResponse(error=pb.TritonError(client_message(error), pb.TritonError.UNAVAILABLE)))
+        sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return "done"
+
+    def _past_replay(self, tensors: list, n_out: int, reason: bytes | None, replay: bytes, left: int):
+        """One response of a moved request's new stream while it replays what the client has (``replay``: that
+        text not yet matched, ``left``: its tokens): (the tensors to send, possibly none, the replay and tokens left,
+        this response's tokens the client has), or None when the stream does not match what the client has."""
+        text = _text_of(tensors)
+        if text is None:
+            return None
+        if n_out <= left:  # all of it the client has
+            if not replay.startswith(text) or (reason is not None and n_out < left):
+                return None
+            if reason is None:
+                return [], replay[len(text):], left - n_out, n_out
+            rest, skip = b"", n_out  # (it ends just where the client's answer does: its end goes out, empty)
+        else:  # the client has its first ``left`` tokens
+            if not text.startswith(replay):
+                return None
+            rest, skip = text[len(replay):], left
+        out = []
+        for t in tensors:
+            name = t.name()
+            if name == "text_output":
+                t = self.pb.Tensor(name, np.array([rest], dtype=np.object_))
+            elif name == "num_output_tokens":
+                t = self.pb.Tensor(name, np.array([n_out - skip], dtype=np.uint32))
+            elif name == "logprobs":
+                entries = json.loads(t.as_numpy().reshape(-1)[0] or b"[]")
+                if isinstance(entries, list):
+                    t = self.pb.Tensor(name, np.array([json.dumps(entries[skip:]).encode()], dtype=np.object_))
+            out.append(t)
+        return out, b"", 0, skip
 
     def _not_again(self, tensors: list, early: bytes, reason: bytes | None, instance: str) -> list | None:
         """The stage's first response's tensors (those the client asked for) less what :meth:`_send_early` sent
@@ -622,6 +719,15 @@ def _finish_reason(pb, response) -> bytes | None:
     # ("None": not finished, as the vLLM backend says it)
     done = value.size and all(isinstance(v, bytes) and v not in (b"", b"None") for v in value)
     return value[-1] if done else None
+
+
+def _text_of(tensors: list) -> bytes | None:
+    """The ``text_output`` of a response's tensors (one choice), or None."""
+    for t in tensors:
+        if t.name() == "text_output":
+            value = t.as_numpy().reshape(-1)
+            return value[0] if value.size == 1 and isinstance(value[0], bytes) else None
+    return None
 
 
 def _counts(tensors: list) -> tuple[int, int]:

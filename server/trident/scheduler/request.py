@@ -26,6 +26,12 @@ class EntryRequest:
     n: int = 1  # the choices it asks for (``sampling_parameters.n``)
     arrived_ns: int = 0  # time.monotonic_ns() at its arrival
     first_ns: int | None = None  # ... when its first response went out
+    # what the client has of the answer (text, tokens, responses), across the request's attempts; and how many times
+    # it moved to another stage instance (its worker went away mid-stream)
+    sent_text: bytes = b""
+    sent_tokens: int = 0
+    sent_responses: int = 0
+    migrations: int = 0
     # once answered: (prompt tokens, generated tokens, its last response's time, the responses it had)
     answered: tuple[int, int, int, int] | None = None
 

@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from .. import auth, tracing
-from ..errors import MalformedRecord, StageTimeout, TridentError, Unavailable
+from ..errors import MalformedRecord, StageTimeout, TridentError, Unavailable, WorkerLost
 from ..protocol import (
     Abandon, Call, Cancel, Claim, Deliver, Failure, Gone, HandTo, Reply, StageMessage, Stats, Withdraw, encode_message,
     error_of, failure,
@@ -164,7 +164,7 @@ class _Connection:
             for rid in list(self._pending):
                 target = self._pending.pop(rid, None)
                 if target is not None:
-                    target(failure(rid, Unavailable(self._lost)))
+                    target(failure(rid, WorkerLost(self._lost)))
 
     def close(self) -> None:
         try:
