@@ -1,6 +1,6 @@
 """No request lost when a stage worker dies: E/P/D and EP/D with two decode instances, eight streams at once (gRPC
 and OpenAI), and the decode worker that serves some of them killed with SIGKILL mid-stream. Every stream ends whole,
-with the text it gets uninterrupted (greedy), and the migrations are counted (Dynamo's request-migration check).
+with the text it gets uninterrupted (greedy, and two seeded samples), and the migrations are counted (Dynamo's request-migration check).
 Past ``scheduling.migration_limit`` the request ends with today's clean error. Both engines."""
 
 from __future__ import annotations
@@ -13,13 +13,18 @@ import time
 
 import pytest
 
-from support import Server, grpc_generate, vllm_python
+from support import Server, vllm_python
 
 pytestmark = pytest.mark.slow
 
 NAME = "demo"
 LONG = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
 PROMPTS = [f"USER: Tell me story number {i} about the sea, please. ASSISTANT:" for i in range(8)]
+SEEDED = {6: 1006, 7: 1007}  # these sample (temperature 0.9) with a seed: the move must continue them exactly too
+
+
+def _params(i: int) -> dict:
+    return {**LONG, "temperature": 0.9, "seed": SEEDED[i]} if i in SEEDED else LONG
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
@@ -55,20 +60,21 @@ def _serving_decode(server, mode: str) -> str:
     raise AssertionError("no decode instance has a stream in flight")
 
 
-def _openai_stream(server, mode: str, prompt: str, first: threading.Event) -> str:
+def _openai_stream(server, mode: str, prompt: str, first: threading.Event, params: dict = LONG) -> str:
     import openai
 
     client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=300)
     text = ""
-    for chunk in client.completions.create(model=f"{NAME}:{mode}", prompt=prompt, stream=True, max_tokens=LONG["max_tokens"],
-                                           temperature=0, extra_body={"ignore_eos": True}):
+    for chunk in client.completions.create(model=f"{NAME}:{mode}", prompt=prompt, stream=True,
+                                           max_tokens=params["max_tokens"], temperature=params["temperature"],
+                                           seed=params.get("seed"), extra_body={"ignore_eos": True}):
         if chunk.choices and chunk.choices[0].text:
             text += chunk.choices[0].text
             first.set()
     return text
 
 
-def _grpc_stream(server, mode: str, prompt: str, first: threading.Event) -> str:
+def _grpc_stream(server, mode: str, prompt: str, first: threading.Event, params: dict = LONG) -> str:
     """A gRPC stream's text, as support.grpc_generate reads it, ``first`` set at its first text; an error raised."""
     import queue
 
@@ -82,7 +88,7 @@ def _grpc_stream(server, mode: str, prompt: str, first: threading.Event) -> str:
     text = ""
     try:
         client.async_stream_infer(mode, _grpc_inputs(grpcclient, {n: (a, d) for n, a, d in
-                                                                   entry_inputs(prompt, [], LONG, True)}),
+                                                                   entry_inputs(prompt, [], params, True)}),
                                   enable_empty_final_response=True)
         while True:
             result, error = q.get(timeout=300)
@@ -102,15 +108,18 @@ def _grpc_stream(server, mode: str, prompt: str, first: threading.Event) -> str:
 
 @pytest.mark.parametrize("mode", ["e_p_d", "ep_d"])
 def test_a_decode_worker_killed_mid_stream_loses_no_request(server, mode):
-    expected = {p: grpc_generate(server.grpc, mode, p, [], LONG, stream=True).text for p in PROMPTS}
+    def client(i: int):
+        return _openai_stream if i % 2 else _grpc_stream
+
+    # what each stream gets uninterrupted, through its own client (greedy; the last two seeded samples)
+    expected = {p: client(i)(server, mode, p, threading.Event(), _params(i)) for i, p in enumerate(PROMPTS)}
     before = _migrations(server)
     results: dict = {}
     firsts = [threading.Event() for _ in PROMPTS]
 
     def run(i: int, prompt: str) -> None:
         try:
-            call = _openai_stream if i % 2 else _grpc_stream
-            results[prompt] = call(server, mode, prompt, firsts[i])
+            results[prompt] = client(i)(server, mode, prompt, firsts[i], _params(i))
         except Exception as e:  # noqa: BLE001 - what the client got
             results[prompt] = e
         finally:
