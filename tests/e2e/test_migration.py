@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -111,8 +112,10 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(server, mode):
     def client(i: int):
         return _openai_stream if i % 2 else _grpc_stream
 
-    # what each stream gets uninterrupted, through its own client (greedy; the last two seeded samples)
-    expected = {p: client(i)(server, mode, p, threading.Event(), _params(i)) for i, p in enumerate(PROMPTS)}
+    # what each stream gets uninterrupted, through its own client (greedy; the last two seeded samples), all at once
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        expected = dict(zip(PROMPTS, pool.map(lambda i: client(i)(server, mode, PROMPTS[i], threading.Event(),
+                                                                  _params(i)), range(len(PROMPTS)))))
     before = _migrations(server)
     results: dict = {}
     firsts = [threading.Event() for _ in PROMPTS]
