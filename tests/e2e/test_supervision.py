@@ -127,7 +127,7 @@ def test_a_triton_that_keeps_dying_stops_everything_and_exits_non_zero(server):
         time.sleep(0.1)
     assert server.proc.wait(30) == 1, server.log[-10:]
     server._reader.join(10)
-    assert 5 <= len(killed) <= 6, killed  # (the first death counts when Triton had run less than 60 s)
+    assert len(killed) >= 5, killed  # (each death ours; the first counts only if Triton had run under 60 s)
     assert any("Triton exited 5 times in a row" in line for line in server.log), server.log[-10:]
     deadline = time.monotonic() + 10
     while (alive := [p for p in started if os.path.exists(f"/proc/{p}") and _cmdline(p)]) and time.monotonic() < deadline:

@@ -122,7 +122,7 @@ def test_calls_waiting_on_a_worker_that_goes_away_fail_at_once(ends_):
     waiter.join(20)
     assert time.monotonic() - t0 < 5
     (message,) = result[0]
-    assert isinstance(message, Failure) and message.error in ("Unavailable", "TridentError")
+    assert isinstance(message, Failure) and message.error in ("WorkerLost", "Unavailable")
     assert "worker" in message.message
 
 

@@ -34,7 +34,7 @@ import threading
 from typing import Callable, get_args
 
 from .. import auth, tracing
-from ..errors import InvalidRequest, MalformedRecord, TridentError, client_message
+from ..errors import InvalidRequest, MalformedRecord, TridentError, Unavailable, client_message
 from ..protocol import (
     Abandon, Call, Control, Gone, Reply, StageMessage, Stats, encode_message, failure, worker_file,
 )
@@ -247,7 +247,7 @@ class StageServer:
             else:
                 await self._write(writer, Reply(call.id, await result))
         except asyncio.CancelledError:
-            await self._write(writer, failure(call.id, RuntimeError("the worker is stopping")))
+            await self._write(writer, failure(call.id, Unavailable("the worker is stopping")))
             raise
         except Exception as e:
             if isinstance(e, TridentError) and type(e) is not TridentError:
