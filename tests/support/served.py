@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,8 +79,38 @@ class Server:
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if self.proc.poll() is not None:
                 raise RuntimeError("server did not start:\n" + "\n".join(self.log[-40:]))
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start in time:\n" + "\n".join(self.log[-40:]) + self._stuck())
+
+    def _stuck(self) -> str:
+        """What a server that did not get ready is doing: its Triton log's last lines, and each python-backend stub's
+        state and stacks (gdb, when there), also kept in ``<workspace>.serve/stuck.txt``."""
+        lines = []
+        triton_log = self.workspace / "triton.log"
+        if triton_log.exists():
+            lines += ["--- triton.log (end)", *triton_log.read_text(errors="replace").splitlines()[-30:]]
+        for pid in descendants(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                wchan = Path(f"/proc/{pid}/wchan").read_text()
+            except OSError:
+                continue
+            if "triton_python_backend_stub" not in argv:
+                continue
+            lines.append(f"--- stub {pid} ({state}, in {wchan}): {argv[:300]}")
+            if shutil.which("gdb"):
+                try:
+                    bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"],
+                                        capture_output=True, text=True, timeout=60).stdout
+                except subprocess.TimeoutExpired:
+                    bt = "(gdb did not answer in 60 s)"
+                lines += [line for line in bt.splitlines() if line.startswith(("#", "Thread"))]
+        report = "\n".join(lines)
+        (self.workspace.with_name(self.workspace.name + ".serve") / "stuck.txt").write_text(report)
+        return "\n" + report
 
     @property
     def grpc(self) -> str:
