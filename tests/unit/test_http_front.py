@@ -79,6 +79,10 @@ class Upstream:
                         conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
                     conn.sendall(b"0\r\n\r\n")
                     continue
+                if target == "/dies":  # (as a Triton killed mid-stream)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                                 b"\r\n10\r\ndata: {\"n\": 0}\n\n\r\n")
+                    return
                 if target == "/bad-json":
                     status, answer = b"500 Internal Server Error", b'{"error":"failed to parse the request JSON buffer: x"}'
                 else:
@@ -160,6 +164,15 @@ def test_a_stream_is_passed_on_event_by_event(served):
         assert answer.status_code == 200 and next(events) == b'data: {"n": 0}'  # (before the upstream goes on)
         upstream.go.set()
         assert [e for e in events if e] == [b'data: {"n": 1}', b'data: {"n": 2}']
+
+
+def test_an_answer_triton_breaks_off_is_cut_off_never_ended_as_whole(served):
+    url, _, _ = served
+    with requests.post(f"{url}/dies", data=b"{}", stream=True, timeout=20) as answer:
+        events = answer.iter_lines()
+        assert next(events) == b'data: {"n": 0}'
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):
+            list(events)
 
 
 def test_triton_s_json_errors_are_the_client_s_400(served):

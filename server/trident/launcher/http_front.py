@@ -11,7 +11,8 @@ alone: no other local user reaches them either), and this front listens on the p
   the client's chunks are);
 - a compressed body (``Content-Encoding``) is inflated here, within the same bound, and reaches Triton plain;
 - the answer goes back as Triton writes it (a ``generate_stream`` event by event), and a client that goes away
-  closes its connection to Triton, which stops its request;
+  closes its connection to Triton, which stops its request; an answer Triton breaks off (it died) is cut off for
+  the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
 - a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500).
 
@@ -40,8 +41,9 @@ PIECE = 1 * MiB  # a chunked body reaches Triton in pieces this large at least (
 TEXT_ALLOWANCE = 16 * MiB  # a request's prompt, sampling parameters and JSON around its media
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
-    "upgrade", "host", "content-length", "content-encoding", "expect",
-})
+    "upgrade", "host", "content-length", "expect",
+})  # (not passed on, either way)
+NOT_TO_TRITON = HOP_BY_HOP | {"content-encoding"}  # (the front inflates a compressed body)
 
 
 JSON_ERRORS = (b'{"error":"failed to parse the request JSON', b'{"error":"Unable to parse JSON',
@@ -121,7 +123,7 @@ class _Relay:
             return self._too_large()
         if request.headers.get("Expect", "").lower() == "100-continue":  # (curl asks, for bodies over 1 MB)
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_TO_TRITON}
         over: list[int] = []
         plain = declared is not None and "Content-Encoding" not in request.headers
         if plain:  # (as it came: a Content-Length body reaches Triton in whatever parts it arrives)
@@ -129,8 +131,10 @@ class _Relay:
             body = request.content.iter_any() if declared else None
         else:
             body = self._pieces(request, over) if request.body_exists else None
+        out = None
         try:
-            async with self.session.request(request.method, URL("http://triton" + request.raw_path, encoded=True), headers=headers, data=body,
+            target = URL("http://triton" + request.raw_path, encoded=True)
+            async with self.session.request(request.method, target, headers=headers, data=body,
                                             allow_redirects=False) as answer:
                 status, first = answer.status, b""
                 if status == 500 and answer.content_length is not None and answer.content_length < 4096:
@@ -139,7 +143,7 @@ class _Relay:
                         status = 400
                 out = web.StreamResponse(status=status)
                 for k, v in answer.headers.items():
-                    if k.lower() not in HOP_BY_HOP or k.lower() == "content-encoding":
+                    if k.lower() not in HOP_BY_HOP:
                         out.headers.add(k, v)
                 if answer.content_length is not None:
                     out.content_length = answer.content_length
@@ -151,6 +155,10 @@ class _Relay:
                 await out.write_eof()
                 return out
         except (ClientError, OSError, ValueError) as e:
+            if out is not None and out.prepared:  # Triton went away mid-answer: the client's answer is cut off, never
+                if request.transport is not None:  # ended as if whole (no last chunk, or short of its length)
+                    request.transport.abort()
+                return out
             if over:
                 return self._too_large()
             if request.transport is None or request.transport.is_closing():
