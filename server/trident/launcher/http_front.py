@@ -11,8 +11,8 @@ alone: no other local user reaches them either), and this front listens on the p
   the client's chunks are);
 - a compressed body (``Content-Encoding``) is inflated here, within the same bound, and reaches Triton plain;
 - the answer goes back as Triton writes it (a ``generate_stream`` event by event), and a client that goes away
-  closes its connection to Triton, which stops its request; an answer Triton breaks off (it died) is cut off for
-  the client too, never ended as if it were whole;
+  closes its connection to Triton at once (not at Triton's next write), which stops its request; an answer Triton
+  breaks off (it died) is cut off for the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
 - a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500).
 
@@ -230,7 +230,10 @@ class HttpFront:
                 relays.append(relay)
                 # (client_max_size bounds nothing read here: _Relay counts the body itself; a handler's error is a
                 # 500 with no traceback for the client)
-                runner = web.ServerRunner(web.Server(relay), handle_signals=False, access_log=None, shutdown_timeout=1.0)
+                # (handler_cancellation: a client that goes away cancels its handler at once, which closes its
+                # connection to Triton, and Triton cancels the request, even while it writes nothing)
+                runner = web.ServerRunner(web.Server(relay, handler_cancellation=True), handle_signals=False,
+                                          access_log=None, shutdown_timeout=1.0)
                 await runner.setup()
                 runners.append(runner)
                 await web.SockSite(runner, sock).start()
