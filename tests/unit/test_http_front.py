@@ -29,6 +29,7 @@ class Upstream:
         self.path = path
         self.seen: list[dict] = []
         self.go = threading.Event()
+        self.quiet_closed: list[tuple[float, bytes]] = []  # when the front closed a /quiet connection, and what came
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.bind(str(path))
         self.sock.listen(64)
@@ -79,6 +80,13 @@ class Upstream:
                         conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
                     conn.sendall(b"0\r\n\r\n")
                     continue
+                if target == "/quiet":  # one event, then nothing until the front closes the connection (a long prefill)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                                 b"\r\n10\r\ndata: {\"n\": 0}\n\n\r\n")
+                    conn.settimeout(30)
+                    rest = reader.read(1)  # (b"" when the front closed it)
+                    self.quiet_closed.append((time.monotonic(), rest))
+                    return
                 if target == "/dies":  # (as a Triton killed mid-stream)
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                                  b"\r\n10\r\ndata: {\"n\": 0}\n\n\r\n")
@@ -173,6 +181,25 @@ def test_an_answer_triton_breaks_off_is_cut_off_never_ended_as_whole(served):
         assert next(events) == b'data: {"n": 0}'
         with pytest.raises(requests.exceptions.ChunkedEncodingError):
             list(events)
+
+
+def test_a_client_that_goes_away_closes_its_connection_to_triton_at_once(served):
+    """Also while Triton writes nothing (a prefill, the stage calls before the first token): Triton learns that the
+    client left when the client does, not at its next write, and cancels the request."""
+    url, _, upstream = served
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(b"POST /quiet HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        answer = b""
+        while b'data: {"n": 0}' not in answer:
+            answer += s.recv(65536)
+        left = time.monotonic()
+    deadline = time.monotonic() + 5
+    while not upstream.quiet_closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert upstream.quiet_closed, "the front kept Triton's connection open after its client left"
+    closed_at, rest = upstream.quiet_closed[-1]
+    assert rest == b"" and closed_at - left < 0.5
 
 
 def test_triton_s_json_errors_are_the_client_s_400(served):

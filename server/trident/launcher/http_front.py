@@ -11,8 +11,8 @@ alone: no other local user reaches them either), and this front listens on the p
   the client's chunks are);
 - a compressed body (``Content-Encoding``) is inflated here, within the same bound, and reaches Triton plain;
 - the answer goes back as Triton writes it (a ``generate_stream`` event by event), and a client that goes away
-  closes its connection to Triton, which stops its request; an answer Triton breaks off (it died) is cut off for
-  the client too, never ended as if it were whole;
+  closes its connection to Triton at once (not at Triton's next write), which stops its request; an answer Triton
+  breaks off (it died) is cut off for the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
 - a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500).
 
@@ -41,8 +41,9 @@ PIECE = 1 * MiB  # a chunked body reaches Triton in pieces this large at least (
 TEXT_ALLOWANCE = 16 * MiB  # a request's prompt, sampling parameters and JSON around its media
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
-    "upgrade", "host", "content-length", "content-encoding", "expect",
-})
+    "upgrade", "host", "content-length", "expect",
+})  # (not passed on, either way)
+NOT_TO_TRITON = HOP_BY_HOP | {"content-encoding"}  # (the front inflates a compressed body)
 
 
 JSON_ERRORS = (b'{"error":"failed to parse the request JSON', b'{"error":"Unable to parse JSON',
@@ -122,7 +123,7 @@ class _Relay:
             return self._too_large()
         if request.headers.get("Expect", "").lower() == "100-continue":  # (curl asks, for bodies over 1 MB)
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_TO_TRITON}
         over: list[int] = []
         plain = declared is not None and "Content-Encoding" not in request.headers
         if plain:  # (as it came: a Content-Length body reaches Triton in whatever parts it arrives)
@@ -142,7 +143,7 @@ class _Relay:
                         status = 400
                 out = web.StreamResponse(status=status)
                 for k, v in answer.headers.items():
-                    if k.lower() not in HOP_BY_HOP or k.lower() == "content-encoding":
+                    if k.lower() not in HOP_BY_HOP:
                         out.headers.add(k, v)
                 if answer.content_length is not None:
                     out.content_length = answer.content_length
@@ -229,7 +230,10 @@ class HttpFront:
                 relays.append(relay)
                 # (client_max_size bounds nothing read here: _Relay counts the body itself; a handler's error is a
                 # 500 with no traceback for the client)
-                runner = web.ServerRunner(web.Server(relay), handle_signals=False, access_log=None, shutdown_timeout=1.0)
+                # (handler_cancellation: a client that goes away cancels its handler at once, which closes its
+                # connection to Triton, and Triton cancels the request, even while it writes nothing)
+                runner = web.ServerRunner(web.Server(relay, handler_cancellation=True), handle_signals=False,
+                                          access_log=None, shutdown_timeout=1.0)
                 await runner.setup()
                 runners.append(runner)
                 await web.SockSite(runner, sock).start()
