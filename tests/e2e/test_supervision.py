@@ -195,6 +195,31 @@ def test_sigterm_during_start_up_stops_what_has_started(demo_models, tmp_path):
     assert any("interrupted during start-up" in line for line in srv.log)
 
 
+def test_triton_killed_during_start_up_is_started_again_and_the_server_gets_ready(demo_models, tmp_path):
+    """kill -9 tritonserver while the stages bind (one stage model ready, the others not yet): the head starts Triton
+    again, with the same workers (their engines kept), the stages bind again, and the server gets ready and serves;
+    it is not READY before."""
+    from support import descendants
+
+    srv = Server(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"])
+    try:
+        deadline = time.monotonic() + 180
+        while not any(" is ready" in line and "stage model" in line for line in srv.log):
+            assert time.monotonic() < deadline and srv.proc.poll() is None, "\n".join(srv.log[-20:])
+            time.sleep(0.05)
+        (triton,) = [pid for pid in descendants(srv.proc.pid) if _cmdline(pid).split(" ", 1)[0].endswith("tritonserver")]
+        assert not any(line.startswith("[trident] ready") for line in srv.log)
+        os.kill(triton, signal.SIGKILL)
+        workers = sorted(srv.worker_pids())
+        srv.wait_ready()
+        assert any("Triton exited; starting it again" in line for line in srv.log), "\n".join(srv.log[-30:])
+        assert sorted(srv.worker_pids()) == workers and len(workers) == 3  # (none started again)
+        expected = grpc_generate(srv.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text
+        assert expected and grpc_generate(srv.grpc, "e_p_d", PROMPT, [], GREEDY, stream=False).text == expected
+    finally:
+        srv.stop()
+
+
 def test_a_worker_python_without_vllm_is_a_clear_error_and_leaves_nothing(demo_models, tmp_path):
     """--backend vllm with a --worker-python that cannot import vllm: the server says so and exits, and what
     it started meanwhile (Triton, the OpenAI frontend) is stopped."""

@@ -172,17 +172,16 @@ class Launcher:
         load = self.s.load if self.s.load is not None else self.s.modes
         if names:
             self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
-        self._wait_ready(names)
-        if joining:
-            self._wait_joined(joining)
-        # once their stages are bound: an entry model loads only when a request to it would be served (the BLS
-        # refuses to load otherwise, an ensemble needs its steps)
-        loading = [self._load_beside(mode) for mode in load]
-        for done in loading:
-            done.result()
-        # READY from here: each entry model is
-        with self._client() as client:
-            open_gate(client, self.headers, self.model_store, load[0] if load else None, self.out)
+        while True:  # (again after Triton exited meanwhile: started again, the stages bind again)
+            try:
+                self._serve_first(names, joining, load)
+                break
+            except Exception:
+                if self.triton.is_alive():
+                    raise
+                if self._start_triton_again({"signal": None}) is None:
+                    raise StartupError(f"Triton exited {MAX_QUICK_DEATHS} times in a row during start-up (its log: "
+                                       f"{self.workspace / 'triton.log'})") from None
         if self.s.warm_up and load:
             warm_up(self.http_url, str(self.model_path), load, self.s.instances, self.out)
         openai = ""
@@ -194,6 +193,20 @@ class Launcher:
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
         )
+
+    def _serve_first(self, names: list[str], joining: list[str], load: list[str]) -> None:
+        """Start-up once Triton runs: the stage models of this head's workers ready, the joining stages joined, the
+        entry models loaded (an entry model loads only when a request to it would be served: the BLS refuses to load
+        otherwise, an ensemble needs its steps), and the gate opened: READY from here. :class:`TritonExited` when
+        Triton exits meanwhile."""
+        self._wait_ready(names)
+        if joining:
+            self._wait_joined(joining)
+        loading = [self._load_beside(mode) for mode in load]
+        for done in loading:
+            done.result()
+        with self._client() as client:
+            open_gate(client, self.headers, self.model_store, load[0] if load else None, self.out)
 
     def _check_ports(self) -> None:
         """Fail at once, naming them, when a port of the server's is taken (Triton would exit, and PyTriton wait)."""
@@ -443,6 +456,7 @@ class Launcher:
         pending = set(names)
         while pending:
             self._check_workers_up(pending)
+            self._check_triton_up()
             for name in list(pending):
                 try:
                     if client.is_model_ready(name):
@@ -461,6 +475,11 @@ class Launcher:
             if proc.poll() is not None:
                 raise StartupError(f"worker {name} exited with code {proc.returncode} during start-up")
 
+    def _check_triton_up(self) -> None:
+        """:class:`TritonExited` when Triton has exited (start-up starts it again: :meth:`start`)."""
+        if self.triton is not None and not self.triton.is_alive():
+            raise TritonExited("Triton exited during start-up")
+
     def _wait_joined(self, stages: list[str]) -> None:
         """Wait, for as long as it takes (not READY meanwhile), until each stage with no worker on this host has an
         instance that joined from another host; the workers of this host must stay up meanwhile."""
@@ -469,6 +488,7 @@ class Launcher:
         said, missing = time.monotonic(), set(stages)
         while missing:
             self._check_workers_up(self.workers)
+            self._check_triton_up()
             with self._client(network_timeout=5) as client:
                 for name in [instance_name(stage, n) for stage in sorted(missing) for n in range(1, 5)]:
                     try:
@@ -534,19 +554,35 @@ class Launcher:
         return 0
 
     def _triton_back(self, stop: dict) -> bool:
-        """Triton exited on its own (a crash, the OOM killer): start it again, with the workers as they are (their
-        engines loaded), and serve again: its stubs and shared memory gone, the start-up gate closed (not READY),
-        Triton started with the gate, the bind model and the stage models of this head's workers (side by side; the
-        joined workers bind again themselves), then the entry models loaded, and the gate opened. The requests that
-        were in flight through it end with an error (the HTTP front cuts their answers; gRPC streams break). False
-        when it has exited :data:`MAX_QUICK_DEATHS` times in a row, each within :data:`QUICK_DEATH_S` of its start:
-        the head gives up (exit 1), and a supervisor above it (Kubernetes, systemd) takes over."""
-        delay = self._triton_restarts.exited(TRITON)
-        if delay is None:
+        """Triton exited on its own (a crash, the OOM killer): start it again (:meth:`_start_triton_again`) and serve
+        again: the entry models loaded once the stage models are, and the gate opened. The requests that were in
+        flight through it end with an error (the HTTP front cuts their answers; gRPC streams break). False when it
+        has exited :data:`MAX_QUICK_DEATHS` times in a row, each within :data:`QUICK_DEATH_S` of its start: the head
+        gives up (exit 1), and a supervisor above it (Kubernetes, systemd) takes over."""
+        t0 = time.monotonic()
+        own = self._start_triton_again(stop)
+        if own is None:
             self.out(f"[trident] Triton exited {MAX_QUICK_DEATHS} times in a row within {QUICK_DEATH_S:.0f} s of "
                      "starting; stopping everything (exit code 1)")
             return False
-        t0 = time.monotonic()
+        try:
+            self._serve_again(own, stop)
+        except Exception as e:  # noqa: BLE001 - it died again, or a load failed: the next round of the loop sees it
+            self.out(f"[trident] Triton did not come back: {e}")
+            return True
+        self.out(f"[trident] Triton is back in {time.monotonic() - t0:.1f} s: READY")
+        return True
+
+    def _start_triton_again(self, stop: dict) -> list[str] | None:
+        """Triton exited: its stubs and shared memory cleared, the start-up gate closed (not READY), and Triton
+        started again, with the workers as they are (their engines loaded), loading the gate, the bind model and the
+        stage models of this head's workers (side by side; the joined workers, and the head's workers not bound
+        yet, bind again themselves). Returns those stage models' names; None when Triton has exited
+        :data:`MAX_QUICK_DEATHS` times in a row, each within :data:`QUICK_DEATH_S` of its start (started again
+        after a backoff until then)."""
+        delay = self._triton_restarts.exited(TRITON)
+        if delay is None:
+            return None
         self.out("[trident] Triton exited; starting it again (the workers keep their engines; not READY meanwhile)")
         kill_left(stubs_of(self.model_store), grace_s=0)  # (the dead Triton's: orphans now)
         remove_shm_regions(os.getpid())
@@ -563,16 +599,10 @@ class Launcher:
         with self._preloaded():
             pytriton_patch.start_again(self.triton, [GATE, BIND_MODEL, *own])
         self._triton_restarts.started(TRITON)
-        try:
-            self._serve_again(own, stop)
-        except Exception as e:  # noqa: BLE001 - it died again, or a load failed: the next round of the loop sees it
-            self.out(f"[trident] Triton did not come back: {e}")
-            return True
-        self.out(f"[trident] Triton is back in {time.monotonic() - t0:.1f} s: READY")
-        return True
+        return own
 
     def _serve_again(self, own: list[str], stop: dict) -> None:
-        """After :meth:`_triton_back` started Triton with the stage models ``own``: the entry models loaded again
+        """After :meth:`_start_triton_again` started Triton with the stage models ``own``: the entry models loaded again
         once those are ready, the gate opened."""
         deadline = time.monotonic() + self.s.startup_timeout_s
         pending = set(own)
@@ -725,6 +755,10 @@ class Launcher:
         # (only stubs of this server's models: an exited stub's pid may be another server's stub by now)
         if killed := kill_left(stubs, grace_s, running=lambda pid: is_stub_of(pid, self.model_store)):
             self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
+
+
+class TritonExited(RuntimeError):
+    """Triton exited while the launcher waited on it."""
 
 
 def _live(client) -> bool:

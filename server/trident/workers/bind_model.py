@@ -171,9 +171,14 @@ class TritonPythonModel:
 
     def _load(self, bind: Bind, name: str) -> str:
         """Write ``name``'s folder and load it (its lock held). A name whose stage model is still loaded is taken over
-        when its worker has gone (a restarted worker binding while its predecessor's model is being unloaded)."""
-        if _ready(name) and _answers(self._bound_worker(name)):
-            raise NameTaken(f"another worker serves {name}")
+        when its worker has gone (a restarted worker binding while its predecessor's model is being unloaded). The
+        same worker asking again (its answer lost: Triton exited and was started again with the model) gets its name."""
+        if _ready(name):
+            bound = self._bound_worker(name)
+            if bound == json.loads(json.dumps(bind.worker_file(name))):
+                return name
+            if _answers(bound):
+                raise NameTaken(f"another worker serves {name}")
         install_stage_model(self._store, name, bind.stage, bind.instances, bind.worker_file(name))
         try:
             pb_utils.load_model(name)
