@@ -30,12 +30,7 @@ def migration_server(pool, model: str, engine: str, workspace, extra: list[str])
 
     def start():
         srv = Server(model, workspace, modes=["e_p_d", "ep_d"], extra=["--served-model-name", NAME, *extra],
-                     config={"instances": {"decode": 2}, "scheduling": {"local_prefill_tokens": 0}})
-        try:
-            srv.wait_ready(timeout=600)
-        except BaseException:
-            srv.stop()
-            raise
+                     config={"instances": {"decode": 2}, "scheduling": {"local_prefill_tokens": 0}}).started(600)
         srv.engine = engine
         return srv
 

@@ -84,6 +84,16 @@ class Server:
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not start in time:\n" + "\n".join(self.log[-40:]) + self._stuck())
 
+    def started(self, timeout: float = 240) -> "Server":
+        """This server once it is ready (:meth:`wait_ready`); one that does not get ready is stopped, then the error
+        raised."""
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def _stuck(self) -> str:
         """What a server that did not get ready is doing: its Triton log's last lines, and each python-backend stub's
         state and stacks (gdb, when there), also kept in ``<workspace>.serve/stuck.txt``."""

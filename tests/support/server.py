@@ -180,12 +180,7 @@ def shared_media_server(pool: OneServerAtATime, model: str, arch: str, tmp_path_
     def start() -> Server:
         media_dir = tmp_path_factory.mktemp("media-files")
         srv = Server(model, tmp_path_factory.mktemp(arch) / "ws", extra=["--served-model-name", SHARED_MEDIA_NAME],
-                     config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}})
-        try:
-            srv.wait_ready(timeout=240)
-        except BaseException:
-            srv.stop()
-            raise
+                     config={"frontend": {"media": {"allowed_media_dir": str(media_dir)}}}).started(240)
         srv.media_dir = media_dir
         return srv
 
@@ -217,9 +212,9 @@ def bridged_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -
             # the head's end of the hosts' links is the bridge, which UCX leaves out of its TCP devices unless told
             os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
         try:
-            srv = Server(model, tmp_path_factory.mktemp("bridged") / "ws", modes=MODES, faults=True, config=config)
+            srv = Server(model, tmp_path_factory.mktemp("bridged") / "ws", modes=MODES, faults=True,
+                         config=config).started()
             srv.hosts, srv.exit_code = hosts, 0
-            srv.wait_ready()
         except BaseException:
             if hosts is not None:
                 hosts.close()
