@@ -649,8 +649,10 @@ def _http_stream(server, prompt: str, params: dict, first: threading.Event, out:
 
 def test_triton_killed_under_load_comes_back_with_the_same_workers(server):
     """kill -9 tritonserver while four streams are in flight: each stream ends whole or with an error, never cut
-    short and ended as if whole; readiness is false until the server serves again, within 15 s, with the same
-    worker processes (their engines kept) and the same answers, on HTTP and gRPC (launcher ``_triton_back``)."""
+    short and ended as if whole; readiness is false until the server serves again, with the same worker processes
+    (their engines kept) and the same answers, on HTTP and gRPC (launcher ``_triton_back``). How soon is printed:
+    about 9 s on 2 idle cores (docs/reliability.md); the wait allows 90 s, as the suite runs another lane beside it
+    (there the entry models' loads took 11 s and more, and 15 s was once too short)."""
     prompt, params = "Count from one to one hundred, in words, please.", {"max_tokens": 200, "temperature": 0}
     reference = grpc_generate(server.grpc, "e_p_d", prompt, [], params, stream=True)
     workers = _workers(server)
@@ -666,7 +668,7 @@ def test_triton_killed_under_load_comes_back_with_the_same_workers(server):
         assert f.wait(60)
     os.kill(triton, signal.SIGKILL)
     t0, seen = time.monotonic(), set()
-    while time.monotonic() - t0 < 15:
+    while time.monotonic() - t0 < 90:
         try:
             status = requests.get(f"http://{server.http}/v2/health/ready", timeout=2).status_code
         except requests.RequestException:
