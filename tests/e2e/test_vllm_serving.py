@@ -264,7 +264,7 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
     import time
 
     c = reference["one-image"]  # through each stage: encode, prefill (it READs the embeddings), decode
-    kv_before = server.stats()["decode"]["kv_read_bytes"]
+    kv_before = server.stats(settled=True)["decode"]["kv_read_bytes"]
     emb = stage_output(server.grpc, "encode", {"image": strings(c["images"][0])})
     kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"]), "embedding_meta": strings(emb)})
     drain_kv(server.grpc, kv, c["text"])
@@ -295,7 +295,11 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
     text = config.get("text_config", config)
     per_token = text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * 4 \
         * (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
-    decode = server.stats()["decode"]
+    # (vLLM's stat logger records a step's counters after its output, and the worker rewrites its stats file every
+    # 0.2 s: the READ is waited for)
+    deadline = time.monotonic() + 5
+    while (decode := server.stats()["decode"])["kv_read_bytes"] == kv_before and time.monotonic() < deadline:
+        time.sleep(0.2)
     read = decode["kv_read_bytes"] - kv_before
     assert read > 0 and read % per_token == 0, (read, per_token)
     producers = {"prefill", "encode_prefill"} & _kv_stages(server)
