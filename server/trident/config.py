@@ -144,6 +144,7 @@ class MediaPolicy(_Settings):
 Scheduler = Literal["bls", "ensemble"]
 SCHEDULERS: tuple[str, ...] = get_args(Scheduler)
 Routing = Literal["round_robin", "least_loaded", "affinity"]
+CacheScope = Literal["shared", "request"]
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 
 
@@ -174,6 +175,11 @@ class SchedulerConfig(_Settings):
         120.0, gt=0, description="longest a one-answer stage call (encode, prefill, encode_prefill) may take; past it "
         "the request ends with 504 (gRPC/Triton: UNAVAILABLE) naming the instance, and its worker is told to stop "
         "the call"
+    )
+    embedding_cache_scope: CacheScope = Field(
+        "shared", description="the encode workers' embedding cache: shared (a media item encoded for one request "
+        "serves every later request that carries it) or request (each request's items are encoded for it alone and "
+        "not kept: no request can tell from its latency what another sent; docs/security.md)"
     )
     migration_limit: int = Field(
         3, ge=0, description="times a request is moved to another stage instance (or a fallback mode) when the "

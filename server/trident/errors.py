@@ -61,6 +61,13 @@ class WorkerLost(Unavailable):
     moves the request to another instance where it can (``scheduling.migration_limit``)."""
 
 
+class Cancelled(TridentError):
+    """The client went away: its request's last response, which no one reads (HTTP 499, as nginx logs it)."""
+
+    http_status = 499
+    triton_code = "CANCELLED"
+
+
 class StageTimeout(TridentError):
     """A stage instance did not answer a call within the scheduler's deadline (``scheduling.stage_timeout_s``): its
     worker is alive but stuck, or its host stalls. The message names the instance and its host.
@@ -144,7 +151,7 @@ class LeaseExpired(TransferError):
 ERRORS: dict[str, type[TridentError]] = {
     cls.__name__: cls
     for cls in (
-        TridentError, InvalidRequest, NotFound, Unavailable, WorkerLost, Unauthenticated, NameTaken, TransferError, MalformedRecord, ForgedRecord,
+        TridentError, InvalidRequest, NotFound, Unavailable, WorkerLost, Cancelled, Unauthenticated, NameTaken, TransferError, MalformedRecord, ForgedRecord,
         ReplayedRecord, PeerUnavailable,
         PoolExhausted, TransferTimeout, LeaseExpired, StageTimeout,
     )

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .families import Family, family_of
 from .errors import InvalidRequest
-from .protocol import MAX_CHOICES, MAX_LOGPROBS
+from .protocol import MAX_CHOICES, MAX_LOGPROBS, MAX_SAMPLING_JSON
 from .structured import StructuredOutput
 
 
@@ -26,7 +26,6 @@ SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a signed 64-bit seed, as vLLM's serv
 INT32_MAX = (1 << 31) - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,

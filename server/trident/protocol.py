@@ -28,6 +28,7 @@ from .errors import ERRORS, ForgedRecord, InvalidRequest, MalformedRecord, Tride
 
 # -- the entry interface (Triton's vLLM backend's) ------------------------------------------------------
 _SAMPLING = Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)
+MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters (refused past it by the scheduler and by every stage)
 _TEXT = Tensor(name="text_input", dtype=bytes, shape=(1,))
 _IMAGE = Tensor(name="image", dtype=bytes, shape=(-1,), optional=True)
 _VIDEO = Tensor(name="video", dtype=bytes, shape=(-1,), optional=True)
@@ -86,6 +87,10 @@ class StageSpec:
 
 REQUEST_ID = "trident_request"
 """Request parameter: the scheduler's id of a request it streams from a stage (what a :class:`Cancel` names)."""
+
+EMBEDDING_SCOPE = "trident_embedding_scope"
+"""Request parameter of an encode call: ``request`` keeps the request's embeddings to itself (no other request's
+cached or in-flight encode is used, and its own are not kept for others: ``scheduling.embedding_cache_scope``)."""
 
 # -- the stage protocol: every message between a caller and a stage worker ------------------------------------
 class HandTo(msgspec.Struct, array_like=True, frozen=True):

@@ -15,17 +15,23 @@ is imported on the first request that asks (it takes a few seconds of CPU).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, Unavailable
 
 MAX_SPEC_BYTES = 64 << 10  # a schema, regex or grammar longer than this is refused (compiling costs with its size)
+COMPILE_BUDGET_S = 10.0  # longest a request's constraint may take to compile for its model (and, apart, to wait for
+# the compile thread)
 
 
 class StructuredOutput(BaseModel):
@@ -108,22 +114,105 @@ def _regex_literal(text: str) -> str:
 
 
 class Grammars:
-    """One model's compiler of constraints into token masks (its tokenizer and logits size), made on first use."""
+    """One model's compiler of constraints into token masks (its tokenizer and logits size), made on first use.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    A constraint is compiled once (:meth:`prepare`, awaited before the request's compute begins) on a thread of its
+    own, within ``budget_s``: a request whose constraint takes longer gets a 400 naming the budget, and the same
+    constraint is refused at once while its compile still runs. A request waits for that thread within the same
+    budget, and at most ``MAX_QUEUED`` distinct constraints wait for it (past either: a 503). The last ``KEPT``
+    compiled constraints are kept. A compile cannot be interrupted:
+    one past its budget runs to its end on that thread, one core, while the worker serves everything else."""
+
+    MAX_QUEUED = 8
+    KEPT = 64
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 budget_s: float = COMPILE_BUDGET_S) -> None:
         self._args = (tokenizer, vocab_size, list(stop_token_ids))
+        self.budget_s = budget_s
         self._compiler = None
-        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="trident-grammar")
+        self._lock = threading.Lock()  # the tables below, and the compiler's making
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # key -> xgrammar CompiledGrammar, least recent first
+        self._queued: dict[str, Future] = {}  # key -> its compile, queued or running
+        self._started: dict[str, float] = {}  # key -> when its compile began, while it runs
+        self._late: set[str] = set()  # keys whose compile went past the budget and still runs
 
-    def constraint(self, spec: StructuredOutput) -> "Constraint":
+    async def prepare(self, spec: StructuredOutput) -> None:
+        """Compile ``spec`` for this model unless it is kept, off the event loop, within the budget; raises
+        :class:`InvalidRequest` past it, :class:`Unavailable` when too many compiles wait."""
+        key = spec.key
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return
+            if key in self._late:
+                raise InvalidRequest(self._too_long())
+            compiling = self._queued.get(key)
+            if compiling is None:
+                if len(self._queued) >= self.MAX_QUEUED:
+                    raise Unavailable(f"{len(self._queued)} structured outputs are waiting to compile on this worker; "
+                                      "retry later")
+                compiling = self._queued[key] = self._thread.submit(self._compile, key)
+        done = asyncio.wrap_future(compiling)
+        try:  # its turn on the thread, then its own compile, each within the budget
+            await asyncio.wait_for(asyncio.shield(done), self.budget_s)
+            return
+        except asyncio.TimeoutError:
+            started = self._started.get(key)
+        if compiling.done():  # (just now)
+            compiling.result()
+            return
+        if started is None:
+            raise Unavailable(f"structured output: the compiles queued before this request's took more than "
+                              f"{self.budget_s:g} s on this worker; retry later") from None
+        try:
+            await asyncio.wait_for(asyncio.shield(done), max(0.0, started + self.budget_s - time.monotonic()))
+            return
+        except asyncio.TimeoutError:
+            with self._lock:
+                if not compiling.done():
+                    self._late.add(key)
+        raise InvalidRequest(self._too_long())
+
+    def _too_long(self) -> str:
+        return (f"structured output: its constraint takes longer than {self.budget_s:g} s to compile for this model; "
+                "give a smaller schema, regex or grammar")
+
+    def _compile(self, key: str) -> Any:
+        """On the compile thread: the compiled constraint, kept."""
+        self._started[key] = time.monotonic()
+        try:
+            compiled = self._compiler_made().compile_grammar(_grammar(key))
+            with self._lock:
+                self._compiled[key] = compiled
+                while len(self._compiled) > self.KEPT:
+                    self._compiled.popitem(last=False)
+            return compiled
+        finally:
+            with self._lock:
+                self._queued.pop(key, None)
+                self._started.pop(key, None)
+                self._late.discard(key)
+
+    def _compiler_made(self):
         import xgrammar as xgr
 
         with self._lock:
             if self._compiler is None:
                 tokenizer, vocab_size, stops = self._args
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            compiled = self._compiler.compile_grammar(_grammar(spec.key))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # (kept here)
+            return self._compiler
+
+    def constraint(self, spec: StructuredOutput) -> "Constraint":
+        """A request's constraint: compiled by :meth:`prepare` (here, if it was not)."""
+        import xgrammar as xgr
+
+        with self._lock:
+            compiled = self._compiled.get(spec.key)
+        if compiled is None:
+            compiled = self._compile(spec.key)
         return Constraint(xgr.GrammarMatcher(compiled), self._args[1])
 
 

@@ -430,6 +430,28 @@ def _reload(server, mode: str = "e_p_d", **scheduling) -> None:
         admin.close()
 
 
+def test_embedding_cache_scope_request_encodes_each_request_s_image_for_it_and_keeps_none(server, ref):
+    """``scheduling.embedding_cache_scope: request`` (here as a config override of e_p_d): an image already in the
+    cache is encoded again for each request, exactly, and none of those encodes is kept (no hit for the next
+    request, the cache's entries as they were, every region freed once read); e_pd, still shared, hits it."""
+    c = ref["one-image"]
+    assert _generate(server, c) == c["expected"]  # (in the cache now)
+    _reload(server, "e_p_d", embedding_cache_scope="request")
+    try:
+        before = _settled(server, "encode", "leases", 0)
+        for _ in range(2):
+            assert _generate(server, c) == c["expected"]
+        after = _settled(server, "encode", "leases", 0)
+        assert after["published"] - before["published"] == 2
+        assert (after["vision_runs"] - before["vision_runs"], after["cache_misses"] - before["cache_misses"]) == (2, 2)
+        assert after["cache_hits"] == before["cache_hits"] and after["cache_entries"] == before["cache_entries"]
+        assert after["send_regions_in_use"] == after["cache_entries"]  # nothing but the cache is held
+        assert _generate(server, c, "e_pd") == c["expected"]
+        assert _settled(server, "encode", "cache_hits", before["cache_hits"] + 1)["cache_hits"] == before["cache_hits"] + 1
+    finally:
+        _reload(server, "e_p_d", embedding_cache_scope="shared")
+
+
 def test_local_encode_runs_few_images_on_a_worker_that_encodes_and_prefills(server, ref):
     c = ref["one-image"]
     _reload(server, "e_pd", local_encode_images=1)

@@ -83,38 +83,6 @@ def test_n_choices_answer_in_vectors_of_n_as_the_vllm_backend_does():
     assert [int(c) for c in whole["num_output_tokens"]] == [2, 3]
 
 
-def test_the_scheduler_ends_a_stream_when_every_choice_has_ended():
-    from trident.scheduler.model import _choices, _counts, _finish_reason
-
-    class Tensor:
-        def __init__(self, name, value):
-            self._name, self._value = name, np.array(value)
-
-        def name(self):
-            return self._name
-
-        def as_numpy(self):
-            return self._value
-
-    class PB:
-        @staticmethod
-        def get_output_tensor_by_name(response, name):
-            return response.get(name)
-
-    def response(*reasons):
-        return {"finish_reason": Tensor("finish_reason", [r.encode() for r in reasons])}
-
-    assert _finish_reason(PB, response("None")) is None and _finish_reason(PB, response("stop")) == b"stop"
-    assert _finish_reason(PB, response("stop", "None")) is None
-    assert _finish_reason(PB, response("stop", "length")) is not None
-    assert _counts([Tensor("num_input_tokens", [7]), Tensor("num_output_tokens", [2, 0, 3])]) == (7, 5)
-    # n, for the metrics: the stages refuse what is wrong (a deep JSON is a 400 there, not a failure here)
-    for raw, n in ((b'{"n": 3}', 3), (b"{}", 1), (b'{"n": 99}', 1), (b'{"n": true}', 1), (b'[' * 20_000 + b']' * 20_000, 1),
-                   (b'{"n": ' + b'[' * 20_000 + b']' * 20_000 + b'}', 1), (b"not json", 1)):
-        assert _choices(Tensor("sampling_parameters", np.array([raw], dtype=np.object_))) == n, raw[:20]
-    assert _choices(None) == 1
-
-
 def test_candidates_are_the_log_softmax_with_vllm_s_ranks():
     logits = torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0])
     want = torch.log_softmax(logits, dim=-1)

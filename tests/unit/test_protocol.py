@@ -186,7 +186,7 @@ def test_error_classes_carry_their_status():
         NotFound: (404, "NOT_FOUND", False), Unavailable: (503, "UNAVAILABLE", True),
         PeerUnavailable: (503, "UNAVAILABLE", True), PoolExhausted: (503, "UNAVAILABLE", True),
         TransferTimeout: (504, "UNAVAILABLE", True), LeaseExpired: (504, "UNAVAILABLE", True),
-        TridentError: (500, "INTERNAL", False),
+        TridentError: (500, "INTERNAL", False), errors.Cancelled: (499, "CANCELLED", False),
     }
     for cls, (status, code, retryable) in expected.items():
         assert (cls.http_status, cls.triton_code, cls.retryable) == (status, code, retryable), cls

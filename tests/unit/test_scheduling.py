@@ -289,3 +289,51 @@ def test_metric_families_outlive_their_scheduler():
     del metrics
     gc.collect()
     assert all(r() is not None for r in refs)
+
+
+def test_a_request_of_embedding_cache_scope_request_is_encoded_for_itself_and_keeps_nothing(monkeypatch):
+    """``scheduling.embedding_cache_scope: request`` (the encode call's ``trident_embedding_scope``): the request's
+    items are neither taken from the cache nor from another request's encode in flight, and are not kept; a repeat
+    within the request still shares its one encode. A shared request after it finds nothing of it."""
+    from types import SimpleNamespace
+
+    from trident.engines import encode_stage
+    from trident.engines.encode_stage import EncodeStage
+    from trident.media import MediaItem
+
+    pool = MemoryPool("t", 1 << 16)
+    cache = EmbeddingCache(pool, capacity_bytes=1 << 15, key_prefix="m")
+    encoded: list[list[str]] = []  # each encoder pass: its items' bytes
+
+    def start(claimed):
+        encoded.append([item.raw.decode() for _, item in claimed])
+        done = asyncio.get_running_loop().create_future()
+        done.set_result([cache.store(key, _rows(4, len(item.raw)), None) for key, item in claimed])
+        return done
+
+    published: list[list] = []
+
+    def publish(sender, cache_, entries, ids, kinds):
+        published.append(entries)
+        return SimpleNamespace(encode=lambda: b"record")
+
+    monkeypatch.setattr(encode_stage.handoff, "publish_cached_embeddings", publish)
+    stage = EncodeStage(SimpleNamespace(check_kinds=lambda counts: None), cache, SimpleNamespace(sender=None), start)
+    a, b = MediaItem(b"a", 0), MediaItem(b"b", 1)
+
+    async def scenario():
+        shared = await stage.encode([a])
+        private = await stage.encode([a, b, MediaItem(b"b", 2)], private=True)
+        again = await stage.encode([a, b])
+        return shared.report, private.report, again.report
+
+    shared, private, again = asyncio.run(scenario())
+    assert encoded == [["a"], ["a", "b"], ["b"]]  # the private request: its own pass over both; b again after it
+    assert (shared["misses"], private["misses"], private["shared"], private["hits"]) == (1, 2, 1, 0)
+    assert (again["hits"], again["misses"]) == (1, 1)  # a from the shared request; nothing of the private one's
+    assert [e.indexed for e in published[1]] == [False, False, False] and published[1][1] is published[1][2]
+    assert cache.stats()["cache_entries"] == 2
+    for entries in published:  # the records' leases end: the private request's regions are freed, the cache stays
+        for entry in entries:
+            cache.release(entry)
+    assert pool.in_use == 2

@@ -146,9 +146,9 @@ class StageEngine(Protocol):
     calls_at_once: int
     kv_claims: KVClaims | None  # a vLLM KV producer's claims on its KV (its consumers take them); None elsewhere
 
-    async def encode(self, media: list) -> Encoded:
+    async def encode(self, media: list, private: bool = False) -> Encoded:
         """A request's media (:class:`~trident.media.MediaItem`) -> ``embedding_meta`` (the embeddings stay
-        with this worker until read)."""
+        with this worker until read); ``private``: encoded for this request alone (no cache hit, nothing kept)."""
         ...
 
     async def prefill(

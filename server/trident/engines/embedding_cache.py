@@ -26,6 +26,9 @@ from ..transfer import MemoryPool, Region
 from ..transfer.tensors import dtype_name
 
 
+_SCOPED = "@"  # in a key of one request's own (EmbeddingCache.key)
+
+
 @dataclass(eq=False)
 class CachedEmbedding:
     """One media item's embedding rows in the send pool."""
@@ -80,8 +83,9 @@ class EmbeddingCache:
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
 
-    def key(self, content_id: str) -> str:
-        return f"{self.key_prefix}:{content_id}"
+    def key(self, content_id: str, scope: str | None = None) -> str:
+        """The cache key of an item; ``scope``: one request's own (a key no other request has, never kept)."""
+        return f"{self.key_prefix}:{content_id}" if scope is None else f"{self.key_prefix}:{content_id}{_SCOPED}{scope}"
 
     # -- lookups (event-loop thread) -------------------------------------------------------------------
     def claim(self, key: str, loop: asyncio.AbstractEventLoop) -> Claim:
@@ -148,7 +152,7 @@ class EmbeddingCache:
         entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1, seconds=seconds,
                                 stand_in=stand_in, frames=frames)
         with self._lock:
-            if 0 < nbytes <= self.capacity:
+            if 0 < nbytes <= self.capacity and _SCOPED not in key:
                 entry.indexed = True
                 self._lru[key] = entry
                 self._bytes += region.nbytes

@@ -9,6 +9,7 @@ encode-only vLLM engine, :mod:`trident.engines.vllm_encoder`).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Callable
 
 from .. import tracing
@@ -29,12 +30,15 @@ class EncodeStage:
         self.endpoint = endpoint
         self._start = start
 
-    async def encode(self, media: list[MediaItem]) -> Encoded:
+    async def encode(self, media: list[MediaItem], private: bool = False) -> Encoded:
         """Each distinct item of the request from the cache, from another request's encode in flight, or
-        from one encoder pass over the rest; the record points at the cached regions."""
+        from one encoder pass over the rest; the record points at the cached regions. ``private``: every item from
+        this request's own encoder pass, and none kept after its record is read (``embedding_cache_scope:
+        request``: another request can tell nothing of it from its own latency)."""
         self.processor.check_kinds(counts(media))
         cache, loop = self.cache, asyncio.get_running_loop()
-        keys = [cache.key(item.content_id) for item in media]
+        scope = secrets.token_hex(8) if private else None
+        keys = [cache.key(item.content_id, scope) for item in media]
         held: dict[str, CachedEmbedding] = {}
         waits: dict[str, asyncio.Future] = {}
         mine: dict[str, MediaItem] = {}

@@ -352,7 +352,7 @@ class VLLMStageEngine:
         return rendered
 
     # -- stage operations --------------------------------------------------------------------------------
-    async def encode(self, media: list) -> bytes:
+    async def encode(self, media: list, private: bool = False) -> bytes:
         raise InvalidRequest(f"the {self.stage} stage does not encode")
 
     async def prefill(

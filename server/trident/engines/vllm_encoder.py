@@ -74,8 +74,8 @@ class VLLMEncodeEngine:
             self.processor, self.cache, self.endpoint, lambda claimed: asyncio.ensure_future(self._encode(claimed))
         )
 
-    async def encode(self, media: list[MediaItem]) -> Encoded:
-        return await self.encode_stage.encode(media)
+    async def encode(self, media: list[MediaItem], private: bool = False) -> Encoded:
+        return await self.encode_stage.encode(media, private)
 
     async def _encode(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
         """One vLLM request over the claimed items; their outputs into the cache, in order."""

@@ -27,7 +27,7 @@ from ..media import MODALITIES, MediaItem, check_count
 from ..output import OutputOptions, entry_responses
 from ..processor import SamplingParams
 from ..protocol import (
-    ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Claim, Control, Deliver, EmbeddingsRecord, HandTo,
+    EMBEDDING_SCOPE, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID, Call, Cancel, Claim, Control, Deliver, EmbeddingsRecord, HandTo,
     StageSpec, Stats, Withdraw, decode_record, parse_instance,
 )
 
@@ -430,7 +430,8 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             hand = check_hand_to(request.hand_to) if request.hand_to is not None else None
             items = kwargs["media"]
             # a text-only request through an ensemble: nothing to encode, the next stage gets an empty record
-            encoded = await engine.encode(items) if items else None
+            private = _parameter(request, EMBEDDING_SCOPE) == "request"  # (the scheduler's: see EMBEDDING_SCOPE)
+            encoded = await engine.encode(items, private=private) if items else None
             report = dict(encoded.report) if encoded else {}
             if hand is not None:
                 handed = False

@@ -289,8 +289,8 @@ class HFStageEngine:
         return await self._start(fn, *args)
 
     # -- stage operations ----------------------------------------------------------------------------------
-    async def encode(self, media: list[MediaItem]) -> Encoded:
-        return await self.encode_stage.encode(media)
+    async def encode(self, media: list[MediaItem], private: bool = False) -> Encoded:
+        return await self.encode_stage.encode(media, private)
 
     def _encode_into_cache(self, claimed: list[tuple[str, MediaItem]]) -> list[CachedEmbedding]:
         with tracing.step("media_decode"):
@@ -310,6 +310,8 @@ class HFStageEngine:
     async def prefill(
         self, text: str, params: SamplingParams, *, media: list = (), embedding_meta: bytes | None = None
     ) -> bytes:
+        if params.structured_outputs is not None:  # (compiled off the event loop and the compute thread)
+            await self.model.grammars.prepare(params.structured_outputs)
         result = await self._run(self._prefill, text, params, list(media), embedding_meta)
         try:
             first = RequestOutput(self.processor, params).push(  # as the decode's
@@ -390,6 +392,8 @@ class HFStageEngine:
             def unread() -> None:
                 handoff.release_kv(self.endpoint, record)
         else:
+            if params.structured_outputs is not None:  # (compiled off the event loop and the compute thread)
+                await self.model.grammars.prepare(params.structured_outputs)
             result = await self._run(self._prefill, text, params, list(media), embedding_meta)
             prompt_len = result.prompt_len
             firsts = [Fork(result.first_token, result.first_logprobs, result.constraint), *result.forks]
@@ -412,10 +416,10 @@ class HFStageEngine:
         elif firsts[0].first_logprobs is None:  # (a prefill that saw other parameters)
             raise MalformedRecord("the kv record carries no first-token logprobs, and the request asks for logprobs")
         if params.structured_outputs is not None:  # the grammar, past the prefill's token
+            await self.model.grammars.prepare(params.structured_outputs)  # (off the event loop)
             made = []
             for f in firsts:
-                constraint = await asyncio.get_running_loop().run_in_executor(
-                    None, self.model.grammars.constraint, params.structured_outputs)
+                constraint = self.model.grammars.constraint(params.structured_outputs)
                 constraint.accept(f.first_token)
                 made.append(Fork(f.first_token, f.first_logprobs, constraint))
             firsts = made
