@@ -40,6 +40,17 @@ def _producer(conn, config: TransferConfig, device: str) -> None:
         if cmd == "publish":
             layout, lease_s, *seed = arg
             conn.send(msgspec.msgpack.encode(ep.publish(_tensors(seed[0] if seed else 0)[layout], lease_s=lease_s)))
+        elif cmd == "cached":  # two items through an embedding cache, the record over them; arg: bytes to change after
+            from trident.engines.embedding_cache import EmbeddingCache
+            from trident.engines.handoff import publish_cached_embeddings
+
+            cache = EmbeddingCache(ep.sender.pool, 0)
+            rows = _tensors(1)["embeddings"][0]
+            entries = [cache.store(f"k{i}", rows[i], None) for i in range(2)]
+            record = publish_cached_embeddings(ep.sender, cache, entries, ["a", "b"])
+            if arg:  # a change on the way: the second item's region, after its digest was taken
+                ep.sender.pool.view(entries[1].region)[:arg] += 1
+            conn.send(record.encode())
         elif cmd == "stats":
             conn.send(ep.stats())
         elif cmd == "exit":
@@ -233,3 +244,26 @@ def test_pool_allocator_merges_and_reports_exhaustion():
     assert pool.in_use == 0 and pool.alloc(4096).offset == 0
     with pytest.raises(ValueError):
         pool.free(c)
+
+
+def test_embeddings_changed_on_the_way_are_refused_by_their_record_s_digest(consumer, producer):
+    """An embeddings record carries each item's SHA-256 (the tensors cross the data network unsealed): rows read as
+    they were stored are taken; rows changed after the digest (here in the producer's region, as a party on the
+    network would on the way) are refused, naming the item, and the consumer's region is freed."""
+    from trident.engines.handoff import read_embeddings
+    from trident.errors import TransferError
+    from trident.protocol import EmbeddingsRecord, decode_record
+
+    record = decode_record(producer.call("cached", 0), EmbeddingsRecord)
+    assert len(record.digests) == 2 and all(len(d) == 32 for d in record.digests)
+    emb, release = read_embeddings(consumer, record)
+    try:
+        assert torch.equal(emb.embeddings.cpu().view(2, 196, 512), _tensors(1)["embeddings"][0])
+    finally:
+        release()
+    changed = decode_record(producer.call("cached", 4), EmbeddingsRecord)
+    if DEVICE != "cpu":  # (rows read into a GPU are not hashed)
+        return
+    with pytest.raises(TransferError, match="item 1 read from .* do not match their record's digest"):
+        read_embeddings(consumer, changed)
+    assert consumer.stats()["recv_regions_in_use"] == 0

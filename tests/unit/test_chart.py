@@ -116,3 +116,24 @@ def test_an_unknown_mode_fails_the_render_naming_it():
     done = subprocess.run([HELM, "template", "demo", str(CHART), "--set-json", 'modes=["e_p_x"]'],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and 'unknown mode "e_p_x"' in done.stderr
+
+
+def test_only_the_deployment_s_pods_reach_the_stage_workers_but_for_their_health_port():
+    docs = render("--set-json", 'modes=["e_p_d", "ep_d"]')
+    policy = docs[("NetworkPolicy", "demo-trident-stages")]["spec"]
+    selects = policy["podSelector"]
+    labels = {name: doc["spec"]["template"]["metadata"]["labels"] for (kind, name), doc in docs.items()
+              if kind == "Deployment"}
+
+    def selected(pod: dict) -> bool:
+        return (selects["matchLabels"].items() <= pod.items()
+                and all(pod.get(e["key"]) not in e["values"] for e in selects["matchExpressions"]))
+
+    assert {name for name, pod in labels.items() if selected(pod)} == {
+        f"demo-trident-{s}" for s in ("encode", "prefill", "decode", "encode-prefill")}
+    assert policy["policyTypes"] == ["Ingress"]
+    same, health = policy["ingress"]
+    assert same == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}]}
+    assert all(same["from"][0]["podSelector"]["matchLabels"].items() <= pod.items() for pod in labels.values())
+    assert health == {"ports": [{"port": "health", "protocol": "TCP"}]}
+    assert ("NetworkPolicy", "demo-trident-stages") not in render("--set", "networkPolicy.enabled=false")

@@ -42,6 +42,7 @@ class CachedEmbedding:
     seconds: float = 0.0  # Qwen2.5-VL, Qwen3-VL: a clip's seconds per temporal patch
     frames: int = 0  # Qwen3-VL: a clip's sampled frames
     indexed: bool = False  # in the LRU (else freed when the last reference goes)
+    digest: bytes | None = None  # SHA-256 of its rows' bytes (None on a GPU), for the record (EmbeddingsRecord.digests)
     stand_in: Any = None  # the vllm engine's: the item's shape for vLLM's placeholders (trident.protocol.StandIn)
 
 
@@ -150,7 +151,7 @@ class EmbeddingCache:
         flat = self.pool.view(region)
         flat.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         entry = CachedEmbedding(key, region, dtype_name(tensor.dtype), tuple(tensor.shape), grid, refs=1, seconds=seconds,
-                                stand_in=stand_in, frames=frames)
+                                stand_in=stand_in, frames=frames, digest=digest_of(flat))
         with self._lock:
             if 0 < nbytes <= self.capacity and _SCOPED not in key:
                 entry.indexed = True
@@ -198,6 +199,11 @@ class EmbeddingCache:
                 "cache_bytes": self._bytes, "cache_entries": len(self._lru), "cache_capacity": self.capacity,
                 "encodes_shared": c.shared, "vision_runs": c.vision_runs, "images_encoded": c.images_encoded,
             }
+
+
+def digest_of(flat) -> bytes | None:
+    """SHA-256 of a region's bytes (a uint8 tensor); None for one on a GPU (its bytes would have to be copied out)."""
+    return hashlib.sha256(flat.numpy()).digest() if flat.device.type == "cpu" else None
 
 
 def settings_digest(model_path: str) -> str:

@@ -10,12 +10,15 @@ NixlConnector.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 from typing import Callable
 
+import torch
+
 from .. import tracing
-from ..errors import MalformedRecord, TridentError
+from ..errors import MalformedRecord, TransferError, TridentError
 from ..output import RequestOutput, TokenLogprob
 from ..processor import Processor, SamplingParams
 from ..protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
@@ -62,6 +65,7 @@ def publish_cached_embeddings(
         seconds=[e.seconds for e in entries] if any(e.seconds for e in entries) else None,
         frames=[e.frames for e in entries] if any(e.frames for e in entries) else None,
         stand_ins=[e.stand_in for e in entries] if all(e.stand_in is not None for e in entries) else None,
+        digests=[e.digest for e in entries] if all(e.digest is not None for e in entries) else None,
     )
 
 
@@ -93,9 +97,30 @@ def read_embeddings(endpoint: TransferEndpoint, record: EmbeddingsRecord) -> tup
     """READ a record's embeddings (views into the receive pool) and the function that frees them."""
     with tracing.step("nixl_read"):
         received = endpoint.fetch(record.transfer)
+    try:
+        _check_digests(received.tensors[0], record)
+    except BaseException:
+        received.release()
+        raise
     emb = MediaEmbeddings(received.tensors[0], list(record.token_counts), record.grid_thw, record.kinds, record.seconds,
                           record.frames)
     return emb, received.release
+
+
+def _check_digests(rows: torch.Tensor, record: EmbeddingsRecord) -> None:
+    """Each item's rows as read against the record's digest of them: a change on the way (the tensors cross the data
+    network unsealed) is refused. Rows read into a GPU are not hashed (their bytes would have to be copied out)."""
+    if record.digests is None or rows.device.type != "cpu":
+        return
+    flat = rows.reshape(-1).view(torch.uint8)
+    per_row = flat.numel() // rows.shape[0]
+    start = 0
+    with tracing.step("digest"):
+        for i, (count, digest) in enumerate(zip(record.token_counts, record.digests)):
+            if hashlib.sha256(flat[start:start + count * per_row].numpy()).digest() != digest:
+                raise TransferError(f"the embeddings of item {i} read from {record.transfer.agent} do not match their "
+                                    "record's digest: they were changed on the way")
+            start += count * per_row
 
 
 # -- KV cache -------------------------------------------------------------------------------------------
