@@ -215,6 +215,61 @@ def test_a_host_cut_off_fails_its_calls_within_seconds_and_serves_again_when_its
         time.sleep(0.3)
 
 
+def test_streams_decoded_on_a_host_cut_off_mid_stream_move_on_with_their_uninterrupted_text(cluster, ref):
+    """Migration across hosts: three E/P/D streams at once, decoded on the head's decode worker and the decode host's
+    (decode-2); the decode host's link goes down mid-stream. Every stream still ends with the text it gets
+    uninterrupted (greedy), the ones on decode-2 moved to the head's decode (counted); with the link back, decode-2
+    serves again."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.migration import PROMPTS, _grpc_stream, _migrations
+
+    params = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    prompts = PROMPTS[:3]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # uninterrupted
+        expected = dict(zip(prompts, pool.map(
+            lambda p: _grpc_stream(cluster, "e_p_d", p, threading.Event(), params), prompts)))
+    before = _migrations(cluster)
+    results: dict = {}
+    firsts = [threading.Event() for _ in prompts]
+
+    def run(i: int) -> None:
+        try:
+            results[prompts[i]] = _grpc_stream(cluster, "e_p_d", prompts[i], firsts[i], params)
+        except Exception as e:  # noqa: BLE001 - what the client got
+            results[prompts[i]] = e
+        finally:
+            firsts[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for f in firsts:
+        assert f.wait(120)
+    on_host = sum(v for (name, labels), v in cluster.metrics("trident_stage_inflight").items()
+                  if dict(labels).get("instance") == "decode-2" and dict(labels).get("mode") == "e_p_d")
+    host = cluster.hosts["decode"]
+    host.link(False)
+    try:
+        for t in threads:
+            t.join(120)
+    finally:
+        host.link(True)
+    assert on_host > 0, "no stream was being decoded on the decode host when its link went down"
+    wrong = {p: r for p, r in results.items() if r != expected[p]}
+    assert not wrong, {p: (str(r)[:300], expected[p][:60]) for p, r in wrong.items()}
+    moved = sum(_migrations(cluster).values()) - sum(before.values())
+    assert moved >= 1, (before, _migrations(cluster))
+    print(f"{on_host:.0f} stream(s) on decode-2 when its host was cut off; {moved:.0f} moved")
+    t0, routed = time.monotonic(), _routed(cluster, "decode-2")
+    while _routed(cluster, "decode-2") == routed:  # (decode-2 is tried again once its hold is over)
+        assert time.monotonic() - t0 < 30, "the host's worker did not serve again within 30 s of its link coming back"
+        for case in ref.values():
+            assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True,
+                                 timeout=30).text == case["expected"]
+
+
 def test_a_joined_worker_killed_has_its_stage_model_unloaded_and_its_stage_is_served_on(cluster, ref):
     """The decode host's worker is killed (SIGKILL: it unbinds nothing). Its host refuses connections from then on,
     and within 5 s the server has unloaded its stage model: Triton no longer shows decode-2 READY (a request to it

@@ -95,9 +95,9 @@ class Server:
         return self
 
     def _stuck(self) -> str:
-        """What a server that did not get ready is doing: its Triton log's last lines, and each python-backend stub's
-        state and stacks (gdb, when there), also kept in ``<workspace>.serve/stuck.txt``."""
-        lines = []
+        """What a server that did not get ready is doing: its own output's and its Triton log's last lines, and each
+        python-backend stub's state and stacks (gdb, when there), also kept in ``<workspace>.serve/stuck.txt``."""
+        lines = ["--- trident serve (end)", *self.log[-60:]]
         triton_log = self.workspace / "triton.log"
         if triton_log.exists():
             lines += ["--- triton.log (end)", *triton_log.read_text(errors="replace").splitlines()[-30:]]

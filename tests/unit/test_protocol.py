@@ -302,3 +302,23 @@ def test_a_worker_asks_the_bind_model_with_the_url_s_scheme(monkeypatch, url, ss
     with pytest.raises(OSError, match="stop here"):
         bind.ask(url, Bind(stage="prefill", tcp=("10.0.0.2", 4100)), 1.0)
     assert made == {"address": url.rpartition("://")[2], "ssl": ssl}
+
+
+def test_a_bind_whose_answer_never_comes_is_asked_again_within_a_minute(monkeypatch):
+    """An ask the head never answers (its Triton died under it and was started again) waits at most ``ASK_S``, then
+    the worker asks again (the bind model gives the same worker its name back if that bind went through)."""
+    from trident.protocol import Bind
+    from trident.workers import bind
+
+    waits: list[float] = []
+
+    def ask(url, request, timeout_s):
+        waits.append(timeout_s)
+        if len(waits) == 1:
+            raise OSError("timed out")
+        return "encode"
+
+    monkeypatch.setattr(bind, "ask", ask)
+    monkeypatch.setattr(bind.time, "sleep", lambda s: None)
+    assert bind.bind("http://head:8000", Bind(stage="encode", tcp=("10.0.0.2", 4100))) == "encode"
+    assert len(waits) == 2 and all(0 < w <= bind.ASK_S < bind.BIND_S for w in waits)

@@ -81,6 +81,7 @@ def _watch_server(url: str, name: str | None, misses: int = 3) -> None:
 
 
 BIND_S = 300.0  # how long a worker asks the head's bind model before it gives up binding
+ASK_S = 60.0  # the longest one ask waits for its answer (a bind loads a stage model: seconds); then it asks again
 
 
 def ask(url: str, request: Bind, timeout_s: float) -> str:
@@ -109,8 +110,9 @@ def bind(url: str, request: Bind) -> str | None:
     started = time.monotonic()
     deadline, said = started + BIND_S, False
     while True:
-        try:
-            return ask(url, request, BIND_S)
+        try:  # (an ask whose answer never comes, as when Triton died under it, is asked again: the same worker gets
+            # its name back if that bind went through)
+            return ask(url, request, max(1.0, min(ASK_S, deadline - time.monotonic())))
         except InferenceServerException as e:
             error = from_message(str(e))
             if isinstance(error, NameTaken):

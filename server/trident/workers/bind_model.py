@@ -24,11 +24,10 @@ import os
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore  # provided by the python-backend stub
 
-from trident.errors import InvalidRequest, NameTaken, TridentError, Unauthenticated, Unavailable
+from trident.errors import InvalidRequest, NameTaken, TridentError, Unavailable
 from trident.protocol import BIND_FRESH_S, WORKER_FILE, Bind, instance_name, open_bind
 from trident.repository import install_stage_model
 from trident.stagecall.client import open_stage_socket
@@ -38,6 +37,7 @@ MAX_BIND_BYTES = 4096
 MAX_BINDS, PACE_S = 20, 10.0  # binds per instance of this model in a window
 MAX_JOINED = 1024  # <stage>-<n> names a joining worker may take, per stage
 JOINING = ".joining"  # the lock joining workers choose their names under
+HOLD_S = 30.0  # the longest a bind waits for another bind of the same name (the worker then asks again)
 
 
 def _ready(name: str) -> bool:
@@ -77,14 +77,22 @@ class TritonPythonModel:
     @contextlib.contextmanager
     def _holding(self, name: str, wait: bool = True):
         """Hold the lock of ``name`` across this model's instances; yields False when ``wait`` is off and another
-        instance holds it."""
+        instance holds it. Waiting, for at most :data:`HOLD_S`: then :class:`Unavailable` (the worker asks again)."""
         fd = os.open(self._locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
+            deadline = time.monotonic() + HOLD_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not wait:
+                        yield False
+                        return
+                    if time.monotonic() > deadline:
+                        raise Unavailable(f"another bind of {name} has been under way for {HOLD_S:g} s; "
+                                          "retry") from None
+                    time.sleep(0.05)
             yield True
         finally:
             os.close(fd)
