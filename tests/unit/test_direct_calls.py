@@ -290,12 +290,6 @@ def streaming(tmp_path):
         yield {**served, "streams": streams}
 
 
-def _convert(message) -> list:
-    from trident.stagecall import responses_of
-
-    return [item if isinstance(item, Exception) else item["text_output"][0] for item in responses_of(message)]
-
-
 def _stream(text: str, request_id: str = "r1", stop_after: int | None = None):
     """The stream's items as the relay thread reads them (in a thread, as the BLS does)."""
     from trident.protocol import REQUEST_ID
@@ -303,19 +297,20 @@ def _stream(text: str, request_id: str = "r1", stop_after: int | None = None):
     async def go():
         calls = StageClient()
         try:
-            stream = await calls.stream("decode", _text(text), ["text_output"], {REQUEST_ID: request_id}, _convert)
+            stream = await calls.stream("decode", _text(text), ["text_output"], {REQUEST_ID: request_id})
             items = []
 
             def relay():
-                for item in stream:
-                    items.append(item)
+                for item in stream:  # (each response's text, or the stage's error)
+                    items.append(item if isinstance(item, Exception) else item["text_output"][0])
                     if stop_after is not None and len(items) == stop_after:
                         return
 
             await asyncio.get_running_loop().run_in_executor(None, relay)
             if stop_after is not None:
                 await calls.cancel("decode", request_id)
-                await asyncio.get_running_loop().run_in_executor(None, lambda: items.extend(stream))
+                await asyncio.get_running_loop().run_in_executor(None, lambda: items.extend(
+                    i if isinstance(i, Exception) else i["text_output"][0] for i in stream))
             return items
         finally:
             calls.close()

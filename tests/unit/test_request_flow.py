@@ -83,7 +83,7 @@ class Stages:
                     ENCODE_REPORT: np.array([json.dumps({"handed": hand_to is not None}).encode()], dtype=np.object_)}
         return {KV: np.array([f"kv from {instance}".encode()], dtype=np.object_)}
 
-    async def stream(self, instance, inputs, outputs, parameters, convert):
+    async def stream(self, instance, inputs, outputs, parameters):
         record = next((v[0] for k, v in inputs.items() if k in (EMB, KV)), None)
         self.calls.append((instance, sorted(inputs), record, parameters[REQUEST_ID]))
         if instance in self.gone:

@@ -37,7 +37,6 @@ from ..protocol import (
     EMBEDDING_SCOPE, ENCODE_REPORT, ENTRY_OUTPUTS, MODES, RECORD_TENSOR, REQUEST_ID, STAGES, EmbeddingsRecord, HandTo,
     decode_record, instance_name,
 )
-from ..stagecall import responses_of
 from .engine_metrics import Answered
 from .instances import Instances
 from .prompt_length import PromptLength, text_bytes_limit
@@ -74,8 +73,9 @@ class StageCaller(Protocol):
                    hand_to: HandTo | None = None, await_record: str | None = None,
                    timeout_s: float | None = None) -> dict[str, np.ndarray] | None: ...
 
-    async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters: dict,
-                     convert: Callable[[Any], list]) -> Iterator | None: ...
+    async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str],
+                     parameters: dict) -> Iterator | None:
+        """The stage's responses as data (:func:`trident.stagecall.responses_of`), for a thread to iterate."""
 
     async def cancel(self, instance: str, request_id: str) -> None: ...
 
@@ -397,7 +397,7 @@ class RequestFlow:
                 return _cancelled(req)
             t0 = time.monotonic_ns()
             stream = await self.stages.stream(instance, _arrays(stage, inputs, record), _ENTRY_OUTPUT_NAMES,
-                                              {REQUEST_ID: request_id}, responses_of)
+                                              {REQUEST_ID: request_id})
             if stream is None:
                 raise StageGone(instance)
             log_error = lambda text: self.log.log_error(self._line(text))  # noqa: E731

@@ -48,11 +48,10 @@ CONNECT_S = 5.0  # a TCP stage socket that does not answer within this is gone
 
 
 class DirectStream:
-    """The messages of one streamed call, for the thread that relays them: an iterator of what ``convert(message)``
-    makes of each, up to the call's end (a :class:`~trident.protocol.Failure` ends it too)."""
+    """The messages of one streamed call, for the thread that relays them: an iterator of its responses as data
+    (:func:`responses_of`), up to the call's end (a :class:`~trident.protocol.Failure` ends it too)."""
 
-    def __init__(self, convert: Callable[[StageMessage], list]) -> None:
-        self._convert = convert
+    def __init__(self) -> None:
         self._messages: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: deque = deque()
         self._ended = False
@@ -77,7 +76,7 @@ class DirectStream:
             message = self._messages.get()
             self._ended = ends(message)
             if isinstance(message, Failure) or (isinstance(message, Reply) and message.outputs):
-                self._ready.extend(self._convert(message))
+                self._ready.extend(responses_of(message))
         return self._ready.popleft()
 
 
@@ -251,14 +250,14 @@ class StageClient:
             raise TridentError(f"stage instance {instance} answered without outputs")
         return answer.outputs
 
-    async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters: dict,
-                     convert: Callable[[StageMessage], list]) -> DirectStream | None:
+    async def stream(self, instance: str, inputs: dict[str, np.ndarray], outputs: list[str],
+                     parameters: dict) -> DirectStream | None:
         """A streamed call of ``instance`` (a decoupled stage), once its first message is in; None when it is not
         there to take it (try another)."""
         connection = await self._connection(instance)
         if connection is None:
             return None
-        stream = DirectStream(convert)
+        stream = DirectStream()
         try:
             connection.send(Call(connection.next_id(), inputs, outputs, parameters, traceparent=tracing.traceparent()),
                             stream.put)
