@@ -509,18 +509,25 @@ def _published(server) -> dict[str, int]:
     return {name: stats[name]["published"] for name in ("prefill", "prefill-2") if name in stats}
 
 
-def test_least_loaded_spreads_concurrent_requests_over_both_instances(server, ref):
+def test_least_loaded_spreads_requests_over_both_instances(server, ref):
+    """Repeats of one image (affinity would send them all to one instance): one after another, the idle instances
+    take turns, exactly; eight at once use both (how many each takes follows how long each holds its calls, which a
+    loaded machine varies: the policy's choices under load are unit-tested in test_scheduling.py)."""
     _reload(server, routing="least_loaded")
     try:
-        before = _published(server)
         c = ref["one-image"]
+        before = _published(server)
+        for _ in range(4):
+            assert _generate(server, c) == c["expected"]
+        time.sleep(0.5)
+        after = _published(server)
+        assert {name: after[name] - before[name] for name in after} == {"prefill": 2, "prefill-2": 2}
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(lambda _: _generate(server, c), range(8)))
         assert texts == [c["expected"]] * 8
         time.sleep(0.5)
-        after = _published(server)
-        spread = {name: after[name] - before[name] for name in after}
-        assert sum(spread.values()) == 8 and min(spread.values()) >= 2, spread
+        spread = {name: n - after[name] for name, n in _published(server).items()}
+        assert sum(spread.values()) == 8 and min(spread.values()) >= 1, spread
         assert _metric(server, "trident_routed_total", instance="prefill-2", mode="e_p_d") > 0
     finally:
         _reload(server, routing="affinity")
