@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench_engines import MODES, Process, load, load_triton_http
 from report import write_section
-from trident.netutil import free_ports
+from trident.core.netutil import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "bench-ab"

@@ -1,11 +1,11 @@
 """What one stage call's hand-offs cost with no model behind them: the scheduler's call
-(:class:`trident.stagecall.StageClient`) to a worker's :class:`~trident.stagecall.StageServer` whose stage answers
+(:class:`trident.core.stagecall.StageClient`) to a worker's :class:`~trident.core.stagecall.StageServer` whose stage answers
 at once, over its Unix socket, against a bare Unix-socket ping-pong, each between two processes, one call at a time.
 
 Each side stamps its steps on the host's monotonic clock; the table gives the median of each step in us over
 ``--calls`` calls (2 ms apart, as at concurrency 1, where the processes sleep between a request's hops):
 
-- scheduler: the call's message made (a :class:`~trident.protocol.Call`, msgpack), the socket write;
+- scheduler: the call's message made (a :class:`~trident.core.protocol.Call`, msgpack), the socket write;
 - worker: the message read and decoded on its event loop, its task started, the stage function called, its
   answer written;
 - scheduler: the answer read by the connection's reader thread, handed to the event loop, the call's
@@ -50,10 +50,10 @@ ANSWER = {"kv_meta": np.array([b"k" * 1200], dtype=np.object_)}
 
 
 def _worker(folder: str, conn, tcp: bool) -> None:
-    """A stage worker's :class:`~trident.stagecall.StageServer` serving a stage that answers at once, with its
+    """A stage worker's :class:`~trident.core.stagecall.StageServer` serving a stage that answers at once, with its
     steps stamped; the stamps go back over ``conn`` when asked."""
-    from trident.stagecall import StageServer, directory
-    from trident.stagecall import server as serving
+    from trident.core.stagecall import StageServer, directory
+    from trident.core.stagecall import server as serving
 
     now, marks = time.monotonic_ns, []
     handle, write, read = StageServer._handle, StageServer._write, serving.read_message
@@ -114,8 +114,8 @@ def _ping_pong(calls: int) -> list[float]:
 
 def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float]:
     """Per step, the median in us; and the median round trip (over the worker's Unix socket, or its TCP one)."""
-    from trident.stagecall import StageClient, directory
-    from trident.stagecall import client as direct
+    from trident.core.stagecall import StageClient, directory
+    from trident.core.stagecall import client as direct
 
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="bench-direct-")
@@ -186,7 +186,7 @@ def main() -> int:
 
     import os
 
-    from trident import auth
+    from trident.core import auth
 
     os.environ.setdefault(auth.ENV, auth.new_secret())  # both processes are of one deployment
     steps, total = direct_calls(args.calls)

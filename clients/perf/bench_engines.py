@@ -40,9 +40,9 @@ import numpy as np
 from PIL import Image
 
 from report import read_section, settings_text, write_section
-from trident.launcher import descendants
-from trident.launcher.processes import cpu_seconds
-from trident.netutil import free_ports
+from trident.supervisor import descendants
+from trident.supervisor.processes import cpu_seconds
+from trident.core.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 SECTION = "bench-vllm"  # the report's section; what follows its table there (notes people wrote) is kept

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where one request's time goes: a per-hop breakdown of TTFT for E/P/D and EP/D at concurrency 1.
 
-Starts `trident serve` tracing every request into files (:mod:`trident.tracing`, the file exporter) on a demo
+Starts `trident serve` tracing every request into files (:mod:`trident.core.tracing`, the file exporter) on a demo
 model (hf engine), sends requests one at a time over gRPC streaming (tritonclient), each with a new image, and
 reads the spans every process wrote (the BLS scheduler and each stage worker). A span belongs to the request
 whose send..done window holds it. The same requests also run through the ``generate`` stage's engine in this
@@ -169,12 +169,12 @@ def in_process(model: str, text: str, images: list[str], trace_dir: Path, max_to
     os.environ.update({"OTEL_TRACES_EXPORTER": "file", "TRIDENT_TRACE_DIR": str(trace_dir)})
     import torch
 
-    from trident import tracing
-    from trident.engines.hf.stage import HFStageEngine
-    from trident.media import MediaItem
-    from trident.output import OutputOptions, entry_responses
-    from trident.processor import SamplingParams
-    from trident.protocol import STAGES
+    from trident.core import tracing
+    from trident.worker.engines.hf.stage import HFStageEngine
+    from trident.core.media import MediaItem
+    from trident.core.output import OutputOptions, entry_responses
+    from trident.core.processor import SamplingParams
+    from trident.core.protocol import STAGES
 
     torch.set_num_threads(1)  # as a worker runs
     tracing.start("in-process")

@@ -10,7 +10,7 @@ namespaces with a private /tmp and /dev/shm; needs root): nothing crosses betwee
   from a host each (`trident worker STAGE --join URL`, UCX_TLS=tcp), in rounds alternating between the two: the
   same requests both ways, a new 224 px image each, greedy, ``--max-tokens`` new tokens; tokens/s at concurrency
   8 and TTFT p50 at concurrency 1. Both on the same 2 cores: what differs is the wire.
-- Transfers: a producer on one host publishes a tensor (trident.transfer, UCX over TCP), a consumer on another
+- Transfers: a producer on one host publishes a tensor (trident.core.transfer, UCX over TCP), a consumer on another
   READs it (``fetch``); the same bytes sent over a plain TCP socket between the same hosts (``sendall`` into
   ``recv_into``). Medians per size.
 
@@ -70,8 +70,8 @@ def producer(address: str, read_window: bool) -> None:
 
     import torch
 
-    from trident.config import TransferConfig
-    from trident.transfer import TransferEndpoint, data_plane, endpoint
+    from trident.core.config import TransferConfig
+    from trident.core.transfer import TransferEndpoint, data_plane, endpoint
 
     data_plane.bind(address)  # (as a worker does: UCX on the interface holding its data address)
     biggest = max(s for s, _, _ in SIZES)
@@ -108,8 +108,8 @@ def consumer(address: str, peer: str) -> None:
     """Prints one JSON line: per size, the median seconds of a READ and of a plain socket copy."""
     import numpy as np
 
-    from trident.config import TransferConfig
-    from trident.transfer import TransferEndpoint, data_plane
+    from trident.core.config import TransferConfig
+    from trident.core.transfer import TransferEndpoint, data_plane
 
     data_plane.bind(address)
     biggest = max(s for s, _, _ in SIZES)
@@ -207,7 +207,7 @@ async def _rounds(servers: dict, mode: str, text: str, args, seed: int) -> list[
 def bench_serving(hosts, env, model: str, text: str, args) -> dict:
     from bench_scheduler import Serve
 
-    from trident.netutil import free_ports
+    from trident.core.netutil import free_ports
 
     results = {}
     for k, mode in enumerate(args.modes):
@@ -260,9 +260,9 @@ def table(serving: dict, transfers: dict, args) -> list[str]:
         "`recv_into`, TCP_NODELAY); medians. With Trident's defaults, and with one thing changed: over TCP a READ "
         "is not one-sided, the producer's UCX worker must progress to serve it, and a Trident producer progresses "
         "it as it polls for release notifications: every 0.5 ms for 0.25 s after it opens a lease when other hosts "
-        "can reach it, else every `transfer.poll_interval_s` (5 ms; `transfer/endpoint.py`, `READ_POLL_S`; NIXL's "
+        "can reach it, else every `transfer.poll_interval_s` (5 ms; `core/transfer/endpoint.py`, `READ_POLL_S`; NIXL's "
         "own progress thread spins a core); and UCX's own TCP segment sizes, which Trident raises to 256 KiB "
-        "(`transfer/data_plane.py`).", "",
+        "(`core/transfer/data_plane.py`).", "",
         "| size | with | READ ms | READ GB/s | plain socket ms | plain GB/s | READ / plain bandwidth | target | n |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -29,7 +29,7 @@ import numpy as np
 
 from make_inputs import perf_analyzer_inputs
 from report import DEMO_NAMES, write_section
-from trident.netutil import free_ports
+from trident.core.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 
@@ -134,9 +134,9 @@ def in_process(model_path: str, text: str, item, params_json: str, concurrency: 
 
     import torch
 
-    from trident.engines.hf.stage import HFStageEngine
-    from trident.processor import SamplingParams
-    from trident.protocol import STAGES
+    from trident.worker.engines.hf.stage import HFStageEngine
+    from trident.core.processor import SamplingParams
+    from trident.core.protocol import STAGES
 
     torch.set_num_threads(1)
     engine = HFStageEngine(STAGES["generate"], model_path)
@@ -260,7 +260,7 @@ def _media_item(entry: dict, media: str):
     """The first request's item, as the in-process engine takes it."""
     import base64
 
-    from trident.media import MediaItem
+    from trident.core.media import MediaItem
 
     return MediaItem(base64.b64decode(entry[media]["content"][0]), 0, media)
 

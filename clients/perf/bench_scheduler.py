@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from report import DEMO_NAMES, write_section
-from trident import auth
-from trident.netutil import free_ports
+from trident.core import auth
+from trident.core.netutil import free_ports
 
 auth.secret()  # made here when unset: the servers this bench starts inherit it, so its ensemble calls prove it
 
@@ -128,7 +128,7 @@ class Serve:
         import tritonclient.http as httpclient
         from google.protobuf import json_format
 
-        from trident.repository import bls_config, ensemble_config
+        from trident.core.repository import bls_config, ensemble_config
 
         config = bls_config(mode) if kind == "bls" else ensemble_config(mode)
         httpclient.InferenceServerClient(f"127.0.0.1:{self.http}").load_model(

@@ -39,17 +39,17 @@ class InProcess:
     def __init__(self, model: str, max_tokens: int) -> None:
         import torch
 
-        from trident.engines.hf.stage import HFStageEngine
-        from trident.processor import SamplingParams
-        from trident.protocol import STAGES
+        from trident.worker.engines.hf.stage import HFStageEngine
+        from trident.core.processor import SamplingParams
+        from trident.core.protocol import STAGES
 
         torch.set_num_threads(1)  # as a worker runs (--threads 1)
         self.engine = HFStageEngine(STAGES["generate"], model)
         self.params = SamplingParams.from_json(json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
 
     async def request(self, text: str, image: str) -> tuple[float, int]:
-        from trident.media import MediaItem
-        from trident.output import OutputOptions, entry_responses
+        from trident.core.media import MediaItem
+        from trident.core.output import OutputOptions, entry_responses
 
         t0 = time.monotonic_ns()
         generation = await self.engine.generate(text, self.params, media=[MediaItem.from_base64(image.encode(), 0)])

@@ -13,10 +13,10 @@ import time
 import msgspec
 import torch
 
-from trident.config import MiB, TransferConfig
-from trident.protocol import Transfer
-from trident.transfer import TransferEndpoint
-from trident.transfer import Received
+from trident.core.config import MiB, TransferConfig
+from trident.core.protocol import Transfer
+from trident.core.transfer import TransferEndpoint
+from trident.core.transfer import Received
 
 CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002)
 

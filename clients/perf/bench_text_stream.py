@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What detokenizing costs per token as the output grows: :class:`trident.output.TextStream` (a window of the last
+"""What detokenizing costs per token as the output grows: :class:`trident.core.output.TextStream` (a window of the last
 tokens decoded again) against decoding the whole output at each token, side by side on the same ids (README.md
 tokenized by a demo checkpoint's tokenizer). Prints a markdown table, the one in docs/benchmarks.md's section
 `Detokenizing`.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from trident.output import TextStream
+from trident.core.output import TextStream
 
 
 class WholeOutput(TextStream):

@@ -36,7 +36,7 @@ def step_cost(traced: bool, n: int = 200_000) -> float:
         env.update(OTEL_TRACES_EXPORTER="file", TRIDENT_TRACE_DIR=folder)
     script = f"""
 import time
-from trident import tracing
+from trident.core import tracing
 tracing.start("bench")
 with tracing.request("request"):
     t0 = time.perf_counter_ns()

@@ -42,7 +42,7 @@ import numpy as np
 from PIL import Image
 
 from bench_engines import Process, load
-from trident.netutil import free_ports
+from trident.core.netutil import free_ports
 
 MODES = ["epd", "e_pd", "e_p_d", "ep_d"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def _dump_stacks(server: Process) -> None:
     """Every stage worker of a server that did not start, made to print its threads' stacks (faulthandler)."""
     import signal
 
-    from trident.launcher import descendants
+    from trident.supervisor import descendants
 
     for pid in descendants(server.proc.pid):
         try:

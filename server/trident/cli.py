@@ -1,6 +1,6 @@
 """``trident``: the command line. It turns argv (and ``serve``'s config file) into the settings of
-:mod:`trident.config`, whose fields hold every default and help text; mode, stage and family choices come
-from :mod:`trident.protocol` and the family adapters.
+:mod:`trident.core.config`, whose fields hold every default and help text; mode, stage and family choices come
+from :mod:`trident.core.protocol` and the family adapters.
 
     trident serve [--config FILE] [--model PATH] [--mode epd|e_pd|e_p_d|ep_d|all ...] [--backend hf|vllm]
                   [--http-port ...] [--instances STAGE=N ...] [--access-token-file PATH] ...
@@ -13,7 +13,7 @@ from :mod:`trident.protocol` and the family adapters.
     trident bench transfer | decode [--model PATH | --arch llava|qwen2vl]
 
 ``serve`` takes a few flags, the settings a user sets on most days; everything else is a key of its
-``--config`` file (YAML or JSON; keys are the field names of :class:`~trident.config.ServeSettings`, nested
+``--config`` file (YAML or JSON; keys are the field names of :class:`~trident.core.config.ServeSettings`, nested
 as objects). Flags override environment variables, which override the file. Secrets come from files
 (``--access-token-file``, ``--transfer-secret-file``) or environment variables, never argv.
 """
@@ -33,10 +33,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from .config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, TransferConfig, WorkerSettings
-from .netutil import route_address
-from . import auth
-from .protocol import MODES, STAGES
+from trident.core.config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, TransferConfig, WorkerSettings
+from trident.core.netutil import route_address
+from trident.core import auth
+from trident.core.protocol import MODES, STAGES
 
 
 class UsageError(Exception):
@@ -55,7 +55,7 @@ def _opt(group, flag: str, model: type[BaseModel], field: str, **kwargs) -> None
 
 
 def _demo_archs() -> list[str]:
-    from .dev.demo import ARCHS
+    from trident.dev.demo import ARCHS
 
     return list(ARCHS)
 
@@ -145,7 +145,7 @@ def read_secret_file(path: str, flag: str) -> str:
 
 
 def strong_secret(value: str, where: str) -> None:
-    """A :class:`UsageError` when the deployment secret is weak (:func:`trident.auth.check_secret`)."""
+    """A :class:`UsageError` when the deployment secret is weak (:func:`trident.core.auth.check_secret`)."""
     try:
         auth.check_secret(value, where)
     except ValueError as e:
@@ -194,8 +194,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
-    from .launcher import serve
-    from .launcher.startup import StartupError
+    from trident.supervisor import serve
+    from trident.supervisor.startup import StartupError
 
     try:
         return serve(settings)
@@ -267,8 +267,8 @@ def _add_frontend_flags(g) -> None:
 
 
 def _frontend(args: argparse.Namespace) -> int:
-    from .frontend.app import run_frontend
-    from .launcher.processes import end_with_head
+    from trident.frontend.app import run_frontend
+    from trident.supervisor.processes import end_with_head
 
     end_with_head()  # (started by serve: it ends with the head)
 
@@ -287,7 +287,7 @@ def _frontend(args: argparse.Namespace) -> int:
 
 def _add_frontend(sub) -> None:
     f = sub.add_parser("frontend", help="OpenAI-compatible HTTP server over the entry models (started by serve)")
-    f.add_argument("--settings", help="the whole trident.config.FrontendSettings as JSON (what serve passes)")
+    f.add_argument("--settings", help="the whole trident.core.config.FrontendSettings as JSON (what serve passes)")
     f.add_argument("--model", help="checkpoint folder (for its chat template)")
     _opt(f, "--grpc-url", FrontendSettings, "grpc_url")
     _opt(f, "--host", FrontendSettings, "host")
@@ -298,14 +298,14 @@ def _add_frontend(sub) -> None:
 
 # -- worker -----------------------------------------------------------------------------------------------
 def _worker(args: argparse.Namespace) -> int:
-    from .launcher.quiet import quiet
+    from trident.supervisor.quiet import quiet
 
     os.umask(0o077)  # (its files: stats, its Unix socket's folder, vLLM's IPC folder; as serve's, its user's alone)
 
     quiet(os.environ)  # (as the workers serve starts)
     import torch
 
-    from .workers.bind import run_worker
+    from trident.worker.bind import run_worker
 
     if args.transfer_secret_file:
         os.environ[auth.ENV] = read_secret_file(args.transfer_secret_file, "--transfer-secret-file")
@@ -346,10 +346,10 @@ def _end_process(code: int) -> int:
 
 def _node(args: argparse.Namespace) -> int:
     os.umask(0o077)  # (the workers' files, as serve's: its user's alone)
-    from .config import VLLMConfig
-    from .launcher import own_side_channel
-    from .launcher.node import Node
-    from .launcher.quiet import quiet
+    from trident.core.config import VLLMConfig
+    from trident.supervisor import own_side_channel
+    from trident.supervisor.node import Node
+    from trident.supervisor.quiet import quiet
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     quiet(env)
@@ -393,7 +393,7 @@ def _add_node(sub) -> None:
 
 def _add_worker(sub) -> None:
     w = sub.add_parser("worker", help="bind one stage model into a running Triton (started by serve)")
-    w.add_argument("--settings", help="the whole trident.config.WorkerSettings as JSON (what serve passes)")
+    w.add_argument("--settings", help="the whole trident.core.config.WorkerSettings as JSON (what serve passes)")
     w.add_argument("stage", nargs="?", choices=list(STAGES), help="stage model to bind (without --settings)")
     w.add_argument("--model", help="checkpoint folder")
     w.add_argument("--url", help="Triton HTTP URL, e.g. http://127.0.0.1:8000 (binds as --name, default: the stage)")
@@ -414,7 +414,7 @@ def _add_worker(sub) -> None:
 
 # -- developer tools --------------------------------------------------------------------------------------
 def _build_demo_model(args: argparse.Namespace) -> int:
-    from .dev.demo import build_demo_model
+    from trident.dev.demo import build_demo_model
 
     build_demo_model(args.arch, args.out, seed=args.seed)
     return 0
@@ -423,7 +423,7 @@ def _build_demo_model(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .dev import bench
+    from trident.dev import bench
 
     torch.set_num_threads(args.threads)
     if args.what == "transfer":
@@ -432,7 +432,7 @@ def _bench(args: argparse.Namespace) -> int:
     model = args.model
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
-            from .dev.demo import build_demo_model
+            from trident.dev.demo import build_demo_model
 
             model = os.path.join(tmp, args.arch)
             build_demo_model(args.arch, model, log=None)
@@ -441,7 +441,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _config_reference(args: argparse.Namespace) -> int:
-    from .config_reference import reference_markdown
+    from trident.core.config_reference import reference_markdown
 
     sys.stdout.write(reference_markdown())
     return 0

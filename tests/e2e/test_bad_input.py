@@ -33,8 +33,8 @@ from support import (
     strings,
 )
 from support.server import SHARED_LLAVA_NAME
-from trident import auth, errors
-from trident.protocol import parse_instance
+from trident.core import auth, errors
+from trident.core.protocol import parse_instance
 
 pytestmark = pytest.mark.slow
 
@@ -289,7 +289,7 @@ def _kv_record(server) -> bytes:
 def _resigned(data: bytes, **changes) -> bytes:
     import msgspec
 
-    from trident.protocol import decode_record
+    from trident.core.protocol import decode_record
 
     return msgspec.structs.replace(decode_record(data), **changes).encode()
 
@@ -297,8 +297,8 @@ def _resigned(data: bytes, **changes) -> bytes:
 def _other_deployment(data: bytes) -> bytes:
     import os
 
-    from trident import auth
-    from trident.protocol import decode_record
+    from trident.core import auth
+    from trident.core.protocol import decode_record
 
     record = decode_record(data)
     saved = os.environ[auth.ENV]
@@ -320,7 +320,7 @@ def _replayed(server) -> Got:
 def _outside_pool(server) -> Got:
     import msgspec
 
-    from trident.protocol import decode_record
+    from trident.core.protocol import decode_record
 
     record = decode_record(_encode_record(server))
     t = record.transfer

@@ -16,8 +16,8 @@ import pytest
 import requests
 
 from support import Server, credential, grpc_generate, http_generate, strings
-from trident import errors
-from trident.errors import (
+from trident.core import errors
+from trident.core.errors import (
     InvalidRequest, LeaseExpired, MalformedRecord, PeerUnavailable, PoolExhausted, TransferTimeout, TridentError,
 )
 
@@ -145,7 +145,7 @@ def _early_texts(server) -> float:
 
 
 def test_garbage_records_are_400(server, client):
-    from trident.auth import sign
+    from trident.core.auth import sign
 
     http, grpc_error = _infer_prefill(server, _prompt("<image>\nhi"), embedding_meta=b"\x93not a record")
     assert str(grpc_error.status()) == "StatusCode.INVALID_ARGUMENT"
@@ -179,9 +179,9 @@ def _producer(conn, lease_s: float) -> None:
     """Publishes one image's worth of embeddings, sends the record, and waits to be told to exit."""
     import torch
 
-    from trident.config import MiB, TransferConfig
-    from trident.protocol import EmbeddingsRecord
-    from trident.transfer import TransferEndpoint
+    from trident.core.config import MiB, TransferConfig
+    from trident.core.protocol import EmbeddingsRecord
+    from trident.core.transfer import TransferEndpoint
 
     ep = TransferEndpoint(TransferConfig(send_pool_bytes=MiB, recv_pool_bytes=MiB, lease_s=lease_s))
     transfer = ep.publish([torch.zeros(196, 512)])
@@ -237,7 +237,7 @@ def _embedding_meta(server) -> bytes:
 def _resigned(data: bytes, change) -> bytes:
     """``data`` with ``change`` applied to its decoded record, signed with this deployment's key (as a worker
     with a bug, or an attacker holding the key, would)."""
-    from trident.protocol import decode_record
+    from trident.core.protocol import decode_record
 
     return change(decode_record(data)).encode()
 
@@ -270,8 +270,8 @@ def _read_ok(server, embedding_meta: bytes) -> None:
 def test_forged_records_are_refused_before_any_read(server, client, monkeypatch):
     import msgspec
 
-    from trident import auth
-    from trident.protocol import decode_record
+    from trident.core import auth
+    from trident.core.protocol import decode_record
 
     good = _embedding_meta(server)
     fetched = server.stats()["prefill"]["fetched"]

@@ -152,7 +152,7 @@ def test_openai_media_urls_equal_data_urls(server, reference, tmp_path):
     import openai
     from fastapi.testclient import TestClient
 
-    from trident.config import FrontendSettings, MediaPolicy
+    from trident.core.config import FrontendSettings, MediaPolicy
     from trident.frontend.app import create_app
     from trident.frontend.app import TritonEngine
 
@@ -239,7 +239,7 @@ def test_records_stay_small(server):
         kind, raw = "audio", audio_bytes(make_wave(30.0, seed=5))
     emb = stage_output(server.grpc, "encode", {kind: strings(b64(raw))})
     assert 0 < len(emb) <= 1024
-    from trident.protocol import EmbeddingsRecord, decode_record
+    from trident.core.protocol import EmbeddingsRecord, decode_record
 
     record = decode_record(emb, EmbeddingsRecord)
     assert record.kinds == [kind]

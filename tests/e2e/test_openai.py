@@ -391,10 +391,10 @@ def test_every_query_of_the_grafana_dashboard_names_a_metric_the_live_server_exp
 def test_triton_down_is_503(demo_models):
     from fastapi.testclient import TestClient
 
-    from trident.config import FrontendSettings
+    from trident.core.config import FrontendSettings
     from trident.frontend.app import create_app
     from trident.frontend.app import TritonEngine
-    from trident.netutil import free_ports
+    from trident.core.netutil import free_ports
 
     app = create_app(FrontendSettings(model_name=NAME, model_path=demo_models["llava"]),
                      TritonEngine(f"127.0.0.1:{free_ports(1)[0]}"))
@@ -412,7 +412,7 @@ def test_http_image_url_fetched_when_private_urls_allowed(server, demo_models, i
 
     from fastapi.testclient import TestClient
 
-    from trident.config import FrontendSettings, MediaPolicy
+    from trident.core.config import FrontendSettings, MediaPolicy
     from trident.frontend.app import create_app
     from trident.frontend.app import TritonEngine
 
@@ -454,7 +454,7 @@ def test_with_an_api_key_file_every_v1_request_needs_a_key(server, tmp_path):
     from fastapi.testclient import TestClient
 
     from trident.cli import UsageError
-    from trident.config import FrontendSettings
+    from trident.core.config import FrontendSettings
     from trident.frontend.app import create_app
     from trident.frontend.app import TritonEngine
 

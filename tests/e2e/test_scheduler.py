@@ -237,7 +237,7 @@ def _responses(server, c) -> int:
     """How many responses a stream of the reference's tokens has: one per token that adds text, and the last."""
     from transformers import AutoTokenizer
 
-    from trident.output import TextStream
+    from trident.core.output import TextStream
 
     stream = TextStream(AutoTokenizer.from_pretrained(server.model_path), [])
     deltas = [stream.push(token) for token in c["ids"]]

@@ -15,7 +15,7 @@ from support import (
     http_generate, make_image, png_bytes, quiet_vllm_metrics, settled_vllm_metrics, shared_llava_server, shared_media_server,
     stage_output, strings, wait_drained,
 )
-from trident.protocol import HFKVRecord, decode_record
+from trident.core.protocol import HFKVRecord, decode_record
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_sixteen_concurrent_streams_and_pools_drain(server, reference):
 
 PARAMS_ONLY = {"bad json", "bad value", "seed past 64 bits", "not honoured", "deep json", "long stop"}
 """Problems of ``sampling_parameters`` alone: the first stage of every mode refuses them with the same code
-(``workers/infer.py``), so two modes (its first stage ``generate``, and ``encode``) cover them."""
+(``worker/infer.py``), so two modes (its first stage ``generate``, and ``encode``) cover them."""
 
 
 @pytest.mark.parametrize("mode, problem", [
@@ -204,7 +204,7 @@ def test_vllm_backend_metrics_count_each_answered_request(server, reference):
     scheduler always asks the stage for reach only a client that asked for them."""
     import requests
 
-    from trident.scheduler.engine_metrics import LATENCY_BUCKETS, N_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+    from trident.in_triton.scheduler.engine_metrics import LATENCY_BUCKETS, N_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 
     c = reference["one-image"]
     before = quiet_vllm_metrics(server, ("e_p_d", "epd"))

@@ -6,7 +6,7 @@ The LLaVA server shared with test_serving.py, test_openai.py and test_bad_input.
 
 - a client calling a stage model without the stage credential is refused and gets no record;
 - a client holding a record (leaked, say) reads nothing useful out of it: no agent metadata, no regions, no lease
-  id, so its own NIXL agent (the project's :class:`~trident.transfer.agent.NixlAgent`) can neither READ, WRITE
+  id, so its own NIXL agent (the project's :class:`~trident.core.transfer.agent.NixlAgent`) can neither READ, WRITE
   nor release anything of the producer's;
 - a party that knows a lease's id and the producer's agent (as one that can read the producer's stamp table
   would) still cannot end the lease: the release needs the key that only the record carries;
@@ -109,7 +109,7 @@ def attacker_view(data: bytes) -> dict | None:
 
 def _attack(view: dict) -> dict[str, bool]:
     """READ the producer's region, WRITE into it, and release its lease, with an agent of our own."""
-    from trident.transfer.agent import NixlAgent
+    from trident.core.transfer.agent import NixlAgent
 
     agent = NixlAgent(name="attacker")
     addr, length = view["regions"][0]
@@ -162,8 +162,8 @@ def test_a_client_gets_no_record_and_a_leaked_one_opens_nothing(server, ref):
 def test_a_lease_id_alone_does_not_end_a_lease(server, ref):
     """A party that knows the producer's agent and a lease's id (what the stamp table holds) sends the release
     notification: the lease stays open and the record's consumer reads it as if nothing happened."""
-    from trident.protocol import decode_record
-    from trident.transfer.agent import NixlAgent
+    from trident.core.protocol import decode_record
+    from trident.core.transfer.agent import NixlAgent
 
     kv = stage_output(server.grpc, "prefill", _prefill_inputs(server, ref))
     t = decode_record(kv).transfer  # (with the deployment's key: the most an insider of the stamp table knows)
@@ -206,7 +206,7 @@ def test_the_server_s_files_are_its_user_s_alone(server):
     Triton's log, the model store; not the copy of Triton's own binaries) is open to other users, and no file the
     server writes there is (a file copied from a package, e.g. a stub's model.py, keeps its 0644 behind a 0700
     folder). Nor are the python backend's /dev/shm regions, which carry every prompt and output: the backend sets
-    them 0644 itself, the shim Triton runs with (launcher/triton_shim.c) keeps them 0600."""
+    them 0644 itself, the shim Triton runs with (supervisor/triton_shim.c) keeps them 0600."""
     import stat
 
     binaries = server.workspace / "triton" / "tritonserver"  # Triton itself, copied by PyTriton with its modes
@@ -221,7 +221,7 @@ def test_the_server_s_files_are_its_user_s_alone(server):
 def test_no_secret_in_an_argv_and_none_in_the_frontend(server):
     """Neither the deployment secret nor the repository-API token is in the command line of any process the server
     started (readable by every local user from /proc), Triton's included: Triton 2.51 takes its token only there,
-    so its command line holds a placeholder that the shim it runs with swaps for the token (launcher/triton_shim.c).
+    so its command line holds a placeholder that the shim it runs with swaps for the token (supervisor/triton_shim.c).
     The OpenAI frontend, which needs neither, is not given them."""
     import os
 
@@ -396,7 +396,7 @@ def _raw_http(server, head: bytes, parts=()) -> bytes:
 
 def test_no_http_request_ends_triton_or_makes_it_read_an_unbounded_body(server):
     """Triton 2.51's HTTP server ended (SIGSEGV) on a chunked body of 2,000,000 one-byte chunks, from anyone, and read
-    bodies of any size. Behind the launcher's bounded front (launcher/http_front.py) the chunked request is the
+    bodies of any size. Behind the launcher's bounded front (supervisor/http_front.py) the chunked request is the
     client's 400 (it is not JSON), a body declared over the limit is a 413 at once, the server serves on with the
     same answer, and Triton itself listens for HTTP and metrics only on Unix sockets its user alone can reach."""
     params = {"max_tokens": 8, "temperature": 0}
@@ -428,8 +428,8 @@ def _sealed(request: dict, sent_at: float | None = None, secret: bool = True) ->
     import hmac
     import os
 
-    from trident import auth
-    from trident.protocol import BIND_KEY
+    from trident.core import auth
+    from trident.core.protocol import BIND_KEY
 
     body = json.dumps({"bind": request, "sent_at": time.time() if sent_at is None else sent_at,
                        "nonce": os.urandom(16).hex()}).encode()
@@ -443,8 +443,8 @@ def _bind(server, request: dict | bytes, credential: bool = True):
     import numpy as np
     import tritonclient.http as httpclient
 
-    from trident import auth
-    from trident.protocol import BIND_MODEL
+    from trident.core import auth
+    from trident.core.protocol import BIND_MODEL
 
     client = httpclient.InferenceServerClient(server.http)
     given = httpclient.InferInput("bind", [1], "BYTES")
@@ -506,7 +506,7 @@ def test_a_name_whose_worker_has_gone_is_bound_again(server):
     nothing listens there: a restarted worker binds while Triton is still unloading its predecessor's model (an
     unload finishes in the background; under load the launcher's restart came first, and the worker stayed down).
     The workers are stage servers of the deployment (the test holds its secret), answering nothing else."""
-    from trident.stagecall.server import StageServer
+    from trident.core.stagecall.server import StageServer
 
     old, new = (StageServer(lambda call: {}, lambda message: None, "127.0.0.1") for _ in range(2))
     for w in (old, new):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trident.launcher.processes import cpu_seconds
+from trident.supervisor.processes import cpu_seconds
 from support import (
     ADDITIONAL, LOGPROB_FLAGS, credential,
     MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, decode_kv, descendants, drain_kv,
@@ -31,7 +31,7 @@ KV_STAGES = {"encode", "prefill", "decode", "encode_prefill"}
 
 def _kv_stages(server) -> set[str]:
     """The stages of ``server``'s modes that hold records or KV for a request."""
-    from trident.protocol import MODES as STAGES_OF
+    from trident.core.protocol import MODES as STAGES_OF
 
     return KV_STAGES & {stage for mode in server.modes for stage in STAGES_OF[mode]}
 
@@ -218,9 +218,9 @@ def test_a_kv_record_another_consumer_claimed_is_refused_before_any_token(server
 
     import tritonclient.grpc as grpcclient
 
-    from trident.errors import ReplayedRecord
-    from trident.protocol import decode_record
-    from trident.stagecall import StageClient
+    from trident.core.errors import ReplayedRecord
+    from trident.core.protocol import decode_record
+    from trident.core.stagecall import StageClient
 
     c = reference["text-only"]
     kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"])})
@@ -315,11 +315,11 @@ def test_each_stage_instance_exports_vllm_s_stage_metrics(server, reference):
 def test_vllm_s_side_channel_answers_no_stranger(server, reference):
     """vLLM's NIXL side channel (a KV producer's ZeroMQ listener, which hands out its KV cache's agent metadata)
     answers no one without the deployment secret: vLLM's own plain ``get_meta_msg`` to each KV worker's channel gets
-    nothing, and the KV still crosses (the deployment's consumers seal theirs: engines/vllm_side_channel.py)."""
+    nothing, and the KV still crosses (the deployment's consumers seal theirs: worker/engines/vllm_side_channel.py)."""
     import msgspec
     import zmq
 
-    from trident.protocol import decode_record
+    from trident.core.protocol import decode_record
 
     c = reference["text-only"]
     kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"])})

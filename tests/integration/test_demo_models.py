@@ -340,7 +340,7 @@ def test_a_demo_of_a_video_processor_s_family_builds_the_same_twice_and_its_part
     chat template writes the family's placeholders."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-    from trident.processor import Processor
+    from trident.core.processor import Processor
 
     build_demo_model(arch, tmp_path / "a", log=None)
     build_demo_model(arch, tmp_path / "b", log=None)

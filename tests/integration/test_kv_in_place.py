@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from support import chat_prompt, make_image, png_bytes
-from trident.config import MiB, TransferConfig
-from trident.errors import InvalidRequest, PoolExhausted
-from trident.media import MediaItem
-from trident.processor import SamplingParams
-from trident.protocol import STAGES, HFKVRecord, decode_record
+from trident.core.config import MiB, TransferConfig
+from trident.core.errors import InvalidRequest, PoolExhausted
+from trident.core.media import MediaItem
+from trident.core.processor import SamplingParams
+from trident.core.protocol import STAGES, HFKVRecord, decode_record
 
 GREEDY = SamplingParams.from_json('{"max_tokens": 4, "temperature": 0}')
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2vl"])
 def engine(request, demo_models):
-    from trident.engines.hf.stage import HFStageEngine
+    from trident.worker.engines.hf.stage import HFStageEngine
 
     torch.set_num_threads(1)
     e = HFStageEngine(STAGES["encode_prefill"], demo_models[request.param],

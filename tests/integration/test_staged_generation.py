@@ -12,7 +12,7 @@ import torch
 
 from support import IMAGE_CASES as CASES
 from support import build_reference, chat_prompt, make_image, png_bytes
-from trident.protocol import HFKVRecord, decode_record
+from trident.core.protocol import HFKVRecord, decode_record
 
 NEW_TOKENS = 24
 GREEDY = '{"max_tokens": %d, "temperature": 0}' % NEW_TOKENS
@@ -23,11 +23,11 @@ def _stage(conn, stage: str, model_path: str, dtype: str = "auto") -> None:
     import asyncio
 
     torch.set_num_threads(1)
-    from trident.config import MiB, TransferConfig
-    from trident.engines.hf.stage import HFStageEngine
-    from trident.media import MediaItem
-    from trident.processor import SamplingParams
-    from trident.protocol import STAGES
+    from trident.core.config import MiB, TransferConfig
+    from trident.worker.engines.hf.stage import HFStageEngine
+    from trident.core.media import MediaItem
+    from trident.core.processor import SamplingParams
+    from trident.core.protocol import STAGES
 
     engine = HFStageEngine(STAGES[stage], model_path, TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB),
                            dtype=dtype)
@@ -239,7 +239,7 @@ def test_in_bfloat16_three_processes_equal_one(demo_models, references):
     """``dtype: bfloat16`` (a GPU's default), here on the CPU: the embeddings and the KV cache are handed on in
     bfloat16, and encode -> prefill -> decode in three processes gives the tokens the one-process EPD engine gives
     in bfloat16."""
-    from trident.protocol import EmbeddingsRecord
+    from trident.core.protocol import EmbeddingsRecord
 
     c = references["one-image"]
     stages = {stage: Stage(stage, demo_models["llava"], "bfloat16") for stage in ("encode", "prefill", "decode", "generate")}

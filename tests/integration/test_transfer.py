@@ -1,4 +1,4 @@
-"""trident.transfer: real NIXL READs between two OS processes.
+"""trident.core.transfer: real NIXL READs between two OS processes.
 
 The endpoints' pools are on ``TRIDENT_TEST_DEVICE`` (default cpu: DRAM); ``make gpu-check`` runs this module again
 with ``cuda`` (VRAM), where a producer on the CPU is read into a consumer on the GPU too.
@@ -14,10 +14,10 @@ import msgspec
 import pytest
 import torch
 
-from trident.config import MiB, TransferConfig
-from trident.errors import LeaseExpired, PeerUnavailable, PoolExhausted, ReplayedRecord
-from trident.protocol import Transfer
-from trident.transfer import MemoryPool, TransferEndpoint
+from trident.core.config import MiB, TransferConfig
+from trident.core.errors import LeaseExpired, PeerUnavailable, PoolExhausted, ReplayedRecord
+from trident.core.protocol import Transfer
+from trident.core.transfer import MemoryPool, TransferEndpoint
 
 # (an expired region is freed read_timeout_s + 1 s after its expiry: when no READ of it can still run)
 CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002, read_timeout_s=1.0)
@@ -41,8 +41,8 @@ def _producer(conn, config: TransferConfig, device: str) -> None:
             layout, lease_s, *seed = arg
             conn.send(msgspec.msgpack.encode(ep.publish(_tensors(seed[0] if seed else 0)[layout], lease_s=lease_s)))
         elif cmd == "cached":  # two items through an embedding cache, the record over them; arg: bytes to change after
-            from trident.engines.embedding_cache import EmbeddingCache
-            from trident.engines.handoff import publish_cached_embeddings
+            from trident.worker.engines.embedding_cache import EmbeddingCache
+            from trident.worker.engines.handoff import publish_cached_embeddings
 
             cache = EmbeddingCache(ep.sender.pool, 0)
             rows = _tensors(1)["embeddings"][0]
@@ -135,10 +135,10 @@ def test_byte_exact_and_pools_return_to_zero(consumer, producer, layout):
 def test_the_transport_to_a_peer_on_this_host_is_told_once(consumer, producer, caplog):
     """Two processes on one host: UCX reads over shared memory or cma, not TCP; the consumer says so once, in a log
     line and in its counters (the stage metrics ``trident_transfer_peers_{tcp,not_tcp}``)."""
-    from trident.transfer import transport
+    from trident.core.transfer import transport
 
     before = consumer.stats()
-    with caplog.at_level("INFO", logger="trident.transfer.agent"):
+    with caplog.at_level("INFO", logger="trident.core.transfer.agent"):
         for _ in range(2):
             record = _read(producer.call("publish", ("embeddings", None)))
             consumer.fetch(record).release()
@@ -250,9 +250,9 @@ def test_embeddings_changed_on_the_way_are_refused_by_their_record_s_digest(cons
     """An embeddings record carries each item's SHA-256 (the tensors cross the data network unsealed): rows read as
     they were stored are taken; rows changed after the digest (here in the producer's region, as a party on the
     network would on the way) are refused, naming the item, and the consumer's region is freed."""
-    from trident.engines.handoff import read_embeddings
-    from trident.errors import TransferError
-    from trident.protocol import EmbeddingsRecord, decode_record
+    from trident.worker.engines.handoff import read_embeddings
+    from trident.core.errors import TransferError
+    from trident.core.protocol import EmbeddingsRecord, decode_record
 
     record = decode_record(producer.call("cached", 0), EmbeddingsRecord)
     assert len(record.digests) == 2 and all(len(d) == 32 for d in record.digests)

@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 ENCODE = textwrap.dedent('''
     import asyncio, json, sys
     import torch, transformers
-    from trident.config import TransferConfig, VLLMConfig
-    from trident.engines.vllm_encoder import VLLMEncodeEngine
-    from trident.media import MediaItem
-    from trident.protocol import STAGES
+    from trident.core.config import TransferConfig, VLLMConfig
+    from trident.worker.engines.vllm_encoder import VLLMEncodeEngine
+    from trident.core.media import MediaItem
+    from trident.core.protocol import STAGES
 
     model, inputs, out, allowed = sys.argv[1:5]
     built = transformers.PreTrainedModel.__init__
@@ -91,8 +91,8 @@ def _media(kind: str, size: int, seed: int) -> bytes:
 
 @pytest.mark.parametrize("arch", list(CASES))
 def test_the_vllm_encode_stage_is_vllm_s_encoder(arch, demo_models, tmp_path):
-    from trident.engines.hf.stage import HFEncoder, HFModel
-    from trident.media import MediaItem
+    from trident.worker.engines.hf.stage import HFEncoder, HFModel
+    from trident.core.media import MediaItem
 
     model = demo_models[arch]
     listed = []

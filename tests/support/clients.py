@@ -14,7 +14,7 @@ import numpy as np
 def credential() -> dict:
     """The request parameters of a caller that proves the deployment secret (the tests share the servers' secret:
     tests/conftest.py), as the BLS does for each stage call."""
-    from trident import auth
+    from trident.core import auth
 
     return {auth.CREDENTIAL: auth.credential()}
 

@@ -176,7 +176,7 @@ def media_cases() -> dict:
 def bad_media(arch: str, prompt) -> dict:
     """Bad media for a family: problem -> (text, media, what the 400 must say); ``prompt(kinds)`` writes a
     chat prompt with those placeholders."""
-    from trident.families import FAMILIES
+    from trident.core.families import FAMILIES
 
     video = video_bytes(make_frames(10, 96, 64, 2), fps=2)
     one_video, one_audio = prompt(["video"]), prompt(["audio"])

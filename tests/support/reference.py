@@ -15,7 +15,7 @@ def build_reference(model_path: str, specs_by_case: dict, new_tokens: int, promp
     text is ``prompts[case]``, or :data:`PROMPT`)."""
     from transformers import AutoProcessor
 
-    from trident.engines.hf.stage import load_model
+    from trident.worker.engines.hf.stage import load_model
 
     model, processor = load_model(model_path), AutoProcessor.from_pretrained(model_path)
     cases = {}
@@ -56,9 +56,9 @@ def build_media_reference(model_path: str, cases: dict, new_tokens: int) -> dict
 
     from transformers import AutoProcessor
 
-    from trident.families.qwen2vl import video_patches
-    from trident.engines.hf.stage import load_model
-    from trident.processor import Processor
+    from trident.core.families.qwen2vl import video_patches
+    from trident.worker.engines.hf.stage import load_model
+    from trident.core.processor import Processor
 
     model, ours = load_model(model_path), Processor(model_path)
     # (Qwen2.5-Omni's processor needs torchvision for its video processor: its inputs are made without it)

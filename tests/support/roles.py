@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from trident.protocol import stages_for
+from trident.core.protocol import stages_for
 
 
 HEALTH_PORT = 8080  # a stage worker's GET /health, on its data address (the chart's probes)

@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from trident.launcher import descendants
-from trident.netutil import free_ports
+from trident.supervisor import descendants
+from trident.core.netutil import free_ports
 
 __all__ = ["Server", "descendants", "held"]  # descendants: for the tests and the soak
 FAULTS = Path(__file__).with_name("faults")  # the fault wrapper's sitecustomize
@@ -159,7 +159,7 @@ class Server:
         import tritonclient.http as httpclient
         from google.protobuf import json_format
 
-        from trident.repository import bls_config, ensemble_config
+        from trident.core.repository import bls_config, ensemble_config
 
         admin = httpclient.InferenceServerClient(self.http)
         try:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trident.protocol import MODES
+from trident.core.protocol import MODES
 from .served import Server, descendants, held
 
 MAX_TOKENS = 16

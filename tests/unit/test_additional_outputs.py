@@ -10,8 +10,8 @@ import math
 import numpy as np
 import torch
 
-from trident.engines.hf.sampling import candidates
-from trident.output import DecodeEvent, Generation, OutputOptions, TokenLogprob, entry_responses
+from trident.worker.engines.hf.sampling import candidates
+from trident.core.output import DecodeEvent, Generation, OutputOptions, TokenLogprob, entry_responses
 
 ALL = OutputOptions(stream=True, return_finish_reason=True, return_cumulative_logprob=True, return_logprobs=True,
                     return_num_input_tokens=True, return_num_output_tokens=True)

@@ -1,4 +1,4 @@
-"""The stage credential and the stage-socket handshake (:mod:`trident.auth`): both ends prove the deployment
+"""The stage credential and the stage-socket handshake (:mod:`trident.core.auth`): both ends prove the deployment
 secret, a wrong secret on either side is refused, and nothing but the challenge goes to an unproven caller."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from trident import auth
+from trident.core import auth
 
 
 def _pair_with_secrets(monkeypatch, accept_secret: str, connect_secret: str):
@@ -106,7 +106,7 @@ def test_rotation_opens_records_of_the_previous_key(monkeypatch):
     new = auth.sign(b"payload")
     assert new[1:1 + auth.KEY_ID_BYTES] != old[1:1 + auth.KEY_ID_BYTES]
     monkeypatch.setenv(auth.ENV, "new")
-    from trident.errors import ForgedRecord
+    from trident.core.errors import ForgedRecord
     with pytest.raises(ForgedRecord):
         auth.verify(old)
     assert auth.verify(new) == b"payload"
@@ -136,9 +136,9 @@ def test_the_head_removes_only_a_direct_socket_folder_its_own_worker_made(tmp_pa
     import tempfile
     from pathlib import Path
 
-    from trident.launcher.processes import remove_direct_socket
-    from trident.protocol import WORKER_FILE
-    from trident.stagecall.server import DIR_PREFIX, SOCKET_NAME
+    from trident.supervisor.processes import remove_direct_socket
+    from trident.core.protocol import WORKER_FILE
+    from trident.core.stagecall.server import DIR_PREFIX, SOCKET_NAME
 
     def bound(folder: Path, pid: int) -> Path:
         model = tmp_path / f"model-{len(list(tmp_path.iterdir()))}"
@@ -164,9 +164,9 @@ def test_serve_and_a_joining_worker_refuse_a_weak_secret(tmp_path):
     import subprocess
     import sys
 
-    from trident.config import ServeSettings
-    from trident.launcher import Launcher
-    from trident.launcher.startup import StartupError
+    from trident.core.config import ServeSettings
+    from trident.supervisor import Launcher
+    from trident.supervisor.startup import StartupError
 
     with pytest.raises(StartupError, match="transfer_secret: the deployment secret's key on line 1 has about"):
         Launcher(ServeSettings(workspace=str(tmp_path), transfer_secret="correct horse"))
@@ -209,7 +209,7 @@ def test_a_connection_relayed_to_another_socket_fails_the_handshake():
 def test_every_frame_after_the_handshake_is_sealed_in_order():
     """After the handshake each side's frames are sealed under keys of the connection: readable by the other end
     alone, and one altered, replayed, dropped or sent by a third party (who saw the handshake) fails to open."""
-    from trident.errors import MalformedRecord
+    from trident.core.errors import MalformedRecord
 
     where = auth.identity(("10.0.0.5", 4100))
     accepted, connected, pair = _sessions(where, where)

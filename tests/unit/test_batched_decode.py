@@ -8,12 +8,12 @@ import re
 import pytest
 
 from support import chat_prompt, make_image
-from trident.engines.base import DecodeRequest
-from trident.engines.hf.decoder import HFDecoder
-from trident.engines.hf.stage import HFEncoder, HFModel, HFPrefiller
-from trident.errors import InvalidRequest, MalformedRecord
-from trident.processor import SamplingParams
-from trident.protocol import HFKVRecord, TensorSpec, Transfer
+from trident.worker.engines.base import DecodeRequest
+from trident.worker.engines.hf.decoder import HFDecoder
+from trident.worker.engines.hf.stage import HFEncoder, HFModel, HFPrefiller
+from trident.core.errors import InvalidRequest, MalformedRecord
+from trident.core.processor import SamplingParams
+from trident.core.protocol import HFKVRecord, TensorSpec, Transfer
 
 PROMPTS = [
     "Hi.",

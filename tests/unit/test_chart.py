@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from support.roles import HEALTH_PORT, head_argv, head_settings, worker_argv
-from trident.config import ServeSettings
-from trident.protocol import MODES, stages_for
+from trident.core.config import ServeSettings
+from trident.core.protocol import MODES, stages_for
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "trident"
 HELM = shutil.which("helm", path=str(Path(sys.executable).parent)) or shutil.which("helm")

@@ -1,4 +1,4 @@
-"""A checkpoint's placeholders read from its chat template (``trident.families.checkpoint``): for every demo whose
+"""A checkpoint's placeholders read from its chat template (``trident.core.families.checkpoint``): for every demo whose
 family an adapter lists they equal the adapter's declared ones (the token too, where the placeholder is that token
 expanded; Gemma 3's placeholder is rewritten around its token, which the template cannot tell); for a demo none lists
 they are what the model's processor expands."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from trident.dev.demo import ARCHS
-from trident.families import FAMILIES, Unlisted, family_of
-from trident.families.checkpoint import placeholders_of
+from trident.core.families import FAMILIES, Unlisted, family_of
+from trident.core.families.checkpoint import placeholders_of
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a in FAMILIES])

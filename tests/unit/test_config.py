@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel
 
 from trident import cli
-from trident.config import FrontendSettings, MediaLimits, MiB, ServeSettings, WorkerSettings
-from trident.config_reference import INTRO, reference_markdown
+from trident.core.config import FrontendSettings, MediaLimits, MiB, ServeSettings, WorkerSettings
+from trident.core.config_reference import INTRO, reference_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -206,7 +206,7 @@ def test_serve_with_a_port_in_use_says_which_and_exits_1_at_once(tmp_path):
     import subprocess
     import sys
 
-    from trident.netutil import free_ports
+    from trident.core.netutil import free_ports
 
     http, grpc, metrics = free_ports(3)
     with socket.socket() as holder:

@@ -1,8 +1,8 @@
-"""Where a worker's data plane listens and how UCX's TCP moves its bytes (transfer/data_plane.py)."""
+"""Where a worker's data plane listens and how UCX's TCP moves its bytes (core/transfer/data_plane.py)."""
 
 import pytest
 
-from trident.transfer import data_plane
+from trident.core.transfer import data_plane
 
 NAMES = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "UCX_NET_DEVICES", "UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE")
 
@@ -37,12 +37,12 @@ def test_an_address_no_interface_holds_is_refused(env):
 
 
 def test_a_tcp_connection_to_the_address_in_a_peers_metadata_is_its_transport():
-    """transfer/transport.py reads this process's established TCP connections from /proc: one to the address and
+    """core/transfer/transport.py reads this process's established TCP connections from /proc: one to the address and
     port a peer's metadata holds makes that peer's transport TCP; the address alone (another process on its host)
     or no connection does not."""
     import socket
 
-    from trident.transfer import transport
+    from trident.core.transfer import transport
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

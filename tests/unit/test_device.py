@@ -1,4 +1,4 @@
-"""trident.device: the device and dtype settings, NIXL's memory type per tensor, and one GPU per worker."""
+"""trident.core.device: the device and dtype settings, NIXL's memory type per tensor, and one GPU per worker."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trident.config import ServeSettings, WorkerSettings
-from trident.device import memory_type, place, resolve_device, resolve_dtype, visible_gpus
+from trident.core.config import ServeSettings, WorkerSettings
+from trident.core.device import memory_type, place, resolve_device, resolve_dtype, visible_gpus
 
 
 def test_auto_is_the_cpu_in_float32_on_a_host_without_a_gpu():
@@ -75,7 +75,7 @@ def test_the_visible_gpus_are_cuda_visible_devices_when_it_is_set():
 
 
 def test_serve_hands_each_worker_its_gpu_and_the_device_settings(tmp_path):
-    from trident.launcher import Launcher
+    from trident.supervisor import Launcher
 
     launcher = Launcher(ServeSettings(model=str(tmp_path), workspace=str(tmp_path), device="cuda", dtype="float16",
                                       gpus={"decode": "3"}))

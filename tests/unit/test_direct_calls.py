@@ -1,5 +1,5 @@
-"""The scheduler's stage calls (:class:`trident.stagecall.StageClient`) against a real
-:class:`~trident.stagecall.StageServer` on real Unix and TCP sockets, in one process: the stage's answer, its error,
+"""The scheduler's stage calls (:class:`trident.core.stagecall.StageClient`) against a real
+:class:`~trident.core.stagecall.StageServer` on real Unix and TCP sockets, in one process: the stage's answer, its error,
 an instance with no stage socket, a stopping worker, a worker lost mid-call, control messages, and the limit on
 calls at once that keeps the engine's ``calls_at_once``."""
 
@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trident import auth
-from trident.errors import InvalidRequest, Unavailable
-from trident.protocol import Call, encode_message
-from trident.stagecall import StageClient, StageServer, directory
+from trident.core import auth
+from trident.core.errors import InvalidRequest, Unavailable
+from trident.core.protocol import Call, encode_message
+from trident.core.stagecall import StageClient, StageServer, directory
 
 
 @pytest.fixture(autouse=True)
 def stage_directory(tmp_path, monkeypatch):
-    """A stage directory of the test's own (:mod:`trident.stagecall.directory`)."""
+    """A stage directory of the test's own (:mod:`trident.core.stagecall.directory`)."""
     monkeypatch.setenv(directory.ENV, str(tmp_path / "stages"))
     (tmp_path / "stages").mkdir()
 
@@ -200,7 +200,7 @@ def test_a_worker_lost_mid_call_fails_it_with_503(tmp_path):
 
 
 def test_at_most_keeps_calls_at_once():
-    from trident.stagecall.server import at_most as _at_most
+    from trident.core.stagecall.server import at_most as _at_most
 
     state = {"running": 0, "most": 0}
 
@@ -224,9 +224,9 @@ def test_at_most_keeps_calls_at_once():
 def test_a_one_answer_stage_refuses_past_max_inflight_at_once_instead_of_queueing():
     """``max_inflight`` counts the calls waiting for the engine's slot as well as the one in it: past it a call is
     refused at once (503, the record it brought freed), not queued without bound."""
-    from trident.protocol import STAGES, Call
-    from trident.stagecall.server import at_most
-    from trident.workers.infer import make_handler
+    from trident.core.protocol import STAGES, Call
+    from trident.core.stagecall.server import at_most
+    from trident.worker.infer import make_handler
 
     class Engine:
         discarded: list[bytes] = []
@@ -266,9 +266,9 @@ def test_a_one_answer_stage_refuses_past_max_inflight_at_once_instead_of_queuein
 @pytest.fixture
 def streaming(tmp_path):
     """A decoupled stage's stage server: ``n`` tokens a call (the text's number), an error after two with
-    ``fail``, and the scheduler's Cancel message (:class:`trident.workers.infer.Streams`)."""
-    from trident.protocol import REQUEST_ID
-    from trident.workers.infer import Streams
+    ``fail``, and the scheduler's Cancel message (:class:`trident.worker.infer.Streams`)."""
+    from trident.core.protocol import REQUEST_ID
+    from trident.worker.infer import Streams
 
     streams = Streams()
 
@@ -292,7 +292,7 @@ def streaming(tmp_path):
 
 def _stream(text: str, request_id: str = "r1", stop_after: int | None = None):
     """The stream's items as the relay thread reads them (in a thread, as the BLS does)."""
-    from trident.protocol import REQUEST_ID
+    from trident.core.protocol import REQUEST_ID
 
     async def go():
         calls = StageClient()
@@ -339,11 +339,11 @@ def test_control_messages_reach_the_stage_hooks(worker):
     """Deliver and Withdraw are messages of their own on the stage socket, handed to the stage's hooks (here a
     prefill's record inbox); a message the stage has no hook for is refused by name, and so is an answer sent as
     if it were a call."""
-    from trident.errors import InvalidRequest
-    from trident.protocol import STAGES, Failure, Reply
-    from trident.stagecall.frames import recv_message
-    from trident.workers.infer import StageHandler
-    from trident.workers.infer import Inbox
+    from trident.core.errors import InvalidRequest
+    from trident.core.protocol import STAGES, Failure, Reply
+    from trident.core.stagecall.frames import recv_message
+    from trident.worker.infer import StageHandler
+    from trident.worker.infer import Inbox
 
     freed: list[bytes] = []
     handler = StageHandler(STAGES["prefill"], infer=None, inbox=Inbox(freed.append))
@@ -379,10 +379,10 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
     and a worker that restarts from 0 adds its new count."""
     import json
 
-    from trident.protocol import STAGES, Reply, Stats
-    from trident.stagecall import StageLink
-    from trident.workers.infer import StageHandler
-    from trident.workers.stage_metrics import StageMetrics
+    from trident.core.protocol import STAGES, Reply, Stats
+    from trident.core.stagecall import StageLink
+    from trident.worker.infer import StageHandler
+    from trident.in_triton.stage_metrics import StageMetrics
 
     from pydantic import ByteSize
 
@@ -455,7 +455,7 @@ def test_a_stats_message_is_answered_with_the_worker_s_counters_and_they_become_
 def test_a_call_past_its_deadline_is_a_stage_timeout_and_the_worker_stops_it(worker):
     """A call not answered within ``timeout_s`` raises StageTimeout naming the instance (and scheduling.stage_timeout_s);
     the worker is told (an Abandon message) and stops the call at once; the connection serves on."""
-    from trident.errors import StageTimeout
+    from trident.core.errors import StageTimeout
 
     async def go():
         calls = StageClient()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from trident.engines.handoff import receive_embeddings
-from trident.errors import MalformedRecord
-from trident.processor import Processor
-from trident.protocol import EmbeddingsRecord, TensorSpec, Transfer
+from trident.worker.engines.handoff import receive_embeddings
+from trident.core.errors import MalformedRecord
+from trident.core.processor import Processor
+from trident.core.protocol import EmbeddingsRecord, TensorSpec, Transfer
 
 
 class _Endpoint:

@@ -15,7 +15,7 @@ import uvicorn
 from trident.frontend.body_limit import BodyLimit
 from trident.frontend.header_deadline import header_deadline_protocol
 from trident.frontend.idle_reclaim import ReclaimIdle
-from trident.netutil import free_ports
+from trident.core.netutil import free_ports
 
 LIMIT = 3  # connections
 

@@ -1,4 +1,4 @@
-"""trident.heap: with the hf engine's malloc settings, a tensor of some MiB comes from the heap and its memory
+"""trident.worker.heap: with the hf engine's malloc settings, a tensor of some MiB comes from the heap and its memory
 stays in the process once freed (glibc's defaults map it for itself and unmap it at the free)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 _PROBE = """
 import ctypes, json, sys
 import torch
-from trident.heap import keep_freed_memory
+from trident.worker.heap import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in

@@ -1,4 +1,4 @@
-"""The bounded front of Triton's HTTP port (launcher/http_front.py) before an upstream on a Unix socket that writes
+"""The bounded front of Triton's HTTP port (supervisor/http_front.py) before an upstream on a Unix socket that writes
 down each request as it arrived on the wire (its chunks included) and answers as Triton would. The live check
 against Triton itself (the chunked request that ended Triton 2.51) is tests/e2e/test_trust.py's."""
 
@@ -13,10 +13,10 @@ import time
 import pytest
 import requests
 
-from trident.config import MediaLimits, MiB
-from trident.launcher.http_front import PIECE, TEXT_ALLOWANCE, HttpFront, Route, max_body_bytes
-from trident.launcher.startup import StartupError
-from trident.netutil import free_ports
+from trident.core.config import MediaLimits, MiB
+from trident.supervisor.http_front import PIECE, TEXT_ALLOWANCE, HttpFront, Route, max_body_bytes
+from trident.supervisor.startup import StartupError
+from trident.core.netutil import free_ports
 
 LIMIT = 8 * MiB
 

@@ -1,10 +1,10 @@
-"""The BLS's view of the live stage instances (:mod:`trident.scheduler.instances`): instances that come and go,
+"""The BLS's view of the live stage instances (:mod:`trident.in_triton.scheduler.instances`): instances that come and go,
 joined ones found past the highest name seen, and a gone one forgotten by the router and held out for a moment
 though Triton still shows it ready (its worker restarting under the same entry)."""
 
 from __future__ import annotations
 
-from trident.scheduler.instances import GONE_HOLD_S, Instances
+from trident.in_triton.scheduler.instances import GONE_HOLD_S, Instances
 
 
 def test_instances_come_and_go(tmp_path):

@@ -11,12 +11,12 @@ import time
 import pytest
 import requests
 
-from trident import auth
-from trident.netutil import free_ports
-from trident.stagecall.handshakes import PER_PEER, TOTAL, Handshakes
-from trident.stagecall.server import StageServer
-from trident.workers import health as health_module
-from trident.workers.health import Health
+from trident.core import auth
+from trident.core.netutil import free_ports
+from trident.core.stagecall.handshakes import PER_PEER, TOTAL, Handshakes
+from trident.core.stagecall.server import StageServer
+from trident.worker import health as health_module
+from trident.worker.health import Health
 
 
 def _first_bytes(sock: socket.socket, timeout: float = 3.0) -> bytes | None:

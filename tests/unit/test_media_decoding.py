@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from support import audio_bytes, frameless_video, long_header_video, make_frames, make_image, make_wave, video_bytes
-from trident.errors import InvalidRequest
-from trident.media import MediaItem, content_id
-from trident.media.audio import input_audio_to_base64, sniff
-from trident.media.video import sample_times
+from trident.core.errors import InvalidRequest
+from trident.core.media import MediaItem, content_id
+from trident.core.media.audio import input_audio_to_base64, sniff
+from trident.core.media.video import sample_times
 
 
 def test_sample_times_follow_the_fps_up_to_the_frame_limit():
@@ -53,12 +53,12 @@ def test_bad_video_is_refused_with_its_problem(raw, message):
 def test_a_request_s_media_decode_within_its_pixel_budget(monkeypatch):
     """Images and sampled video frames together spend the request's budget (media_limits.max_request_pixels), each
     item's share read from its header: the item that would go past it is refused before it is decoded."""
-    import trident.media
+    import trident.core.media
 
     from support import png_bytes
 
-    monkeypatch.setattr(trident.media, "LIMITS", trident.media.LIMITS.model_copy(update={"max_request_pixels": 10_000}))
-    budget = trident.media.PixelBudget()
+    monkeypatch.setattr(trident.core.media, "LIMITS", trident.core.media.LIMITS.model_copy(update={"max_request_pixels": 10_000}))
+    budget = trident.core.media.PixelBudget()
     for i, (w, h) in enumerate([(64, 48), (80, 80)]):  # 3072 + 6400 pixels
         assert MediaItem(png_bytes(make_image(w, h, 1)), i, "image").open(budget=budget).size == (w, h)
     with pytest.raises(InvalidRequest, match=r"image 2 \(32x32\) would bring the request's decoded media to 10496 "
@@ -67,7 +67,7 @@ def test_a_request_s_media_decode_within_its_pixel_budget(monkeypatch):
     clip = video_bytes(make_frames(12, 64, 48, 1), fps=4)  # 6 frames sampled at 2 fps: 18432 pixels
     with pytest.raises(InvalidRequest, match=r"video 0 \(6 frames of 64x48\) would bring the request's decoded media "
                        r"to 18432 pixels"):
-        MediaItem(clip, 0, "video").open(budget=trident.media.PixelBudget())
+        MediaItem(clip, 0, "video").open(budget=trident.core.media.PixelBudget())
     monkeypatch.undo()
     assert len(MediaItem(clip, 0, "video").open().frames) == 6  # (within the default budget)
 
@@ -133,7 +133,7 @@ def test_content_ids_tell_kinds_apart():
 
 @pytest.fixture(scope="module")
 def qwen2vl(demo_models):
-    from trident.processor import Processor
+    from trident.core.processor import Processor
 
     return Processor(demo_models["qwen2vl"])
 
@@ -141,7 +141,7 @@ def qwen2vl(demo_models):
 def test_two_equal_frames_patch_like_the_image(qwen2vl):
     """A clip of one frame twice is, in Qwen2-VL's layout, the image of that frame (the image processor repeats
     an image over the temporal patch): the video patches follow the video processor's layout."""
-    from trident.families.qwen2vl import video_patches
+    from trident.core.families.qwen2vl import video_patches
 
     image = make_image(200, 150, 3)
     frame = np.asarray(image)
@@ -170,8 +170,8 @@ def test_prompt_ids_expand_each_kind_in_order(qwen2vl):
 
 
 def test_records_check_their_media_kinds():
-    from trident.errors import MalformedRecord
-    from trident.protocol import _check_kinds
+    from trident.core.errors import MalformedRecord
+    from trident.core.protocol import _check_kinds
 
     _check_kinds(["image", "video", "video", "audio"], 4)
     with pytest.raises(MalformedRecord, match="out of order"):
@@ -187,8 +187,8 @@ def test_qwen2_5vl_positions_follow_the_clip_s_time(demo_models):
     the staged prefill, given the seconds the encoder measured, continues as model.generate() given them."""
     import torch
 
-    from trident.engines.hf.stage import HFEncoder, HFModel, HFPrefiller
-    from trident.processor import SamplingParams
+    from trident.worker.engines.hf.stage import HFEncoder, HFModel, HFPrefiller
+    from trident.core.processor import SamplingParams
 
     m = HFModel(demo_models["qwen2_5vl"])
     p = m.processor

@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trident.config import MediaPolicy
-from trident.errors import InvalidRequest
-from trident.media.urls import FetchBudget, is_public_address, media_url_to_base64
+from trident.core.config import MediaPolicy
+from trident.core.errors import InvalidRequest
+from trident.core.media.urls import FetchBudget, is_public_address, media_url_to_base64
 
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000" "1f15c4890000000d49444154789c6360000002000154a24f0d0000000049454e44ae426082")
 
@@ -131,7 +131,7 @@ def test_a_compressed_answer_is_refused_unread(image_server):
 
 
 def test_each_item_within_its_kind_s_limit_and_the_request_s_within_its_budget(image_server):
-    from trident.media import LIMITS
+    from trident.core.media import LIMITS
 
     over = LIMITS.max_bytes + 1  # media_limits.max_bytes: an image's limit (the default, 32 MiB)
     for how in ("", "/unsized"):  # told by its Content-Length, or counted as it comes

@@ -32,7 +32,7 @@ def test_inputs_have_images_of_the_asked_size_and_count():
 def test_inputs_can_carry_video_and_audio_clips():
     import soundfile
 
-    from trident.media import MediaItem
+    from trident.core.media import MediaItem
 
     video = perf_analyzer_inputs("qwen2vl", 0, (64, 48), 2, {}, n_videos=1, frames=6)
     entry = video["data"][0]

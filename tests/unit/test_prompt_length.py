@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from trident.dev.demo import ARCHS
-from trident.processor import Processor
-from trident.scheduler.prompt_length import PromptLength
+from trident.core.processor import Processor
+from trident.core.prompt_length import PromptLength
 
 TEXTS = [
     "{0}\nWhat is in the picture?",
@@ -81,7 +81,7 @@ def test_a_prompt_without_one_placeholder_per_item_is_not_measured(demo_models, 
 
 
 def test_a_checkpoint_without_tokenizer_json_is_measured_by_the_processor(demo_models, tmp_path, monkeypatch):
-    import trident.processor
+    import trident.core.processor
 
     folder = tmp_path / "llava"
     shutil.copytree(demo_models["llava"], folder)
@@ -89,7 +89,7 @@ def test_a_checkpoint_without_tokenizer_json_is_measured_by_the_processor(demo_m
     # transformers here cannot load a tokenizer without tokenizer.json (no sentencepiece): the fallback gets the
     # original checkpoint's Processor, and must be the path taken
     loaded = []
-    monkeypatch.setattr(trident.processor, "Processor", lambda path: loaded.append(path) or Processor(demo_models["llava"]))
+    monkeypatch.setattr(trident.core.processor, "Processor", lambda path: loaded.append(path) or Processor(demo_models["llava"]))
     text = "<image>\nWhat is this?"
     assert PromptLength(folder).length(text, [9], ["image"]) == len(Processor(demo_models["llava"]).prompt_ids(text, [9], ["image"]))
     assert loaded == [folder]
@@ -97,7 +97,7 @@ def test_a_checkpoint_without_tokenizer_json_is_measured_by_the_processor(demo_m
 
 def test_measuring_does_not_import_transformers_or_torch(demo_models):
     code = (
-        "import sys; from trident.scheduler.prompt_length import PromptLength; "
+        "import sys; from trident.core.prompt_length import PromptLength; "
         f"m = PromptLength({demo_models['llava']!r}); assert m.length('<image> hi', [4], ['image']) > 4; "
         "print(sorted(k for k in ('torch', 'transformers') if k in sys.modules))"
     )
@@ -110,7 +110,7 @@ def test_the_text_bytes_limit_holds_a_context_window_of_the_longest_tokens(demo_
     """No text that fits the context window is over the limit: not even one made of the longest token only."""
     from transformers import AutoTokenizer
 
-    from trident.scheduler.prompt_length import text_bytes_limit
+    from trident.core.prompt_length import text_bytes_limit
 
     tok, limit = AutoTokenizer.from_pretrained(demo_models[arch]), text_bytes_limit(demo_models[arch])
     context = Processor(demo_models[arch]).max_model_len

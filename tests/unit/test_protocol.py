@@ -7,12 +7,12 @@ import re
 import msgspec
 import pytest
 
-from trident import auth, errors
-from trident.errors import (
+from trident.core import auth, errors
+from trident.core.errors import (
     ERRORS, ForgedRecord, InvalidRequest, LeaseExpired, MalformedRecord, NotFound, PeerUnavailable, PoolExhausted,
     ReplayedRecord, TransferTimeout, TridentError, Unavailable,
 )
-from trident.protocol import (
+from trident.core.protocol import (
     MODES, RECORD_VERSION, STAGES, EmbeddingsRecord, HFKVRecord, StandIn, TensorSpec, Transfer, VLLMKVRecord, decode_record,
     stages_for, instance_name, parse_instance,
 )
@@ -203,7 +203,7 @@ def test_errors_come_back_from_the_message_a_client_reads(cls):
 def test_an_internal_error_shows_a_client_a_reference_and_the_log_its_cause(caplog):
     """A bug's exception text (a path, an address) never reaches a client: the Failure a worker sends, and so the
     client's message, carries a reference; the log has the exception under the same reference."""
-    from trident.protocol import error_of, failure
+    from trident.core.protocol import error_of, failure
 
     try:
         raise OSError("[Errno 111] Connection refused: 10.1.2.3:41235 /opt/secret/path")
@@ -224,8 +224,8 @@ def test_received_tensors_are_views_of_the_pool_in_the_records_layout():
     put a tensor where its dtype cannot start (a float16 run of odd length before float32), are refused."""
     import torch
 
-    from trident.transfer import MemoryPool
-    from trident.transfer.tensors import unpack_tensors
+    from trident.core.transfer import MemoryPool
+    from trident.core.transfer.tensors import unpack_tensors
 
     pool = MemoryPool("t", 4096)
     tensors = [torch.arange(4, dtype=torch.float16), torch.arange(6, dtype=torch.float32).reshape(2, 3) + 0.5,
@@ -251,7 +251,7 @@ def test_received_tensors_are_views_of_the_pool_in_the_records_layout():
 
 
 def test_a_lost_worker_on_another_host_is_named_by_its_stage_never_its_address():
-    from trident.stagecall.client import lost_message
+    from trident.core.stagecall.client import lost_message
 
     remote = lost_message("prefill-2", {"tcp": ["198.18.7.3", 41235], "pid": 77})
     assert remote == "the prefill-2 stage's worker on another host went away; the request was lost with it"
@@ -260,8 +260,8 @@ def test_a_lost_worker_on_another_host_is_named_by_its_stage_never_its_address()
 
 
 def test_a_bind_is_sealed_with_the_secret_and_taken_once():
-    from trident.errors import Unauthenticated
-    from trident.protocol import Bind, open_bind, seal_bind
+    from trident.core.errors import Unauthenticated
+    from trident.core.protocol import Bind, open_bind, seal_bind
 
     request = Bind(stage="prefill", tcp=("10.0.0.2", 4100), instances=2)
     taken: set[str] = set()
@@ -288,8 +288,8 @@ def test_a_worker_asks_the_bind_model_with_the_url_s_scheme(monkeypatch, url, ss
     """A worker joining through a TLS terminator (``--join https://...``) talks TLS to it: the scheme is kept."""
     import tritonclient.http as httpclient
 
-    from trident.protocol import Bind
-    from trident.workers import bind
+    from trident.core.protocol import Bind
+    from trident.worker import bind
 
     made = {}
 
@@ -307,8 +307,8 @@ def test_a_worker_asks_the_bind_model_with_the_url_s_scheme(monkeypatch, url, ss
 def test_a_bind_whose_answer_never_comes_is_asked_again_within_a_minute(monkeypatch):
     """An ask the head never answers (its Triton died under it and was started again) waits at most ``ASK_S``, then
     the worker asks again (the bind model gives the same worker its name back if that bind went through)."""
-    from trident.protocol import Bind
-    from trident.workers import bind
+    from trident.core.protocol import Bind
+    from trident.worker import bind
 
     waits: list[float] = []
 

@@ -15,7 +15,7 @@ def _params(fn) -> list[str]:
 def test_wait_for_server_ready_is_what_bind_when_live_replaces():
     from pytriton.client.utils import wait_for_server_ready
 
-    from trident.launcher.pytriton_patch import WAITS_FOR_READY
+    from trident.supervisor.pytriton_patch import WAITS_FOR_READY
 
     assert _params(wait_for_server_ready) == ["client", "timeout_s", "headers"]
     for name in WAITS_FOR_READY:  # each imports it by name: each is patched
@@ -25,7 +25,7 @@ def test_wait_for_server_ready_is_what_bind_when_live_replaces():
 def test_triton_s_exporter_errors_are_shown_once_a_minute(capsys):
     from pytriton.server.triton_server import TritonServer
 
-    from trident.launcher.pytriton_patch import quiet_triton_output
+    from trident.supervisor.pytriton_patch import quiet_triton_output
 
     assert _params(TritonServer._record_logs) == ["self", "line"]
     quiet_triton_output()

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from trident.errors import InvalidRequest, Unavailable
-from trident.protocol import EmbeddingsRecord, TensorSpec, Transfer
-from trident.workers import infer
-from trident.protocol import HandTo
-from trident.workers.infer import Inbox, check_hand_to, hand_on
+from trident.core.errors import InvalidRequest, Unavailable
+from trident.core.protocol import EmbeddingsRecord, TensorSpec, Transfer
+from trident.worker import infer
+from trident.core.protocol import HandTo
+from trident.worker.infer import Inbox, check_hand_to, hand_on
 
 
 def _inbox() -> tuple[Inbox, list[bytes]]:

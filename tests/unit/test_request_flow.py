@@ -1,4 +1,4 @@
-"""The scheduler's request flow (trident/scheduler/flow.py, relay.py) driven with plain fakes of its two interfaces,
+"""The scheduler's request flow (trident/in_triton/scheduler/flow.py, relay.py) driven with plain fakes of its two interfaces,
 a stage caller and a responder, and nothing of Triton: the path a request takes through its mode's stages, what the
 client gets, the retries and the migration of a stream whose worker went away, and the early first text. The real
 path, through Triton's python backend and real workers, is in tests/e2e/test_scheduler.py, test_migration.py and
@@ -14,15 +14,15 @@ import time
 import numpy as np
 import pytest
 
-from trident.config import SchedulerConfig
-from trident.errors import Cancelled, InvalidRequest, TridentError, Unavailable, WorkerLost
-from trident.protocol import EMBEDDING_SCOPE, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID
-from trident.scheduler.flow import MAX_OPEN, RequestFlow
-from trident.scheduler.instances import Instances
-from trident.scheduler.metrics import SchedulerMetrics
-from trident.scheduler.relay import Migrate, StageGone, counts, finish_reason, relay
-from trident.scheduler.request import EntryRequest, choices
-from trident.scheduler.routing import Router
+from trident.core.config import SchedulerConfig
+from trident.core.errors import Cancelled, InvalidRequest, TridentError, Unavailable, WorkerLost
+from trident.core.protocol import EMBEDDING_SCOPE, ENCODE_REPORT, RECORD_TENSOR, REQUEST_ID
+from trident.in_triton.scheduler.flow import MAX_OPEN, RequestFlow
+from trident.in_triton.scheduler.instances import Instances
+from trident.in_triton.metrics import SchedulerMetrics
+from trident.in_triton.scheduler.relay import Migrate, StageGone, counts, finish_reason, relay
+from trident.in_triton.scheduler.request import EntryRequest, choices
+from trident.in_triton.scheduler.routing import Router
 
 EMB, KV = RECORD_TENSOR["embeddings"], RECORD_TENSOR["kv"]
 

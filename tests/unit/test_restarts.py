@@ -1,6 +1,6 @@
-"""When a supervised process starts again (launcher/restarts.py), on a clock the test moves."""
+"""When a supervised process starts again (supervisor/restarts.py), on a clock the test moves."""
 
-from trident.launcher.restarts import MAX_QUICK_DEATHS, PAUSE_S, QUICK_DEATH_S, Restarts
+from trident.supervisor.restarts import MAX_QUICK_DEATHS, PAUSE_S, QUICK_DEATH_S, Restarts
 
 
 def _deaths(r: Restarts, now: list[float], count: int) -> list[float | None]:
@@ -33,8 +33,8 @@ def test_the_head_gives_up_on_a_triton_that_keeps_dying(tmp_path):
     """A Triton that died MAX_QUICK_DEATHS times in a row, each soon after its start, is not started again: the head
     says so and stops (supervise returns 1), for the supervisor above it. (The restart itself:
     tests/e2e/test_trust.py `test_triton_killed_under_load_...`.)"""
-    from trident.config import ServeSettings
-    from trident.launcher import TRITON, Launcher
+    from trident.core.config import ServeSettings
+    from trident.supervisor import TRITON, Launcher
 
     said: list[str] = []
     launcher = Launcher(ServeSettings(workspace=str(tmp_path)), out=said.append)

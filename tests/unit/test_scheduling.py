@@ -8,11 +8,11 @@ import asyncio
 import pytest
 import torch
 
-from trident.engines.embedding_cache import EmbeddingCache
-from trident.errors import InvalidRequest
-from trident.scheduler.routing import AffinityIndex, Router, needs_prompt_length, plan, prefix_keys, with_local_prefill
-from trident.transfer import MemoryPool
-from trident.workers.infer import Streams
+from trident.worker.engines.embedding_cache import EmbeddingCache
+from trident.core.errors import InvalidRequest
+from trident.in_triton.scheduler.routing import AffinityIndex, Router, needs_prompt_length, plan, prefix_keys, with_local_prefill
+from trident.core.transfer import MemoryPool
+from trident.worker.infer import Streams
 
 ALL = {"encode", "prefill", "decode", "encode_prefill", "prefill_decode", "generate"}
 
@@ -254,7 +254,7 @@ class _FakeMetricFamily:
 def test_a_requests_metric_updates_wait_for_apply():
     from types import SimpleNamespace
 
-    from trident.scheduler.metrics import SchedulerMetrics
+    from trident.in_triton.metrics import SchedulerMetrics
 
     _FakeMetricFamily.log = []
     metrics = SchedulerMetrics("e_p_d", SimpleNamespace(MetricFamily=_FakeMetricFamily))
@@ -281,7 +281,7 @@ def test_metric_families_outlive_their_scheduler():
     import weakref
     from types import SimpleNamespace
 
-    from trident.scheduler.metrics import _FAMILIES, SchedulerMetrics
+    from trident.in_triton.metrics import _FAMILIES, SchedulerMetrics
 
     metrics = SchedulerMetrics("e_p_d", SimpleNamespace(MetricFamily=_FakeMetricFamily))
     refs = [weakref.ref(f) for f in metrics._families.values()]
@@ -297,9 +297,9 @@ def test_a_request_of_embedding_cache_scope_request_is_encoded_for_itself_and_ke
     within the request still shares its one encode. A shared request after it finds nothing of it."""
     from types import SimpleNamespace
 
-    from trident.engines import encode_stage
-    from trident.engines.encode_stage import EncodeStage
-    from trident.media import MediaItem
+    from trident.worker.engines import encode_stage
+    from trident.worker.engines.encode_stage import EncodeStage
+    from trident.core.media import MediaItem
 
     pool = MemoryPool("t", 1 << 16)
     cache = EmbeddingCache(pool, capacity_bytes=1 << 15, key_prefix="m")

@@ -1,6 +1,6 @@
-"""A stage model's stub side (:class:`trident.stagecall.StageLink`) against a real
-:class:`~trident.stagecall.StageServer`: both in this process, a real Unix socket between them, Trident's stage
-messages (:data:`trident.protocol.StageMessage`); no Triton."""
+"""A stage model's stub side (:class:`trident.core.stagecall.StageLink`) against a real
+:class:`~trident.core.stagecall.StageServer`: both in this process, a real Unix socket between them, Trident's stage
+messages (:data:`trident.core.protocol.StageMessage`); no Triton."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from trident.errors import InvalidRequest
-from trident.protocol import WORKER_FILE, Call, Failure, Reply, error_of
-from trident.stagecall import NoWorker, StageLink, StageServer
-from trident.stagecall.frames import ends
+from trident.core.errors import InvalidRequest
+from trident.core.protocol import WORKER_FILE, Call, Failure, Reply, error_of
+from trident.core.stagecall import NoWorker, StageLink, StageServer
+from trident.core.stagecall.frames import ends
 
 
 class _Ends:

@@ -1,4 +1,4 @@
-"""The hf engine's compile of structured-output constraints (trident/structured.py ``Grammars``), with real xgrammar
+"""The hf engine's compile of structured-output constraints (trident/core/structured.py ``Grammars``), with real xgrammar
 and a demo checkpoint's tokenizer: once per constraint, off the event loop, within a time budget, a bounded queue."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from trident.errors import InvalidRequest, Unavailable
-from trident.structured import Grammars, StructuredOutput
+from trident.core.errors import InvalidRequest, Unavailable
+from trident.core.structured import Grammars, StructuredOutput
 
 
 @pytest.fixture(scope="module")

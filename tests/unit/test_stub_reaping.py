@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from trident.launcher.processes import is_stub_of, kill_left
+from trident.supervisor.processes import is_stub_of, kill_left
 
 
 def _stub(store) -> subprocess.Popen:
@@ -33,7 +33,7 @@ def test_only_the_server_s_own_stubs_are_killed(tmp_path):
 
 def test_a_process_is_known_by_its_pid_and_its_start():
     """A pid and when its process started name that process: a new process on the same pid starts later."""
-    from trident.launcher.processes import started
+    from trident.supervisor.processes import started
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

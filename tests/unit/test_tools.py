@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trident.errors import InvalidRequest
+from trident.core.errors import InvalidRequest
 from trident.frontend.tools import ToolChoice, ToolStream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

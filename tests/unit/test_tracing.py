@@ -1,4 +1,4 @@
-"""Request traces (trident.tracing): off unless OTEL_TRACES_EXPORTER names an exporter; with the file exporter each
+"""Request traces (trident.core.tracing): off unless OTEL_TRACES_EXPORTER names an exporter; with the file exporter each
 span is one JSON line, a request's spans form one tree, and a ``traceparent`` continues a trace across processes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ CALLER = "00f067aa0ba902b7"
 
 _SCRIPT = f"""
 import asyncio, gc, time
-from trident import tracing
+from trident.core import tracing
 tracing.start("proc")
 with tracing.step("outside"):  # no request: not recorded
     pass
@@ -99,7 +99,7 @@ def test_a_trace_folder_that_cannot_be_written_turns_tracing_off_and_fails_nothi
 
 def test_triton_traces_with_opentelemetry_only_where_its_spans_can_go(monkeypatch):
     """Triton exports OTLP over HTTP alone: with ``otlp`` (not over gRPC) it gets the collector's traces URL."""
-    from trident import tracing
+    from trident.core import tracing
 
     for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
                  "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
@@ -118,7 +118,7 @@ def test_triton_traces_with_opentelemetry_only_where_its_spans_can_go(monkeypatc
 
 
 def test_the_scheduler_continues_triton_s_span_unless_the_parameter_names_another_trace():
-    from trident.scheduler.model import _traceparent
+    from trident.in_triton.scheduler.model import _traceparent
 
     class Request:
         def __init__(self, parameter, triton_context):

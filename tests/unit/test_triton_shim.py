@@ -1,4 +1,4 @@
-"""The library tritonserver runs with (launcher/triton_shim.c), tried on a Python process: the token reaches main's
+"""The library tritonserver runs with (supervisor/triton_shim.c), tried on a Python process: the token reaches main's
 argv while the command line other users can read keeps the placeholder, and /dev/shm files stay 0600; tried on
 ``echo`` named tritonserver: Triton's HTTP and metrics addresses become the front's Unix sockets."""
 
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from trident.launcher import triton_shim
+from trident.supervisor import triton_shim
 
 CHILD = """
 import os, sys

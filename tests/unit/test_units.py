@@ -8,11 +8,11 @@ import os
 import pytest
 
 from support import make_image, png_bytes
-from trident.errors import InvalidRequest
-from trident.media import decode_base64_image
-from trident.output import TextStream
-from trident.processor import SamplingParams
-from trident.repository import REPOSITORY, write_repository
+from trident.core.errors import InvalidRequest
+from trident.core.media import decode_base64_image
+from trident.core.output import TextStream
+from trident.core.processor import SamplingParams
+from trident.core.repository import REPOSITORY, write_repository
 
 
 def test_sampling_params_parse_and_errors():
@@ -134,7 +134,7 @@ def test_base64_is_accepted_as_binascii_strict_mode_accepts_it(text):
     """The SIMD decoder takes what binascii's strict mode takes, and a refusal gives binascii's reason."""
     import binascii
 
-    from trident.media import decode_base64
+    from trident.core.media import decode_base64
 
     try:
         expected = binascii.a2b_base64(text, strict_mode=True)
@@ -150,7 +150,7 @@ def test_base64_is_accepted_as_binascii_strict_mode_accepts_it(text):
 
 
 def test_repository_is_in_step_with_protocol(tmp_path):
-    """model_repository/ is what `python -m trident.repository` renders from the protocol, file for file."""
+    """model_repository/ is what `python -m trident.core.repository` renders from the protocol, file for file."""
     written = write_repository(tmp_path)
     assert {p.relative_to(tmp_path) for p in written} == {
         p.relative_to(REPOSITORY) for p in REPOSITORY.rglob("*") if p.is_file() and "__pycache__" not in p.parts
@@ -160,7 +160,7 @@ def test_repository_is_in_step_with_protocol(tmp_path):
 
 
 def test_ensembles_chain_records_and_bls_models_are_decoupled_python():
-    from trident.repository import bls_config, ensemble_config
+    from trident.core.repository import bls_config, ensemble_config
 
     steps = ensemble_config("e_p_d").ensemble_scheduling.step
     assert [s.model_name for s in steps] == ["encode", "prefill", "decode"]
@@ -197,8 +197,8 @@ def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path, 
 
     import numpy as np
 
-    from trident.stagecall import StageClient, StageServer, directory
-    from trident.stagecall.server import at_most
+    from trident.core.stagecall import StageClient, StageServer, directory
+    from trident.core.stagecall.server import at_most
 
     loops: set = set()
     inside, peak = 0, 0
@@ -253,12 +253,12 @@ def test_a_stage_server_runs_every_caller_s_calls_on_one_loop_at_once(tmp_path, 
 
 
 def test_stage_messages_carry_their_tensors_and_round_trip():
-    """:data:`trident.protocol.StageMessage`: every dtype the stage models use comes back equal, shapes included,
+    """:data:`trident.core.protocol.StageMessage`: every dtype the stage models use comes back equal, shapes included,
     with the parameters and the scheduler's fields; a frame that is not a message is refused by name."""
     import numpy as np
 
-    from trident.errors import InvalidRequest, MalformedRecord
-    from trident.protocol import FRAME, Call, Deliver, Failure, HandTo, Reply, decode_message, encode_message, error_of, failure
+    from trident.core.errors import InvalidRequest, MalformedRecord
+    from trident.core.protocol import FRAME, Call, Deliver, Failure, HandTo, Reply, decode_message, encode_message, error_of, failure
 
     data = {
         "text_input": np.array([b"USER: <image>\nhi"], dtype=np.object_),
@@ -300,9 +300,9 @@ def test_a_stage_model_is_trident_s_stub_with_the_worker_file_its_worker_asked_f
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as pb
 
-    from trident.protocol import STAGES, WORKER_FILE, Bind
-    from trident.repository import install_stage_model
-    from trident.stagecall import StageServer
+    from trident.core.protocol import STAGES, WORKER_FILE, Bind
+    from trident.core.repository import install_stage_model
+    from trident.core.stagecall import StageServer
 
     server = StageServer(lambda call: None, lambda message: None, "127.0.0.1")
     try:
@@ -317,7 +317,7 @@ def test_a_stage_model_is_trident_s_stub_with_the_worker_file_its_worker_asked_f
             assert [t.name for t in config.output] == [t.name for t in STAGES[stage].outputs]
             assert config.model_transaction_policy.decoupled == STAGES[stage].decoupled
             assert config.instance_group[0].count == 3
-            assert "from trident.workers.proxy_model import TritonPythonModel" in (folder / "1" / "model.py").read_text()
+            assert "from trident.in_triton.proxy_model import TritonPythonModel" in (folder / "1" / "model.py").read_text()
             assert json.loads((folder / "1" / WORKER_FILE).read_text()) == server.worker_file(pid, f"{stage}-2")
             assert (folder / "1" / "__pycache__").is_file()  # (the stub writes no bytecode there)
     finally:
@@ -331,7 +331,7 @@ def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
     import threading
     import time
 
-    from trident.workers.bind import _write_stats
+    from trident.worker.bind import _write_stats
 
     class Engine:
         n = 0
@@ -360,8 +360,8 @@ def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
 def test_no_process_the_launcher_starts_inherits_the_repository_token(monkeypatch, tmp_path):
     """The token given by environment is taken out of it at once: the workers (forked from the zygote) bind through
     the head's bind model and get none, nor does the frontend; Triton gets it by the shim alone."""
-    import trident.launcher as launcher_module
-    from trident.config import ServeSettings
+    import trident.supervisor as launcher_module
+    from trident.core.config import ServeSettings
 
     monkeypatch.setenv("TRIDENT_ACCESS_TOKEN", "tok-from-env-123")
     given = {}

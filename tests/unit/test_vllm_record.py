@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from trident.engines.vllm import VLLMStageEngine, prompt_digest
-from trident.errors import InvalidRequest, MalformedRecord
-from trident.processor import Processor
-from trident.protocol import StandIn, VLLMKVRecord, decode_record
-from trident.auth import sign
+from trident.worker.engines.vllm import VLLMStageEngine, prompt_digest
+from trident.core.errors import InvalidRequest, MalformedRecord
+from trident.core.processor import Processor
+from trident.core.protocol import StandIn, VLLMKVRecord, decode_record
+from trident.core.auth import sign
 
 
 def _record_id(value):
@@ -181,7 +181,7 @@ def test_decode_starts_from_the_prefill_s_token_only_where_vllm_would_continue_t
     """The prefill's token is sent first, and vLLM continues from it, only for a greedy request that goes on
     past it, with no stop strings, whose prompt leaves room in its last block, and whose token is a whole
     piece of text that is not a special one; otherwise (None) vLLM samples the first token itself."""
-    from trident.processor import SamplingParams
+    from trident.core.processor import SamplingParams
 
     engine = _first_token_side(demo_models["llava"])
     text = "USER: <image>\nWhat is it? ASSISTANT:"
@@ -228,11 +228,11 @@ def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local):
     import asyncio
     import os
 
-    from trident.engines.kv_claims import KVClaims
-    from trident.errors import ReplayedRecord
-    from trident.protocol import STAGES
-    from trident.stagecall import StageClient, StageServer
-    from trident.workers.infer import StageHandler
+    from trident.worker.engines.kv_claims import KVClaims
+    from trident.core.errors import ReplayedRecord
+    from trident.core.protocol import STAGES
+    from trident.core.stagecall import StageClient, StageServer
+    from trident.worker.infer import StageHandler
 
     producer = KVClaims()
     handler = StageHandler(STAGES["prefill"], infer=None, claims=producer.take)
@@ -264,10 +264,10 @@ def test_claims_reach_the_producer_named_in_the_record_even_under_a_reused_name(
     head restarted): one consumer's claims go to the worker whose address the record names, each served once."""
     import asyncio
 
-    from trident.engines.kv_claims import KVClaims
-    from trident.protocol import STAGES
-    from trident.stagecall import StageClient, StageServer
-    from trident.workers.infer import StageHandler
+    from trident.worker.engines.kv_claims import KVClaims
+    from trident.core.protocol import STAGES
+    from trident.core.stagecall import StageClient, StageServer
+    from trident.worker.infer import StageHandler
 
     producers, servers = [], []
     for _ in range(2):

@@ -1,4 +1,4 @@
-"""vLLM's NIXL side channel sealed (engines/vllm_side_channel.py), run in the vLLM environment: vLLM's own listener
+"""vLLM's NIXL side channel sealed (worker/engines/vllm_side_channel.py), run in the vLLM environment: vLLM's own listener
 loop (``NixlBaseConnectorScheduler._nixl_handshake_listener``) serves metadata on a real ZeroMQ socket; a client
 without the secret (vLLM's plain ``get_meta_msg``, a malformed message, another deployment's sealed request) gets
 nothing and does not end the listener (nor does a request vLLM's loop fails on), and a consumer of this deployment (vLLM's REQ socket through the sealed
@@ -15,9 +15,9 @@ from support import vllm_python
 SCRIPT = r'''
 import os, sys, threading, time
 import msgspec, zmq
-from trident.engines import vllm_side_channel
-from trident import auth
-from trident.netutil import free_ports
+from trident.worker.engines import vllm_side_channel
+from trident.core import auth
+from trident.core.netutil import free_ports
 
 vllm_side_channel.close()
 vllm_side_channel.close()  # (idempotent)

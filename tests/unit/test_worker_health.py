@@ -1,10 +1,10 @@
-"""A stage worker's GET /health (workers/health.py): 503 until it serves, 200 while it does, 503 once it stops."""
+"""A stage worker's GET /health (worker/health.py): 503 until it serves, 200 while it does, 503 once it stops."""
 
 import urllib.error
 import urllib.request
 
-from trident.netutil import free_ports
-from trident.workers.health import Health
+from trident.core.netutil import free_ports
+from trident.worker.health import Health
 
 
 def _get(url: str) -> tuple[int, str]:

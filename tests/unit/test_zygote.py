@@ -1,4 +1,4 @@
-"""The workers' zygote (``trident.launcher.zygote``): forked processes run ``trident <argv>``, their exit codes come back as ``subprocess`` gives them, and the zygote ends with its launcher."""
+"""The workers' zygote (``trident.supervisor.zygote``): forked processes run ``trident <argv>``, their exit codes come back as ``subprocess`` gives them, and the zygote ends with its launcher."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trident.launcher.zygote import Zygote
-from trident.netutil import listen_ports
+from trident.supervisor.zygote import Zygote
+from trident.core.netutil import listen_ports
 
 
 @pytest.fixture(scope="module")

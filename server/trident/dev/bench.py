@@ -15,13 +15,13 @@ import time
 import numpy as np
 import torch
 
-from ..config import MiB, TransferConfig
+from trident.core.config import MiB, TransferConfig
 
 SIZES = [(64 * 1024, "64 KiB", 300), (MiB, "1 MiB", 100), (16 * MiB, "16 MiB", 20), (256 * MiB, "256 MiB", 5)]
 
 
 def _transfer_producer(conn, pool_bytes: int) -> None:
-    from ..transfer import TransferEndpoint
+    from trident.core.transfer import TransferEndpoint
 
     ep = TransferEndpoint(TransferConfig(send_pool_bytes=pool_bytes, recv_pool_bytes=MiB))
     tensors: dict[int, torch.Tensor] = {}
@@ -39,7 +39,7 @@ def _transfer_producer(conn, pool_bytes: int) -> None:
 
 def run_transfer_bench(repeat_scale: float = 1.0, out=print) -> list[dict]:
     """READ latency/bandwidth between two processes against memcpy, per size; prints a table."""
-    from ..transfer import TransferEndpoint
+    from trident.core.transfer import TransferEndpoint
 
     biggest = max(s for s, _, _ in SIZES)
     ctx = mp.get_context("spawn")
@@ -147,10 +147,10 @@ def _fixed_cost(ep, conn, n: int = 500) -> dict:
 
 def run_decode_bench(model_path: str, concurrency=(1, 4, 8, 16), new_tokens: int = 64, out=print) -> list[dict]:
     """Output tokens/s of the hf engine's batched decode at each concurrency; prints a table."""
-    from ..engines.base import DecodeRequest
-    from ..engines.hf.decoder import HFDecoder
-    from ..engines.hf.stage import HFModel, HFPrefiller
-    from ..processor import SamplingParams
+    from trident.worker.engines.base import DecodeRequest
+    from trident.worker.engines.hf.decoder import HFDecoder
+    from trident.worker.engines.hf.stage import HFModel, HFPrefiller
+    from trident.core.processor import SamplingParams
 
     model = HFModel(model_path)
     prefiller, decoder = HFPrefiller(model), HFDecoder(model)

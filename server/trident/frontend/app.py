@@ -2,7 +2,7 @@
 
 Routes are thin: :class:`OpenAIServer` turns a request into an entry-model call (mode, prompt, media,
 sampling) on an :class:`Engine` (:class:`TritonEngine`: Triton's entry models over gRPC), and :mod:`.responses`
-shapes what goes back. Errors are :mod:`trident.errors` classes; each answers with its own HTTP status (400 bad input, 404
+shapes what goes back. Errors are :mod:`trident.core.errors` classes; each answers with its own HTTP status (400 bad input, 404
 unknown model or mode, 503 unavailable or overloaded with ``Retry-After``, 504 transfer timeout or expired
 lease).
 """
@@ -24,20 +24,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from .. import tracing
-from ..config import FrontendSettings
-from ..errors import InvalidRequest, NotFound, TridentError, Unavailable, from_message
-from ..media import MODALITIES, check_count
-from ..media.audio import input_audio_to_base64
-from ..media.urls import FetchBudget, media_url_to_base64
-from ..processor import SamplingParams
-from ..protocol import MODES
-from ..scheduler.prompt_length import text_bytes_limit
-from .api_keys import load_keys, require_keys
-from .body_limit import BodyLimit
-from .responses import DONE, Chunk, Completion, error_body, error_headers
-from .schemas import ChatCompletionRequest, CompletionRequest, Message
-from .tools import ToolChoice, ToolStream
+from trident.core import tracing
+from trident.core.config import FrontendSettings
+from trident.core.errors import InvalidRequest, NotFound, TridentError, Unavailable, from_message
+from trident.core.media import MODALITIES, check_count
+from trident.core.media.audio import input_audio_to_base64
+from trident.core.media.urls import FetchBudget, media_url_to_base64
+from trident.core.processor import SamplingParams
+from trident.core.protocol import MODES
+from trident.core.prompt_length import text_bytes_limit
+from trident.frontend.api_keys import load_keys, require_keys
+from trident.frontend.body_limit import BodyLimit
+from trident.frontend.responses import DONE, Chunk, Completion, error_body, error_headers
+from trident.frontend.schemas import ChatCompletionRequest, CompletionRequest, Message
+from trident.frontend.tools import ToolChoice, ToolStream
 
 log = logging.getLogger("trident.frontend")
 KEEP_ALIVE_S = 65
@@ -349,7 +349,7 @@ class Engine(Protocol):
     ) -> AsyncIterator[Chunk]:
         """Stream a generation from entry model ``mode``; ``media`` holds base64 strings by kind (``image``,
         ``video``, ``audio``); ``traceparent``: the request's span, when it is traced. Raises a
-        :class:`~trident.errors.TridentError` (its class says the status)."""
+        :class:`~trident.core.errors.TridentError` (its class says the status)."""
         ...
 
     async def ready_modes(self, modes: list[str]) -> list[str]:
@@ -483,8 +483,8 @@ class TritonEngine:
 def run_frontend(settings: FrontendSettings) -> int:
     import uvicorn
 
-    from .header_deadline import header_deadline_protocol
-    from .idle_reclaim import ReclaimIdle
+    from trident.frontend.header_deadline import header_deadline_protocol
+    from trident.frontend.idle_reclaim import ReclaimIdle
 
     tracing.start("frontend")
     app = create_app(settings, TritonEngine(settings.grpc_url))

@@ -12,7 +12,7 @@ import time
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .responses import error_body
+from trident.frontend.responses import error_body
 
 
 class BodyLimit:

@@ -10,7 +10,7 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .responses import error_body
+from trident.frontend.responses import error_body
 
 
 def header_deadline_protocol(deadline_s: float, base: type[HttpToolsProtocol] = HttpToolsProtocol

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..errors import TridentError
+from trident.core.errors import TridentError
 
 @dataclass
 class Chunk:

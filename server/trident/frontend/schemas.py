@@ -6,10 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import InvalidRequest
-from ..processor import UNSUPPORTED_DEFAULTS
-from ..protocol import MAX_CHOICES, MAX_LOGPROBS
-from .tools import MAX_TOOLS, ToolChoice
+from trident.core.errors import InvalidRequest
+from trident.core.processor import UNSUPPORTED_DEFAULTS
+from trident.core.protocol import MAX_CHOICES, MAX_LOGPROBS
+from trident.frontend.tools import MAX_TOOLS, ToolChoice
 
 """The most choices (``n``) one request may ask for."""
 
@@ -127,7 +127,7 @@ class _Sampling(BaseModel):
 
     def structured(self) -> dict[str, Any]:
         """What ``response_format``, vLLM's ``guided_*`` fields and its ``structured_outputs`` ask of the text, as
-        ``sampling_parameters.structured_outputs`` (trident.structured; more than one is refused there)."""
+        ``sampling_parameters.structured_outputs`` (trident.core.structured; more than one is refused there)."""
         extra = self.model_extra or {}
         out = dict(extra.get("structured_outputs") or {})
         out.update({key: extra[name] for name, key in GUIDED.items() if extra.get(name) is not None})

@@ -5,7 +5,7 @@
   Qwen's templates, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, become ``tool_calls``
   (finish reason ``tool_calls``).
 - a named function: the answer is that function's arguments, held to its ``parameters`` schema by structured
-  output (:mod:`trident.structured`); finish reason ``stop``, as OpenAI's.
+  output (:mod:`trident.core.structured`); finish reason ``stop``, as OpenAI's.
 - ``required``: a JSON list of one or more ``{"name", "parameters"}``, each held to its function's schema.
 
 Streamed (:class:`ToolStream`), as vLLM's server streams them: text goes out as it comes until a call may begin;
@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequest
+from trident.core.errors import InvalidRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128

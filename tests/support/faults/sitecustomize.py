@@ -1,12 +1,12 @@
 """Loaded at start-up by every Python process of a test server started with ``faults=True``
 (:class:`support.served.Server` puts this folder on its ``PYTHONPATH``): once a stage worker imports
-``trident.workers.infer``, its handlers are wrapped by :mod:`trident_faults`. Nothing of this is in the serving path."""
+``trident.worker.infer``, its handlers are wrapped by :mod:`trident_faults`. Nothing of this is in the serving path."""
 
 import importlib.abc
 import importlib.util
 import sys
 
-_TARGET = "trident.workers.infer"
+_TARGET = "trident.worker.infer"
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):

@@ -2,7 +2,7 @@
 (see ``sitecustomize.py`` beside this file).
 
 A prompt that carries ``[[trident-fault:<ErrorClass>@<stage>]]`` makes that stage raise that error of
-:data:`trident.errors.ERRORS` before its engine runs (the records the call brought are freed, as for any refusal);
+:data:`trident.core.errors.ERRORS` before its engine runs (the records the call brought are freed, as for any refusal);
 ``#N`` after the stage makes it raise once the stage has sent N responses. ``[[trident-stall@<stage>]]`` holds the
 request in that stage for a minute (a test can kill the worker with the request inside).
 """
@@ -27,7 +27,7 @@ def _text(call) -> str:
 
 def _fault(stage: str, text: str, sent: int | None):
     """The error the text's marker names for ``stage`` after ``sent`` responses (None: before the engine runs)."""
-    from trident.errors import ERRORS
+    from trident.core.errors import ERRORS
 
     match = FAULT.search(text)
     after = int(match.group(3)) if match and match.group(3) else None
@@ -37,8 +37,8 @@ def _fault(stage: str, text: str, sent: int | None):
 
 
 def wrap(handler, engine):
-    """``handler`` (a :class:`trident.workers.infer.StageHandler`) with faults injected into its calls."""
-    from trident.protocol import RECORD_TENSOR
+    """``handler`` (a :class:`trident.worker.infer.StageHandler`) with faults injected into its calls."""
+    from trident.core.protocol import RECORD_TENSOR
 
     stage, infer = handler.spec.name, handler.infer
     records = [RECORD_TENSOR[kind] for kind in (handler.spec.takes, handler.spec.also_takes) if kind is not None]
@@ -75,7 +75,7 @@ def wrap(handler, engine):
 
 
 def install(infer_module) -> None:
-    """Make ``trident.workers.infer.make_handler`` return wrapped handlers."""
+    """Make ``trident.worker.infer.make_handler`` return wrapped handlers."""
     make_handler = infer_module.make_handler
 
     def faulty_make_handler(spec, engine, *args, **kwargs):

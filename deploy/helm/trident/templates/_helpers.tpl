@@ -13,7 +13,7 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
-{{/* The stage models the modes use, each once (trident.protocol.stages_for), as a JSON list. */}}
+{{/* The stage models the modes use, each once (trident.core.protocol.stages_for), as a JSON list. */}}
 {{- define "trident.stages" -}}
 {{- $chains := dict "epd" (list "generate") "e_pd" (list "encode" "prefill_decode") "e_p_d" (list "encode" "prefill" "decode") "ep_d" (list "encode_prefill" "decode") -}}
 {{- $stages := list -}}

@@ -1,3 +1,3 @@
-"""Entry model of a Trident mode: the BLS scheduler. Its code is trident/scheduler/model.py."""
+"""Entry model of a Trident mode: the BLS scheduler. Its code is trident/in_triton/scheduler/model.py."""
 
-from trident.scheduler.model import TritonPythonModel  # noqa: F401
+from trident.in_triton.scheduler.model import TritonPythonModel  # noqa: F401

@@ -98,7 +98,7 @@ class ProcessorFiles:
 class DemoBuilder:
     """How one family's demo checkpoint is made (the family-specific half of :func:`build_demo_model`)."""
 
-    arch: str  # the family's name (trident.families)
+    arch: str  # the family's name (trident.core.families)
     specials: dict[str, str]  # unk/bos/eos/pad tokens
     extra: dict[str, str]  # named special tokens (image placeholder, chat roles)
     token_names: dict[str, str]  # short name -> token, for the log and the config ids

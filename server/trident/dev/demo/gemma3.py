@@ -3,12 +3,12 @@ model (sliding-window and global layers, GQA, QK-norm). Each image is ``<start_o
 processor expands to ``\\n\\n<start_of_image>`` + 16 ``<image_soft_token>`` + ``<end_of_image>\\n\\n``; the image's
 tokens attend to each other both ways.
 
-The hf engine serves it through ``trident.families.gemma3``; the vllm engine from what vLLM says alone."""
+The hf engine serves it through ``trident.core.families.gemma3``; the vllm engine from what vLLM says alone."""
 
 from __future__ import annotations
 
-from . import INITIALIZER_RANGE, DemoBuilder
-from .llava import _after_save as _hub_vision_layout
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder
+from trident.dev.demo.llava import _after_save as _hub_vision_layout
 
 IMAGE_SIZE = 112
 PATCH = 14

@@ -4,8 +4,8 @@ tile, + a small Qwen2 text model. An image is cut into up to 4 tiles by its aspe
 
 from __future__ import annotations
 
-from . import INITIALIZER_RANGE, DemoBuilder, ProcessorFiles
-from .qwen2vl import SPECIALS, qwen_chat_template
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder, ProcessorFiles
+from trident.dev.demo.qwen2vl import SPECIALS, qwen_chat_template
 
 TILE = 112
 PATCH = 14

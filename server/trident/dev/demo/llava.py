@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import INITIALIZER_RANGE, DemoBuilder, rename_weights
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder, rename_weights
 
 LLAVA_IMAGE_SIZE = 224
 LLAVA_PATCH_SIZE = 16

@@ -2,13 +2,13 @@
 image's base view plus up to four tiles, with a learned newline at the end of each row of tile features) + a
 small Llama. The number of ``<image>`` tokens follows the image's size and aspect (a square image: 49 + 196 + 14).
 
-Trident has no family adapter for it (``trident.families`` does not list ``llava_next``): it is the demo of a
+Trident has no family adapter for it (``trident.core.families`` does not list ``llava_next``): it is the demo of a
 model served on the vllm engine from what vLLM and the checkpoint say alone."""
 
 from __future__ import annotations
 
-from . import INITIALIZER_RANGE, DemoBuilder
-from .llava import EXTRA, LLAVA_CHAT_TEMPLATE, SPECIALS, _after_save
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder
+from trident.dev.demo.llava import EXTRA, LLAVA_CHAT_TEMPLATE, SPECIALS, _after_save
 
 TILE = 112
 PATCH = 16

@@ -5,8 +5,8 @@ talker (``enable_audio_output: false``): Trident serves text out."""
 
 from __future__ import annotations
 
-from . import INITIALIZER_RANGE, DemoBuilder, ProcessorFiles
-from .qwen2vl import SPECIALS, qwen2_text, qwen_chat_template, windowed_vision
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder, ProcessorFiles
+from trident.dev.demo.qwen2vl import SPECIALS, qwen2_text, qwen_chat_template, windowed_vision
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2

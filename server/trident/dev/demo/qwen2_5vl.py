@@ -4,8 +4,8 @@ Qwen2-VL demo's (Qwen2.5-VL checkpoints use Qwen2-VL's)."""
 
 from __future__ import annotations
 
-from . import INITIALIZER_RANGE, DemoBuilder
-from .qwen2vl import BUILDER as QWEN2VL, QWEN_MAX_PIXELS, QWEN_MERGE_SIZE, QWEN_MIN_PIXELS, QWEN_PATCH_SIZE, qwen2_text, windowed_vision
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder
+from trident.dev.demo.qwen2vl import BUILDER as QWEN2VL, QWEN_MAX_PIXELS, QWEN_MERGE_SIZE, QWEN_MIN_PIXELS, QWEN_PATCH_SIZE, qwen2_text, windowed_vision
 
 
 def _build(tokenizer, ids: dict[str, int], seed: int):
@@ -13,7 +13,7 @@ def _build(tokenizer, ids: dict[str, int], seed: int):
     from transformers import PaddleOCRVLProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from .qwen2vl import QWEN2VL_CHAT_TEMPLATE
+    from trident.dev.demo.qwen2vl import QWEN2VL_CHAT_TEMPLATE
 
     config = Qwen2_5_VLConfig(
         text_config=qwen2_text(tokenizer, ids), vision_config=windowed_vision(tokens_per_second=2),

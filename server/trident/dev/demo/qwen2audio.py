@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import INITIALIZER_RANGE, DemoBuilder, rename_weights
-from .qwen2vl import SPECIALS, qwen_chat_template
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder, rename_weights
+from trident.dev.demo.qwen2vl import SPECIALS, qwen_chat_template
 
 EXTRA = {
     "im_start_token": "<|im_start|>",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import INITIALIZER_RANGE, DemoBuilder
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder
 
 QWEN_PATCH_SIZE = 14
 QWEN_MERGE_SIZE = 2

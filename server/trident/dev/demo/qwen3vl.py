@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import INITIALIZER_RANGE, DemoBuilder
-from .qwen2vl import BUILDER as QWEN2VL
+from trident.dev.demo import INITIALIZER_RANGE, DemoBuilder
+from trident.dev.demo.qwen2vl import BUILDER as QWEN2VL
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -22,7 +22,7 @@ def _build(tokenizer, ids: dict[str, int], seed: int):
     from transformers import PaddleOCRVLProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from .qwen2vl import QWEN2VL_CHAT_TEMPLATE
+    from trident.dev.demo.qwen2vl import QWEN2VL_CHAT_TEMPLATE
 
     hidden, heads, head_dim = 512, 8, 64
     config = Qwen3VLConfig(

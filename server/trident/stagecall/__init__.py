@@ -1,8 +1,0 @@
-"""The stage protocol's two sides, over one framed stream (:mod:`.frames`) of :data:`trident.protocol.StageMessage`:
-:class:`StageServer` in each stage worker, and the callers' :class:`StageClient` (the BLS schedulers, the encode worker
-handing its record on) and :class:`StageLink` (a stage model's python-backend stub, which has no event loop)."""
-
-from .client import DirectStream, NotSent, NoWorker, StageClient, StageLink, responses_of
-from .server import StageServer
-
-__all__ = ["DirectStream", "NotSent", "NoWorker", "StageClient", "StageLink", "StageServer", "responses_of"]
