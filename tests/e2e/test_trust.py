@@ -650,7 +650,7 @@ def _http_stream(server, prompt: str, params: dict, first: threading.Event, out:
 def test_triton_killed_under_load_comes_back_with_the_same_workers(server):
     """kill -9 tritonserver while four streams are in flight: each stream ends whole or with an error, never cut
     short and ended as if whole; readiness is false until the server serves again, with the same worker processes
-    (their engines kept) and the same answers, on HTTP and gRPC (launcher ``_triton_back``). How soon is printed:
+    (their engines kept) and the same answers, on HTTP and gRPC (``Launcher._triton_back``). How soon is printed:
     about 9 s on 2 idle cores (docs/reliability.md); the wait allows 90 s, as the suite runs another lane beside it
     (there the entry models' loads took 11 s and more, and 15 s was once too short)."""
     prompt, params = "Count from one to one hundred, in words, please.", {"max_tokens": 200, "temperature": 0}

@@ -75,11 +75,13 @@ def test_the_visible_gpus_are_cuda_visible_devices_when_it_is_set():
 
 
 def test_serve_hands_each_worker_its_gpu_and_the_device_settings(tmp_path):
-    from trident.supervisor import Launcher
+    from trident.supervisor.worker_pool import WorkerPool
 
-    launcher = Launcher(ServeSettings(model=str(tmp_path), workspace=str(tmp_path), device="cuda", dtype="float16",
-                                      gpus={"decode": "3"}))
-    launcher._gpus = place(["encode", "prefill", "decode"], ["0", "1"], launcher.s.gpus, launcher.s.device)
-    got = {name: launcher.worker_settings(name) for name in ("encode", "prefill", "decode")}
+    settings = ServeSettings(model=str(tmp_path), workspace=str(tmp_path), device="cuda", dtype="float16",
+                             gpus={"decode": "3"})
+    pool = WorkerPool(settings, str(tmp_path), "http://127.0.0.1:8000", "127.0.0.1:8001", tmp_path / "stats",
+                      tmp_path / "store", unload=lambda name: None, out=print)
+    pool.gpus = place(["encode", "prefill", "decode"], ["0", "1"], settings.gpus, settings.device)
+    got = {name: pool.settings_of(name) for name in ("encode", "prefill", "decode")}
     assert {name: s.cuda_visible_devices for name, s in got.items()} == {"encode": "0", "prefill": "1", "decode": "3"}
     assert {(s.device, s.dtype) for s in got.values()} == {("cuda", "float16")}

@@ -29,19 +29,26 @@ def test_quick_deaths_double_the_delay_until_a_pause_and_a_long_life_resets_it()
     assert _deaths(given_up, now, MAX_QUICK_DEATHS) == [2.0, 4.0, 8.0, 16.0, None]
 
 
-def test_the_head_gives_up_on_a_triton_that_keeps_dying(tmp_path):
+def test_the_head_gives_up_on_a_triton_that_keeps_dying(tmp_path, monkeypatch):
     """A Triton that died MAX_QUICK_DEATHS times in a row, each soon after its start, is not started again: the head
     says so and stops (supervise returns 1), for the supervisor above it. (The restart itself:
-    tests/e2e/test_trust.py `test_triton_killed_under_load_...`.)"""
-    from trident.core.config import ServeSettings
-    from trident.supervisor import TRITON, Launcher
+    tests/e2e/test_supervision.py.)"""
+    from types import SimpleNamespace
 
+    from trident.core.config import ServeSettings
+    from trident.core.stagecall import directory
+    from trident.supervisor import Launcher
+    from trident.supervisor.triton_process import TRITON, TritonProcess
+
+    monkeypatch.delenv(directory.ENV, raising=False)  # (the Triton workspace names its stage directory there)
     said: list[str] = []
     launcher = Launcher(ServeSettings(workspace=str(tmp_path)), out=said.append)
+    launcher.triton = TritonProcess(launcher.s, launcher.workspace, launcher.token, said.append)
+    launcher.workers = SimpleNamespace(live_stage_models=lambda: [])
     for _ in range(MAX_QUICK_DEATHS - 1):
-        launcher._triton_restarts.started(TRITON)
-        assert launcher._triton_restarts.exited(TRITON) is not None
-    launcher._triton_restarts.started(TRITON)
-    assert launcher._triton_back({"signal": None}) is False  # (before anything is started: self.triton is None)
+        launcher.triton.restarts.started(TRITON)
+        assert launcher.triton.restarts.exited(TRITON) is not None
+    launcher.triton.restarts.started(TRITON)
+    assert launcher._triton_back(lambda: False) is False  # (nothing started again: Triton never ran here)
     assert said == [f"[trident] Triton exited {MAX_QUICK_DEATHS} times in a row within {QUICK_DEATH_S:.0f} s of "
                     "starting; stopping everything (exit code 1)"]

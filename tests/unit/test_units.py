@@ -360,8 +360,8 @@ def test_worker_stats_outlive_a_disk_that_cannot_be_written(tmp_path, caplog):
 def test_no_process_the_launcher_starts_inherits_the_repository_token(monkeypatch, tmp_path):
     """The token given by environment is taken out of it at once: the workers (forked from the zygote) bind through
     the head's bind model and get none, nor does the frontend; Triton gets it by the shim alone."""
-    import trident.supervisor as launcher_module
     from trident.core.config import ServeSettings
+    from trident.supervisor import Launcher, worker_pool
 
     monkeypatch.setenv("TRIDENT_ACCESS_TOKEN", "tok-from-env-123")
     given = {}
@@ -370,9 +370,10 @@ def test_no_process_the_launcher_starts_inherits_the_repository_token(monkeypatc
         def __init__(self, python, env, backend, model):
             given["env"] = env
 
-    monkeypatch.setattr(launcher_module, "Zygote", Zygote)
-    launcher = launcher_module.Launcher(ServeSettings(workspace=str(tmp_path), access_token="tok-from-env-123"))
+    monkeypatch.setattr(worker_pool, "Zygote", Zygote)
+    launcher = Launcher(ServeSettings(workspace=str(tmp_path), access_token="tok-from-env-123"))
     assert launcher.token == "tok-from-env-123" and "TRIDENT_ACCESS_TOKEN" not in os.environ  # (serve's CLI read it)
-    launcher.model_path = str(tmp_path)
-    launcher._start_zygote()
+    pool = worker_pool.WorkerPool(launcher.s, str(tmp_path), launcher.http_url, launcher.grpc_url, tmp_path / "stats",
+                                  tmp_path / "store", unload=lambda name: None, out=print)
+    pool.start_zygote()
     assert "tok-from-env-123" not in given["env"].values() and "TRIDENT_ACCESS_TOKEN" not in given["env"]

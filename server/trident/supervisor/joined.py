@@ -81,3 +81,22 @@ class JoinedWatch:
                     self.out(f"[trident] joined worker {name} ({where}) is gone: its host refuses connections; "
                              f"unloaded its stage model")
                     directory.remove(name, info)  # (its stub takes it back as it unloads; a dead one cannot)
+
+
+def unbind(http_url: str, name: str, worker: dict) -> bool:
+    """Unload joined instance ``name`` through the head's bind model, as its worker's leave would: True when done,
+    False when the name is no longer bound to ``worker`` (another worker bound it since)."""
+    from tritonclient.utils import InferenceServerException
+
+    from trident.core.errors import NameTaken, from_message
+    from trident.core.protocol import Bind, parse_instance
+    from trident.worker.bind import ask
+
+    request = Bind(stage=parse_instance(name)[0], tcp=tuple(worker["tcp"]), name=name, leave=True)
+    try:
+        ask(http_url, request, 10.0)
+    except InferenceServerException as e:
+        if isinstance(from_message(str(e)), NameTaken):
+            return False
+        raise
+    return True

@@ -1,0 +1,203 @@
+"""Triton's process, as the head runs it: its workspace and model store, its start (the shim preloaded, the bounded
+HTTP front before its Unix sockets), its start again after it died (the workers keep their engines), its stop, and a
+client to it.
+
+PyTriton starts and stops it (:mod:`.pytriton_patch` adjusts how); the shim (:mod:`.triton_shim`) keeps its token out
+of its argv and puts its HTTP and metrics servers on Unix sockets of the workspace, which the front
+(:mod:`.http_front`) relays its public ports to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from trident.core import tracing
+from trident.core.config import ServeSettings
+from trident.core.protocol import BIND_MODEL
+from trident.core.stagecall import directory
+from trident.supervisor import pytriton_patch, triton_shim
+from trident.supervisor.gate import GATE, close_gate
+from trident.supervisor.http_front import HttpFront, Route, max_body_bytes
+from trident.supervisor.processes import descendants, is_stub, is_stub_of, kill_left, remove_shm_regions, stubs_of
+from trident.supervisor.restarts import Restarts
+from trident.supervisor.startup import StartupError
+
+TRITON = "tritonserver"  # its name in its Restarts
+SOCKETS = ("http.sock", "metrics.sock")
+
+
+class TritonExited(RuntimeError):
+    """Triton exited while the head waited on it (start-up starts it again)."""
+
+
+class TritonProcess:
+    """The head's Triton: started once (:meth:`start`), again after each death (:meth:`start_again`) until it dies
+    too often, stopped last-but-one (:meth:`stop`: after the drain, before the workers)."""
+
+    def __init__(self, settings: ServeSettings, workspace: Path, token: str, out: Callable[[str], None]) -> None:
+        from pytriton.utils.workspace import Workspace
+
+        self.s, self.workspace, self.token, self.out = settings, workspace, token, out
+        self._workspace = Workspace(workspace / "triton")
+        directory.create(workspace / "stages")  # Triton's stubs enter their workers here, for the schedulers
+        self.triton = None
+        self._front: HttpFront | None = None
+        self._shim: Path | None = None
+        self.restarts = Restarts(give_up=True)  # its deaths in a row
+
+    @property
+    def model_store(self) -> Path:
+        """Triton's model repository (PyTriton's, in the workspace)."""
+        return self._workspace.model_store_path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"triton-access-token": self.token}
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.s.host}:{self.s.http_port}"
+
+    def is_alive(self) -> bool:
+        return self.triton is not None and self.triton.is_alive()
+
+    def check_alive(self) -> None:
+        """:class:`TritonExited` when Triton has exited."""
+        if self.triton is not None and not self.triton.is_alive():
+            raise TritonExited("Triton exited during start-up")
+
+    @contextlib.contextmanager
+    def client(self, network_timeout: float = 60.0):
+        """A Triton HTTP client, closed after use: a connection left open holds a stopping Triton for its whole
+        ``drain_s`` (Triton waits for its HTTP connections to close)."""
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(f"{self.s.host}:{self.s.http_port}", network_timeout=network_timeout)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def load(self, name: str, network_timeout: float = 60.0) -> None:
+        with self.client(network_timeout=network_timeout) as client:
+            client.load_model(name, headers=self.headers)
+
+    def unload(self, name: str) -> None:
+        with self.client(network_timeout=10) as client:
+            client.unload_model(name, headers=self.headers)
+
+    def is_ready(self, name: str) -> bool:
+        try:
+            with self.client() as client:
+                return client.is_model_ready(name)
+        except Exception:  # noqa: BLE001 - Triton still starting, or going away
+            return False
+
+    # -- start -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from pytriton.triton import TRITON_ACCESS_HEADER, Triton, TritonConfig, TritonSecurityConfig
+
+        self.out(
+            f"[trident] starting Triton on HTTP {self.s.http_port}, gRPC {self.s.grpc_port}, metrics "
+            f"{self.s.metrics_port} (server log: {self.workspace / 'triton.log'})"
+        )
+        pytriton_patch.bind_when_live()  # the start-up gate keeps the server from READY: PyTriton waits for it live
+        pytriton_patch.quiet_triton_output()
+        close_gate(self.model_store)
+        # The token guards what changes the server; statistics stay open for perf_analyzer and dashboards. Triton
+        # reads it from its argv alone, so the argv holds a placeholder the preloaded shim swaps for it.
+        restriction = triton_shim.restriction(["model-repository", "shared-memory", "trace", "logging"],
+                                              TRITON_ACCESS_HEADER)
+        config = TritonConfig(
+            http_address=self.s.host, http_port=self.s.http_port, grpc_address=self.s.host, grpc_port=self.s.grpc_port,
+            metrics_address=self.s.host, metrics_port=self.s.metrics_port, exit_timeout_secs=self.s.drain_s, log_verbose=0,
+            log_file=self.workspace / "triton.log", exit_on_error=False,  # (the gate fails to load, by design)
+            # GPU metrics need NVML; without an NVIDIA driver, asking for them only prints an error at start
+            allow_gpu_metrics=None if shutil.which("nvidia-smi") else False,
+            http_restricted_api=restriction, grpc_restricted_protocol=restriction,
+            trace_config=tracing.triton_trace_config() or None,  # (Triton's own spans, with OTLP)
+        )
+        self.triton = Triton(
+            config=config,
+            workspace=self._workspace,
+            # PyTriton's own calls carry the token; the restriction is the config's above, not PyTriton's (with argv)
+            security_config=TritonSecurityConfig(access_token=self.token, restricted_endpoints=[]),
+        )
+        # Triton's HTTP and metrics servers on Unix sockets of the workspace, the bounded front on their public ports
+        sockets = self._socket_folder()
+        self._front = HttpFront([Route("HTTP", self.s.host, self.s.http_port, sockets / "http.sock"),
+                                 Route("metrics", self.s.host, self.s.metrics_port, sockets / "metrics.sock")],
+                                max_body_bytes(self.s.media_limits))
+        self._front.start()
+        self._shim = triton_shim.build(self.workspace)
+        with self._preloaded():
+            self.triton.run()
+        pytriton_patch.keep_workspace(self.triton)  # (its exit is the head's to handle: start_again)
+        self.restarts.started(TRITON)
+
+    def start_again(self, own: Callable[[], list[str]], stopping: Callable[[], bool]) -> list[str] | None:
+        """Triton exited: its stubs and shared memory cleared, the start-up gate closed (not READY), and Triton
+        started again after its backoff, loading the gate, the bind model and the stage models ``own()`` names (this
+        head's live workers', side by side; the joined workers, and the head's workers not bound yet, bind again
+        themselves). Returns those names; None when Triton has died too often in a row (:class:`.Restarts`)."""
+        delay = self.restarts.exited(TRITON)
+        if delay is None:
+            return None
+        self.out("[trident] Triton exited; starting it again (the workers keep their engines; not READY meanwhile)")
+        kill_left(stubs_of(self.model_store), grace_s=0)  # (the dead Triton's: orphans now)
+        remove_shm_regions(os.getpid())
+        for name in SOCKETS:
+            (self.workspace / "sockets" / name).unlink(missing_ok=True)
+        close_gate(self.model_store)
+        deadline = time.monotonic() + min(delay - 1.0, 8.0)  # (none after a long life; backoff after quick deaths)
+        while time.monotonic() < deadline and not stopping():
+            time.sleep(0.1)
+        load = [name for name in own() if (self.model_store / name).is_dir()]
+        with self._preloaded():
+            pytriton_patch.start_again(self.triton, [GATE, BIND_MODEL, *load])
+        self.restarts.started(TRITON)
+        return load
+
+    def _preloaded(self):
+        """What Triton starts with: the shim, the token, the front's sockets."""
+        sockets = self.workspace / "sockets"
+        return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload,
+                                     {name.split(".")[0]: sockets / name for name in SOCKETS})
+
+    def _socket_folder(self) -> Path:
+        """The folder of Triton's Unix sockets: its user's alone, whatever the workspace's mode."""
+        folder = self.workspace / "sockets"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        longest = folder / "metrics.sock"
+        if len(os.fsencode(longest)) >= 108:
+            raise StartupError(f"the workspace's path is too long for a Unix socket ({longest}): choose a shorter "
+                               "workspace")
+        for name in SOCKETS:  # (a server stopped by SIGKILL leaves its sockets)
+            (folder / name).unlink(missing_ok=True)
+        return folder
+
+    # -- stop --------------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Triton stopped (it takes no new request and lets those in flight finish), the stubs that outlive it
+        killed, its shared memory removed, then the front (the streams Triton let finish came through it)."""
+        if self.triton is not None:
+            stubs = sorted({*(pid for pid in descendants(os.getpid()) if is_stub(pid)), *stubs_of(self.model_store)})
+            pytriton_patch.stop(self.triton)
+            self._reap(stubs)
+            if regions := remove_shm_regions(os.getpid()):
+                self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
+        if self._front is not None:
+            self._front.stop()
+
+    def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
+        """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed
+        worker: they hang on their way out) are killed, so that a stopped server leaves no process behind."""
+        # (only stubs of this server's models: an exited stub's pid may be another server's stub by now)
+        if killed := kill_left(stubs, grace_s, running=lambda pid: is_stub_of(pid, self.model_store)):
+            self.out(f"[trident] {killed} python-backend stub(s) outlived Triton; killed them")
