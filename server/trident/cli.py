@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import os
-import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -35,12 +34,10 @@ from pydantic.fields import FieldInfo
 
 from trident.core.config import BACKENDS, FrontendSettings, MediaPolicy, MiB, ServeSettings, TransferConfig, WorkerSettings
 from trident.core.netutil import route_address
+from trident.core.usage import UsageError, read_secret_file, strong_secret
+from trident.supervisor.processes import end_process
 from trident.core import auth
 from trident.core.protocol import MODES, STAGES
-
-
-class UsageError(Exception):
-    """A mistake of the user's (a config file, a secret file): printed as one line, exit code 2."""
 
 
 def _opt(group, flag: str, model: type[BaseModel], field: str, **kwargs) -> None:
@@ -121,35 +118,6 @@ def load_config_file(path: str) -> dict[str, Any]:
             raise UsageError(f"--config {path}: {key}: a secret is not read from a config file; give {flag} PATH "
                              f"(a file only you can read) or set {env}")
     return data
-
-
-def read_secret_file(path: str, flag: str) -> str:
-    """A secret from a file that only its owner may read or write (as ssh wants of a private key)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
-    with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"{flag} {path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise UsageError(f"{flag} {path}: group or others may read or write it (mode "
-                             f"{stat.S_IMODE(st.st_mode):o}); make it yours alone: chmod 600 {path}")
-        secret = f.read().strip()
-    if not secret:
-        raise UsageError(f"{flag} {path}: the file is empty")
-    if flag == "--transfer-secret-file":
-        strong_secret(secret, f"{flag} {path}")
-    return secret
-
-
-def strong_secret(value: str, where: str) -> None:
-    """A :class:`UsageError` when the deployment secret is weak (:func:`trident.core.auth.check_secret`)."""
-    try:
-        auth.check_secret(value, where)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
 
 
 def _secret_from_environment() -> None:
@@ -282,7 +250,7 @@ def _frontend(args: argparse.Namespace) -> int:
             port=args.port, default_mode=args.default_mode, max_body_bytes=args.max_body_mib * MiB,
             media=MediaPolicy(allow_private_urls=args.allow_private_media_urls, allowed_media_dir=args.allowed_media_dir),
         )
-    return _end_process(run_frontend(settings))
+    return end_process(run_frontend(settings))
 
 
 def _add_frontend(sub) -> None:
@@ -325,23 +293,7 @@ def _worker(args: argparse.Namespace) -> int:
     if settings.cuda_visible_devices is not None:  # (its GPU, placed by serve: before anything starts CUDA)
         os.environ["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
     torch.set_num_threads(settings.threads)
-    return _end_process(run_worker(settings))
-
-
-def _end_process(code: int) -> int:
-    """End a worker or the frontend that has stopped cleanly: its exit handlers run and its output is flushed, and
-    then it ends without Python's teardown of every module it imported, which takes a second or more of CPU for
-    torch's and transformers' (a server's workers all stopping at once on a small machine took seconds)."""
-    import atexit
-
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    return end_process(run_worker(settings))
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -441,7 +393,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _config_reference(args: argparse.Namespace) -> int:
-    from trident.core.config_reference import reference_markdown
+    from trident.config_reference import reference_markdown
 
     sys.stdout.write(reference_markdown())
     return 0

@@ -453,7 +453,7 @@ def test_with_an_api_key_file_every_v1_request_needs_a_key(server, tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from trident.cli import UsageError
+    from trident.core.usage import UsageError
     from trident.core.config import FrontendSettings
     from trident.frontend.app import create_app
     from trident.frontend.app import TritonEngine

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from trident import cli
 from trident.core.config import FrontendSettings, MediaLimits, MiB, ServeSettings, WorkerSettings
-from trident.core.config_reference import INTRO, reference_markdown
+from trident.config_reference import INTRO, reference_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -21,6 +21,12 @@ MiB = 1 << 20
 Backend = Literal["hf", "vllm"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
+HEAD_PID_ENV = "TRIDENT_HEAD_PID"
+"""The head's pid: in the environment of each process it starts (the zygote passes it on to the workers): a process
+that finds it there ends, with its process group (a vLLM worker's engine processes), when the head ends, even killed
+with SIGKILL as the OOM killer does; the OpenAI frontend used to live on, holding its port, and the next start
+failed with "ports in use". (tritonserver gets the same from PyTriton's PR_SET_PDEATHSIG, its python-backend stubs
+from Triton.)"""
 MODEL_ENV = "TRIDENT_MODEL"
 """The checkpoint's folder, for the BLS schedulers (their tokenizer, to measure prompts for local prefill): set by
 ``trident serve`` for Triton, and so for its python-backend stubs (not in a model config, which clients can read)."""

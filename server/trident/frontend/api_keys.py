@@ -15,7 +15,7 @@ from trident.frontend.responses import error_body
 
 def load_keys(path: Path) -> list[bytes]:
     """The keys of a key file, one per line (a file group or others may read is refused, as for every secret)."""
-    from trident.cli import read_secret_file
+    from trident.core.usage import read_secret_file
 
     keys = [line.strip().encode() for line in read_secret_file(str(path), "frontend.api_key_file").splitlines()]
     return [k for k in keys if k]

@@ -8,9 +8,11 @@ import os
 import shutil
 import signal
 import tempfile
+import sys
 import time
 from pathlib import Path
 
+from trident.core.config import HEAD_PID_ENV
 from trident.core.protocol import WORKER_FILE
 
 # How the launcher starts the processes of a server (the workers' zygote and each worker it forks, the frontend;
@@ -20,14 +22,6 @@ from trident.core.protocol import WORKER_FILE
 # worker in a session of its own got a share as one process whatever it ran; a vLLM E/P/D or EP/D server gave about
 # half its tokens/s at concurrency 8 (the A/B: `git show 59aa600`).
 OWN_GROUP = {"process_group": 0}
-
-# The head's pid, in the environment of each process it starts (the zygote passes it on to the workers): a process
-# that finds it there ends, with its process group (a vLLM worker's engine processes), when the head ends, even
-# killed with SIGKILL as the OOM killer does; the OpenAI frontend used to live on, holding its port, and the next
-# start failed with "ports in use". (tritonserver gets the same from PyTriton's
-# PR_SET_PDEATHSIG, its python-backend stubs from Triton.)
-HEAD_PID_ENV = "TRIDENT_HEAD_PID"
-
 
 def end_with_head() -> None:
     """When this process was started by a head (:data:`HEAD_PID_ENV`), a thread that waits on the head's pidfd and
@@ -204,3 +198,20 @@ def stop_all(procs: dict, say, grace_s: float = 15.0) -> None:
         tree = trees[name]
         if left := kill_left(list(tree), running=lambda pid: tree[pid] is not None and started(pid) == tree[pid]):
             say(f"worker {name} left {left} process(es) running; killed them")
+
+
+def end_process(code: int) -> int:
+    """End a worker or the frontend that has stopped cleanly: its exit handlers run and its output is flushed, and
+    then it ends without Python's teardown of every module it imported, which takes a second or more of CPU for
+    torch's and transformers' (a server's workers all stopping at once on a small machine took seconds)."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

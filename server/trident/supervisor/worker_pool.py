@@ -19,7 +19,8 @@ from trident.core import auth
 from trident.core.config import MiB, FrontendSettings, ServeSettings, VLLMConfig, WorkerSettings
 from trident.core.netutil import listen_ports
 from trident.core.protocol import NAME_TAKEN_EXIT, STAGES, parse_instance
-from trident.supervisor.processes import HEAD_PID_ENV, OWN_GROUP, remove_direct_socket, stop_all
+from trident.core.config import HEAD_PID_ENV
+from trident.supervisor.processes import OWN_GROUP, remove_direct_socket, stop_all
 from trident.supervisor.quiet import quiet
 from trident.supervisor.restarts import MAX_QUICK_DEATHS, PAUSE_S, QUICK_DEATH_S, Restarts
 from trident.supervisor.startup import StartupError

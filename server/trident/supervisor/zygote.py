@@ -211,9 +211,9 @@ def _become_worker(sock: socket.socket, argv: list[str]) -> None:
 
         traceback.print_exc()
     finally:
-        from trident.cli import _end_process
+        from trident.supervisor.processes import end_process
 
-        _end_process(code)  # (its exit handlers run, its output is flushed; never the zygote's teardown)
+        end_process(code)  # (its exit handlers run, its output is flushed; never the zygote's teardown)
 
 
 def _worker_name(argv: list[str]) -> list[str]:
