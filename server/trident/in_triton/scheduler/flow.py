@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,7 @@ class RequestFlow:
             self._measure = PromptLength(model_path)
         self._streams = ThreadPoolExecutor(max_workers=MAX_OPEN, thread_name_prefix="trident-bls-stream")
         self.open = 0  # requests being served
+        self._closed = threading.Event()  # set by close(): watch_drain ends
 
     @staticmethod
     def stages_of(mode: str) -> list[str]:
@@ -140,12 +142,17 @@ class RequestFlow:
     def watch_drain(self) -> None:
         """Once the server drains (:mod:`trident.core.drain`): say when this entry model has no request left in flight."""
         while not drain.draining():
-            time.sleep(DRAIN_POLL_S)
+            if self._closed.wait(DRAIN_POLL_S):
+                return
         while self.open:
-            time.sleep(DRAIN_POLL_S)
+            if self._closed.wait(DRAIN_POLL_S):
+                return
         drain.mark_drained(self.mode)
 
     def close(self) -> None:
+        """The entry model unloads: its threads end here, before its stub's Python does (a thread left running while
+        the embedded interpreter finalizes is a way for the stub to crash on its way out, which takes Triton down)."""
+        self._closed.set()
         self.stages.close()
         self._streams.shutdown(wait=False, cancel_futures=True)
 

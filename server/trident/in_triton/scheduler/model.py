@@ -115,7 +115,8 @@ class TritonPythonModel:
         # at once, naming the stages missing (it does not wait: Triton serializes loads, and a load that waited here
         # would hold up the stage models' own)
         self.flow.check_route()
-        threading.Thread(target=self.flow.watch_drain, name="trident-bls-drain", daemon=True).start()
+        self._drain_watch = threading.Thread(target=self.flow.watch_drain, name="trident-bls-drain", daemon=True)
+        self._drain_watch.start()
 
     def _ready(self, name: str) -> bool:
         try:
@@ -139,6 +140,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.flow.close()
+        self._drain_watch.join(2.0)
         # Triton's requests still referenced from garbage (an error's traceback, a dropped task) are freed now, while
         # the stub's shared memory holds them: freed at the interpreter's exit, after it, the stub segfaulted
         # (InferRequest::~InferRequest)
