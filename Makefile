@@ -95,14 +95,16 @@ bench: bench-tools
 	HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=$(CUDART) $(PY) clients/perf/bench_modes.py \
 		--aiperf $(BENCH_VENV)/bin/aiperf --report docs/benchmarks.md
 
-# Where one request's TTFT goes in E/P/D and EP/D, hop by hop, against in-process; -> docs/benchmarks.md
+# Where one request's TTFT goes in E/P/D and EP/D, hop by hop, against in-process (BASE=<commit>: and that commit's
+# server after it); -> docs/benchmarks.md
 bench-hops: install
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hops.py --report docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hops.py --report docs/benchmarks.md $(if $(BASE),--base $(BASE))
 	$(PY) clients/perf/bench_direct_call.py --report docs/benchmarks.md
 
-# Each single-mode server against the same engine in-process, rounds alternating: tokens/s at concurrency 8; -> docs/benchmarks.md
+# Each single-mode server against the same engine in-process, rounds alternating: tokens/s at concurrency 8
+# (BASE=<commit>: and that commit's server beside it); -> docs/benchmarks.md
 bench-split: install
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --report docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_split.py --report docs/benchmarks.md $(if $(BASE),--base $(BASE))
 
 # The OpenAI frontend's own cost: the same async client through /v1/chat/completions and at gRPC; -> docs/benchmarks.md
 bench-openai: install
@@ -112,9 +114,10 @@ bench-openai: install
 bench-tracing: install
 	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_tracing.py --report docs/benchmarks.md
 
-# The BLS scheduler: embedding cache on/off, encode-once, text-only dispatch, BLS vs ensemble; -> docs/benchmarks.md
+# The BLS scheduler: embedding cache on/off, encode-once, text-only dispatch, BLS vs ensemble (BASE=<commit>: and
+# that commit's server beside the first); -> docs/benchmarks.md
 bench-scheduler: install
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_scheduler.py --report docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_scheduler.py --report docs/benchmarks.md $(if $(BASE),--base $(BASE))
 
 # Stages on hosts of their own (Linux namespaces, as root) vs one host; NIXL over TCP vs a plain socket -> docs/benchmarks.md
 bench-hosts: install

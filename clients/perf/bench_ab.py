@@ -31,41 +31,11 @@ from pathlib import Path
 
 from bench_engines import MODES, Process, load, load_triton_http
 from report import write_section
+from trees import ROOT, export_tree, overlay, short
 from trident.core.netutil import free_ports
 
-ROOT = Path(__file__).resolve().parents[2]
 SECTION = "bench-ab"
 FLOOR = 0.95  # a tokens/s ratio under this, outside the rounds' spread, is a regression
-
-
-def export_tree(commit: str, into: Path) -> Path:
-    """``commit``'s tree (``git archive``) in a folder of its own."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
-
-
-def overlay(venv: Path, tree: Path, into: Path) -> Path:
-    """A venv of its own for ``tree``, with ``venv``'s packages (each linked) and ``tree``'s ``trident`` in place of
-    the editable install's; its python. (Triton starts its python-backend stubs with the python first on PATH, in an
-    environment of its own: a PYTHONPATH would not reach them, this venv's bin first on PATH does.)"""
-    subprocess.run([str(venv / "bin" / "python"), "-m", "venv", "--without-pip", str(into)], check=True)
-    site = next((into / "lib").glob("python3*/site-packages"))
-    for entry in next((venv / "lib").glob("python3*/site-packages")).iterdir():
-        if not entry.name.startswith("__editable__.trident") and not (site / entry.name).exists():
-            (site / entry.name).symlink_to(entry)
-    (site / "trident_tree.pth").write_text(f"{tree / 'server'}\n")
-    for tool in (venv / "bin").iterdir():  # the same console scripts and tools
-        if not (into / "bin" / tool.name).exists():
-            (into / "bin" / tool.name).symlink_to(tool)
-    return into / "bin" / "python"
-
-
-def short(commit: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", commit], check=True, capture_output=True,
-                          text=True).stdout.strip()
 
 
 @dataclass

@@ -10,6 +10,7 @@ process (no Triton, no transfers), traced the same way.
 Prints, per mode, the median over the requests of each hop in ms, and TTFT against in-process.
 
     make bench-hops                          (LLaVA demo; the tables go into docs/benchmarks.md, section `bench-hops`)
+    make bench-hops BASE=<commit>            (also that commit's server, run after the working tree's)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from bench_scheduler import Serve, Stream, demo_with_image_prompt, image_b64
 import spans
 from report import DEMO_NAMES, write_section
+from trees import base_python, short
 
 MODES = ("e_p_d", "ep_d")
 
@@ -247,16 +249,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=20, help="requests per mode (default: 20)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per request (default: 4)")
     ap.add_argument("--report", type=Path, help="markdown file to put the table into (its hops section)")
-    ap.add_argument("--baseline-python", help="also run the default server from another environment (e.g. a copy of "
-                    ".venv whose trident is an older commit's checkout) and add its rows")
+    ap.add_argument("--base", metavar="COMMIT", help="also run the server of this commit's trident (its tree on "
+                    "today's packages), after the working tree's, and add its rows")
     args = ap.parse_args()
 
     model, text = demo_with_image_prompt(args.arch)
     trace_dir = Path(tempfile.mkdtemp(prefix="bench-hops-"))
     atexit.register(shutil.rmtree, trace_dir, ignore_errors=True)  # the step timings, read before the end
     runs = {"server": serve_requests(model, text, args, trace_dir / "server")}
-    if args.baseline_python:
-        runs["baseline"] = serve_requests(model, text, args, trace_dir / "baseline", python=args.baseline_python)
+    if args.base:
+        runs["base"] = serve_requests(model, text, args, trace_dir / "base", python=base_python(args.base, trace_dir))
     images = [image_b64(100_000 + i) for i in range(args.requests)]  # and in-process
     local = in_process(model, text, images, trace_dir / "local", args.max_tokens)
     clocks, steps = runs["server"]
@@ -315,10 +317,10 @@ def main() -> int:
     local_rest = statistics.median(r["TTFT - compute"] for r in in_rows)
     lines += ["", "Added TTFT: the median of TTFT minus the model's own work (image decode, preprocess, vision tower, "
               "prefill, which vary by some ms between runs), against the same in-process"
-              + (", and the same for the baseline server, run after it." if args.baseline_python else ".") + "", "",
+              + (", and the same for the base commit's server, run after it." if args.base else ".") + "", "",
               "| server | TTFT p50 ms | in-process p50 ms | TTFT - compute | in-process TTFT - compute | added ms | target |",
               "|---|---|---|---|---|---|---|"]
-    labels = {"server": "", "baseline": "baseline (older commit)"}
+    labels = {"server": "", "base": f"base ({short(args.base)})" if args.base else ""}
     for calls, label in labels.items():
         if calls not in runs:
             continue
@@ -332,7 +334,7 @@ def main() -> int:
               "start), per request:", "",
               "| server | p25 ms | p50 ms | p75 ms |", "|---|---|---|---|"]
     for calls, label in (("server", "the encode worker hands the record to the prefill worker"),
-                         ("baseline", "baseline (older commit)")):
+                         ("base", labels["base"])):
         if calls not in runs:
             continue
         gaps = [g for g in (encode_to_prefill(window(runs[calls][1], c)) for c in runs[calls][0]["e_p_d"]) if g is not None]

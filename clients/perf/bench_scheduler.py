@@ -12,7 +12,11 @@ streaming client (tritonclient, one thread per in-flight request):
    Triton's ensemble, swapped while serving (Triton's repository API), alternating three times: the scheduler's own
    cost, one instance per stage.
 
+With ``--base COMMIT``, a server of that commit's `trident` (its tree on today's packages) is up beside server 1,
+with its settings, and gets each of its loads right after it: TTFT and tokens/s new / base per mode.
+
     make bench-scheduler                     (LLaVA and Qwen2-VL demos; the tables go into docs/benchmarks.md)
+    make bench-scheduler BASE=<commit>       (and the base commit's server beside server 1)
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from report import DEMO_NAMES, write_section
+from trees import base_python, env_of, short
 from trident.core import auth
 from trident.core.netutil import free_ports
 
@@ -86,7 +91,7 @@ class Serve:
         token = self.workspace / "access-token"  # mkdtemp's folder is the user's alone
         token.write_text(self.TOKEN)
         token.chmod(0o600)
-        # ``python``: another environment's interpreter, whose trident is an older commit's (a side-by-side baseline)
+        # ``python``: a venv's interpreter whose trident is an older commit's (trees.base_python: a side-by-side base)
         cmd = [python or sys.executable, "-m", "trident.cli", "serve", "--model", model, "--mode", *modes,
                "--access-token-file", str(token), "--http-port", str(self.http), "--grpc-port", str(self.grpc),
                "--metrics-port", str(metrics), "--openai-port", str(self.openai), "--workspace", str(self.workspace),
@@ -94,7 +99,8 @@ class Serve:
         if config:
             (self.workspace / "serve.json").write_text(json.dumps(config))
             cmd += ["--config", str(self.workspace / "serve.json")]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env_of(python))
         self.lines: list[str] = []
         ready = threading.Event()
 
@@ -285,7 +291,18 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--size", type=int, default=224, help="image side, px (default: 224)")
     ap.add_argument("--report", type=Path, help="markdown file to put the tables into (its section `bench-scheduler`)")
+    ap.add_argument("--base", metavar="COMMIT", help="also a server of this commit's trident beside server 1")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a stopped bench stops its servers on the way out)
+    work = Path(tempfile.mkdtemp(prefix="bench-sched-base-"))
+    try:
+        args.base_python = base_python(args.base, work) if args.base else None
+        return run(args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args) -> int:
     lines = ["## Scheduler (`make bench-scheduler`)", "",
              "`clients/perf/bench_scheduler.py`, with the same gRPC streaming client for every row; hf engine. Reuse "
              f"runs: {args.requests} requests at concurrency {args.concurrency} over a pool of {args.pool} images "
@@ -294,7 +311,9 @@ def main() -> int:
              f"{BLS_ROUNDS} times, alternating, on one server. CPU s: each process's user + system time over the "
              f"{args.requests} requests (`triton`: the server with its python-backend stubs, the BLS among them). On "
              f"saturated cores ({os.cpu_count()} here) the cache can cut TTFT by at most the share of the CPU it "
-             "saves, which the \"best TTFT ratio\" rows give.", ""]
+             "saves, which the \"best TTFT ratio\" rows give."
+             + (f" new / base: server 1 against a server of commit {short(args.base)} (its tree on today's packages) "
+                "up beside it, each load on one right after the other." if args.base else ""), ""]
     for arch in args.arch:
         rows = run_arch(arch, args)
         lines += table(arch, rows, args)
@@ -321,10 +340,14 @@ def run_arch(arch: str, args) -> dict[str, dict]:
     for label, config in (("cache on", {}), ("cache off", {"embedding_cache_mib": 0})):
         print(f"[bench] {arch}, {label}: starting the server", flush=True)
         server = Serve(model, [], config=config)
+        base = Serve(model, [], config=config, python=args.base_python) if args.base and label == "cache on" else None
         try:
             url = f"127.0.0.1:{server.grpc}"
+            base_url = f"127.0.0.1:{base.grpc}" if base else ""
             for k, mode in enumerate(MODES):
                 jobs, unique = reuse_jobs(image_text, args.pool, args.requests, 1000 * (k + 1), args.size)
+                if base and k % 2 == 0:  # the same load on the base (its own cache), first every other mode
+                    rows[f"base/{mode}"] = load(base_url, mode, jobs, args.concurrency, args.max_tokens)
                 warm_up(url, mode, jobs[0])  # (its image is not one of the pool's)
                 before, cpu_before = server.encode_stats(), server.cpu_seconds()
                 result = load(url, mode, jobs, args.concurrency, args.max_tokens, warm=False)
@@ -333,9 +356,13 @@ def run_arch(arch: str, args) -> dict[str, dict]:
                 result["encoder_runs_per_unique"] = (after["images_encoded"] - before["images_encoded"]) / unique
                 rows[f"{label}/{mode}"] = result
                 print(f"[bench] {arch} {label} {mode}: {result}", flush=True)
+                if base and k % 2 == 1:
+                    rows[f"base/{mode}"] = load(base_url, mode, jobs, args.concurrency, args.max_tokens)
             if label == "cache on":
                 for mode in ("epd", "e_p_d"):  # text-only at concurrency 1
                     rows[f"text/{mode}"] = load(url, mode, [(text_only, [])] * 30, 1, args.max_tokens)
+                    if base:
+                        rows[f"base text/{mode}"] = load(base_url, mode, [(text_only, [])] * 30, 1, args.max_tokens)
                 continue
             for mode in MODES:  # the scheduler's own cost: BLS and ensemble alternating, unique images
                 for round_ in range(BLS_ROUNDS):
@@ -349,6 +376,8 @@ def run_arch(arch: str, args) -> dict[str, dict]:
                 server.swap(mode, "bls")
         finally:
             server.stop()
+            if base:
+                base.stop()
     return rows
 
 
@@ -374,6 +403,18 @@ def table(arch: str, rows: dict, args) -> list[str]:
     t_epd, t_epd3 = rows["text/epd"], rows["text/e_p_d"]
     out.append(f"| text-only TTFT e_p_d / epd, concurrency 1 ({t_epd3['ttft_mean']:.0f} / {t_epd['ttft_mean']:.0f} ms) | "
                f"e_p_d | {t_epd3['ttft_mean'] / t_epd['ttft_mean']:.2f} | <= 1.05 |")
+    for mode in MODES:
+        if f"base/{mode}" in rows:
+            on, base = rows[f"cache on/{mode}"], rows[f"base/{mode}"]
+            out.append(f"| mean TTFT new / base, cache on ({on['ttft_mean']:.0f} / {base['ttft_mean']:.0f} ms) | {mode} "
+                       f"| {on['ttft_mean'] / base['ttft_mean']:.2f} | <= 1.05 |")
+            out.append(f"| tok/s new / base, cache on ({on['tok_s']:.0f} / {base['tok_s']:.0f}) | {mode} "
+                       f"| {on['tok_s'] / base['tok_s']:.2f} | >= 0.95 |")
+    for mode in ("epd", "e_p_d"):
+        if f"base text/{mode}" in rows:
+            new, base = rows[f"text/{mode}"], rows[f"base text/{mode}"]
+            out.append(f"| text-only TTFT new / base, concurrency 1 ({new['ttft_mean']:.0f} / {base['ttft_mean']:.0f} "
+                       f"ms) | {mode} | {new['ttft_mean'] / base['ttft_mean']:.2f} | <= 1.05 |")
     for mode in MODES:
         bls, ens = statistics.fmean(rows[f"bls/{mode}"]), statistics.fmean(rows[f"ensemble/{mode}"])
         out.append(f"| tok/s BLS / ensemble, one instance each, concurrency {args.concurrency} "

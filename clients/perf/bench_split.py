@@ -13,22 +13,28 @@ kept, to show where the time goes.
 Prints, per mode, tokens/s and TTFT of both and their ratio per round; with --report the table goes into the
 report's section `bench-split` (docs/benchmarks.md).
 
-    make bench-split
+    make bench-split                   (BASE=<commit>: also a server of that commit, up beside each mode's)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
+import shutil
+import signal
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 from bench_openai import grpc_stream
 from bench_scheduler import PROMPT, Serve, image_b64
 from report import write_section
+from trees import base_python, short
 
 MODES = ("epd", "e_pd", "e_p_d", "ep_d")
 
@@ -122,15 +128,16 @@ async def compare(servers: dict[str, Serve], local: InProcess, mode: str, text: 
     return rounds
 
 
-OTHER_SERVERS = {  # --baseline-python: (its column, what the other server does)
-    "baseline": ("baseline", "started from the --baseline-python environment (an older commit)"),
+OTHER_SERVERS = {  # --base: (its column, what the other server does)
+    "base": ("base", "of commit {base}'s `trident` on today's packages (`--base`, up beside it)"),
 }
 
 
 def table(results: dict[str, list[dict]], args) -> list[str]:
     ways = [way for way in OTHER_SERVERS if any(way in r for rounds in results.values() for r in rounds)]
     others_text = "".join(f" {column[0].upper() + column[1:]}: the same rounds against another server {what}."
-                          for column, what in (OTHER_SERVERS[way] for way in ways))
+                          for column, what in (OTHER_SERVERS[way] for way in ways)).format(
+                              base=short(args.base) if args.base else "")
     lines = [
         "## Single-mode servers vs in-process (`make bench-split`)", "",
         "`clients/perf/bench_split.py`: per mode a `trident serve --mode X` (LLaVA demo, hf engine, BLS scheduler, "
@@ -143,15 +150,16 @@ def table(results: dict[str, list[dict]], args) -> list[str]:
         "in-process CPU s: the benchmark's process over its round (the engine; no client); client CPU s: the "
         "benchmark's process over a server round.", "",
         "| mode | server tok/s | in-process tok/s | server / in-process | "
-        + "".join(f"{OTHER_SERVERS[way][0]} / in-process | " for way in ways)
+        + "".join(f"{OTHER_SERVERS[way][0]} / in-process | server / {OTHER_SERVERS[way][0]} | " for way in ways)
         + "TTFT p50 server / in-process ms | server CPU s per round | in-process CPU s | client CPU s | target |",
-        "|---|---|---|---|" + "---|" * len(ways) + "---|---|---|---|---|",
+        "|---|---|---|---|" + "---|---|" * len(ways) + "---|---|---|---|---|",
     ]
     follows = []  # per mode: all the server's CPU s per round / in-process's CPU s
     for mode, rounds in results.items():
         ratios = [r["server"]["tok_s"] / r["in-process"]["tok_s"] for r in rounds]
         others = "".join(f"{statistics.median(r[way]['tok_s'] / r['in-process']['tok_s'] for r in rounds):.2f} | "
-                         if way in rounds[0] else " | " for way in ways)
+                         f"{statistics.median(r['server']['tok_s'] / r[way]['tok_s'] for r in rounds):.2f} | "
+                         if way in rounds[0] else " | | " for way in ways)
         cpu: dict[str, float] = {}
         for r in rounds:
             for k, v in r["cpu"].items():
@@ -178,9 +186,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
-    ap.add_argument("--baseline-python", help="also run a server from another environment (e.g. a copy of .venv "
-                    "whose trident is an older commit's checkout): the same rounds side by side")
+    ap.add_argument("--base", metavar="COMMIT", help="also run a server of this commit's trident (its tree on "
+                    "today's packages): the same rounds side by side")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a stopped bench stops its servers on the way out)
+    work = Path(tempfile.mkdtemp(prefix="bench-split-base-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    base = base_python(args.base, work) if args.base else None
 
     from transformers import AutoTokenizer
 
@@ -195,8 +207,8 @@ def main() -> int:
     try:
         for k, mode in enumerate(args.modes):
             servers = {"server": Serve(model, [], modes=(mode,))}
-            if args.baseline_python:
-                servers["baseline"] = Serve(model, [], modes=(mode,), python=args.baseline_python)
+            if base:
+                servers["base"] = Serve(model, [], modes=(mode,), python=base)
             try:
                 results[mode] = asyncio.run(compare(servers, local, mode, text, args, seed=50_000 + 10_000 * k))
             finally:
