@@ -387,6 +387,31 @@ def _choice_chunks(result, n: int, generated: list[int], finished: list[bool]):
                     logprobs=entries or None, index=i)
 
 
+# gRPC's own reconnect backoff grows to 120 s: after Triton was started again (or started late), every request and
+# /health probe meanwhile failed fast, and the frontend answered 503 for up to two minutes after Triton served again.
+# Triton is on this host (or the next pod): try again at least every second.
+RECONNECT_BACKOFF_MS = (250, 1000)  # (first and longest wait between connection attempts)
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """``tritonclient``'s own gRPC channel options, with :data:`RECONNECT_BACKOFF_MS`."""
+    from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+
+    keepalive = KeepAliveOptions()
+    first, longest = RECONNECT_BACKOFF_MS
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", first),
+        ("grpc.min_reconnect_backoff_ms", first),
+        ("grpc.max_reconnect_backoff_ms", longest),
+    ]
+
+
 class TritonEngine:
     """Streams from Triton entry models over gRPC (``tritonclient.grpc.aio``)."""
 
@@ -401,7 +426,7 @@ class TritonEngine:
     def client(self):
         """The gRPC client, made inside the serving event loop on first use."""
         if self._client is None:
-            self._client = self._grpc.InferenceServerClient(self.url)
+            self._client = self._grpc.InferenceServerClient(self.url, channel_args=channel_args())
         return self._client
 
     def _inputs(self, prompt: str, media: dict[str, list[str]], sampling: dict) -> list:
