@@ -37,6 +37,22 @@ def _wait_back(server, name: str, pid: int, timeout: float = 180) -> float:
     raise AssertionError(f"{name} did not come back within {timeout} s")
 
 
+def test_a_worker_shows_its_stacks_on_sigusr1_and_serves_on(server):
+    """kill -USR1 a stage worker: every thread's Python stack comes out in the server's output (the worker's binding
+    loop among them: what a worker that does not bind is doing), and the same process serves on."""
+    expected = grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text
+    pid, seen = server.worker_pid("prefill"), len(server.log)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not any("in run_worker" in line for line in server.log[seen:]):
+        assert time.monotonic() < deadline, "\n".join(server.log[seen:])
+        time.sleep(0.1)
+    assert any(line.startswith("Thread 0x") for line in server.log[seen:])
+    assert server.worker_pid("prefill") == pid  # (no restart: the same worker)
+    assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
+    assert not any("worker prefill exited" in line for line in server.log[seen:])
+
+
 @pytest.mark.parametrize("stage", ["decode", "prefill", "encode"])
 def test_a_killed_worker_s_request_moves_on_and_the_worker_comes_back(server, stage):
     """SIGKILL to a stage's worker with a request inside (decode: mid-stream; prefill: held there by a test-only

@@ -3,6 +3,7 @@ they read of its workers (stats, pids, what each still holds)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -98,6 +99,12 @@ class Server:
         """What a server that did not get ready is doing: its own output's and its Triton log's last lines, and each
         python-backend stub's state and stacks (gdb, when there), also kept in ``<workspace>.serve/stuck.txt``."""
         lines = ["--- trident serve (end)", *self.log[-60:]]
+        living, seen = set(descendants(self.proc.pid)), len(self.log)
+        for pid in (pid for pid in self.worker_pids() if pid in living):  # each prints its threads' stacks (faulthandler)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2.0)
+        lines += ["--- the workers' Python stacks (SIGUSR1)", *self.log[seen:]]
         triton_log = self.workspace / "triton.log"
         if triton_log.exists():
             lines += ["--- triton.log (end)", *triton_log.read_text(errors="replace").splitlines()[-30:]]

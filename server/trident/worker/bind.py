@@ -7,6 +7,7 @@ endpoints answer with the matching status.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -147,6 +148,9 @@ def run_worker(settings: WorkerSettings) -> int:
     from trident.core.stagecall.server import at_most, unix_folder
     from trident.worker.infer import make_handler
 
+    # `kill -USR1 <pid>`: every thread's Python stack on stderr (the server's output), as a worker that does not bind
+    # or answer is looked into; nothing else changes
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     health = Health(settings.transfer.data_address, settings.health_port) if settings.health_port else None
     if settings.free_name:  # a worker that joins may start before its server (pods of a cluster start together)
         _wait_for_server(settings.url)
