@@ -311,7 +311,10 @@ def write_report(path: Path, title: str, header: list[str], lines: list[list[str
         f"`clients/perf/bench_modes.py`: {clients}. Per request: {carried_text}, and a prompt; {args.new_tokens} new "
         "tokens, greedy, streaming; hf engine. `make bench` runs its server with the embedding cache off "
         "(`embedding_cache_mib: 0`): perf_analyzer sends the same few inputs in every mode, and every request "
-        "encodes its media, as in-process does.",
+        f"encodes its media, as in-process does. The server runs every mode's workers at once, and the client (its "
+        f"own process) shares the machine's {os.cpu_count()} cores with them; the in-process rows have no client "
+        "process. `make bench-split` compares one mode's server with in-process alike (the same requests, one "
+        "client in the benchmark's process, rounds alternating).",
         "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
         *("| " + " | ".join(line) + " |" for line in lines),
         "", f"![throughput and TTFT per mode]({chart.name})",
