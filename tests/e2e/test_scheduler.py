@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,7 +96,8 @@ def test_instances_are_named_models_with_their_own_stats(server, admin):
 
 def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
     """A record read by ``prefill`` is replayed to ``prefill-2``, which has never seen it: the lease ended with
-    the first read, so the second is refused (its regions could hold another request's data by then)."""
+    the first read, so the second's claim at the encode worker is refused (its regions could hold another request's
+    data by then)."""
     import tritonclient.grpc as grpcclient
 
     from support import drain_kv, stage_output, strings
@@ -111,8 +113,51 @@ def test_a_record_replayed_to_a_second_instance_is_refused(server, ref):
     with pytest.raises(Exception) as info:
         client.infer("prefill-2", _grpc_inputs(grpcclient, inputs), parameters=credential())
     assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
-    assert "ReplayedRecord: record of lease" in info.value.message() and "was read after its lease ended" in info.value.message()
+    assert "ReplayedRecord: record of lease" in info.value.message()  # (claimed at the encode worker: refused)
+    assert "already used (claimed by a consumer), or its lease has ended" in info.value.message()
     assert server.stats()["prefill-2"]["fetched"] == before  # (a refused read is not counted as fetched)
+    assert _generate(server, c) == c["expected"]
+
+
+def test_one_record_sent_to_two_instances_at_once_is_read_by_one(server, ref):
+    """The same embeddings record sent to ``prefill`` and ``prefill-2`` at the same moment: each claims its lease at
+    the encode worker before its READ, and the first claim alone is granted, so exactly one prefills and the other is
+    refused (a record is good for one read, however many hold it). Without the claim both READs ran while the lease
+    was open, and both were served."""
+    import tritonclient.grpc as grpcclient
+
+    from support import drain_kv, stage_output, strings
+    from support.clients import _grpc_inputs
+
+    c = ref["one-image"]
+    before = _encode(server)
+    for _ in range(3):  # (three races: whichever instance wins, one answer and one refusal each time)
+        record = stage_output(server.grpc, "encode", {"image": strings(*c["images"])})
+        inputs = {"text_input": strings(c["text"]), "embedding_meta": strings(record)}
+        barrier = threading.Barrier(2)
+
+        def prefill(instance: str):
+            client = grpcclient.InferenceServerClient(server.grpc)
+            barrier.wait()
+            try:
+                result = client.infer(instance, _grpc_inputs(grpcclient, inputs), parameters=credential())
+                return result.as_numpy("kv_meta").reshape(-1)[0]
+            except Exception as e:  # noqa: BLE001 - the refusal, looked at below
+                return e
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(prefill, ["prefill", "prefill-2"]))
+        served = [o for o in outcomes if isinstance(o, bytes)]
+        refused = [o for o in outcomes if not isinstance(o, bytes)]
+        assert len(served) == 1 and len(refused) == 1, outcomes
+        assert str(refused[0].status()) == "StatusCode.INVALID_ARGUMENT", refused[0]
+        assert "ReplayedRecord" in refused[0].message() and "good for one read" in refused[0].message()
+        drain_kv(server.grpc, served[0], c["text"])
+    after = _settled(server, "encode", "claims_refused", before["claims_refused"] + 3)
+    # each refusal came from the encode worker's claim, before any READ (not from the stamp, after one)
+    assert after["claims_refused"] - before["claims_refused"] == 3 and after["claimed"] - before["claimed"] == 3, after
     assert _generate(server, c) == c["expected"]
 
 

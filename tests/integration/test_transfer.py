@@ -208,6 +208,25 @@ def test_a_record_replayed_to_a_second_consumer_after_its_release_is_refused(con
         assert all(a.cpu().numpy().tobytes() == b.numpy().tobytes() for a, b in zip(got.tensors, _tensors(1)["kv"]))
 
 
+def test_a_lease_is_claimed_at_its_producer_once_whichever_consumer_asks():
+    """The producer's side of a record's single use (a consumer's Claim on its stage socket): a record names where its
+    lease is claimed (the producer worker's file, once it binds); the first claim is granted, every later one refused,
+    and so is one after the lease ended (read and released, or expired)."""
+    ep = TransferEndpoint(CONFIG, device=DEVICE)
+    try:
+        ep.serving_at({"name": "encode", "tcp": ["127.0.0.1", 1]})
+        first, second = (ep.publish(_tensors(i)["embeddings"]) for i in range(2))
+        assert first.claim_at == {"name": "encode", "tcp": ["127.0.0.1", 1]}
+        ep.sender.take(first.lease_id)
+        with pytest.raises(ReplayedRecord, match=r"already used \(claimed by a consumer\)"):
+            ep.sender.take(first.lease_id)
+        assert ep.sender.release(second.lease_id, second.release_key)
+        with pytest.raises(ReplayedRecord, match="its lease has ended"):
+            ep.sender.take(second.lease_id)
+    finally:
+        ep.close()
+
+
 def test_dead_peer_is_a_clear_error(consumer):
     p = Producer()
     data = p.call("publish", ("kv", None))

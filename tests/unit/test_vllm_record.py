@@ -235,7 +235,7 @@ def test_a_prefill_s_kv_is_claimed_once_whichever_consumer_asks(local):
     from trident.worker.infer import StageHandler
 
     producer = KVClaims()
-    handler = StageHandler(STAGES["prefill"], infer=None, claims=producer.take)
+    handler = StageHandler(STAGES["prefill"], infer=None, claims=lambda claim, lease: producer.take(claim))
     server = StageServer(None, handler.control, "127.0.0.1")
     server.start()
     first, second = StageClient(), StageClient()
@@ -272,8 +272,8 @@ def test_claims_reach_the_producer_named_in_the_record_even_under_a_reused_name(
     producers, servers = [], []
     for _ in range(2):
         producer = KVClaims()
-        server = StageServer(None, StageHandler(STAGES["prefill"], infer=None, claims=producer.take).control,
-                             "127.0.0.1")
+        handler = StageHandler(STAGES["prefill"], infer=None, claims=lambda claim, lease, p=producer: p.take(claim))
+        server = StageServer(None, handler.control, "127.0.0.1")
         server.start()
         producer.serving_at(server.worker_file(None, "prefill-2"))
         producers.append(producer)

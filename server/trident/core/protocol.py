@@ -175,12 +175,15 @@ class Abandon(msgspec.Struct, array_like=True, frozen=True, tag="abandon"):
 
 
 class Claim(msgspec.Struct, array_like=True, frozen=True, tag="claim"):
-    """Take the KV the vllm engine's prefill holds under ``claim`` (a :class:`VLLMKVRecord`'s), before reading it:
-    the producer answers the first claim with an empty :class:`Reply`, and every other one, from any consumer,
-    and one after the KV's lease, with :class:`~trident.core.errors.ReplayedRecord`."""
+    """Take what a record points to at the worker that produced it, before reading it: the KV the vllm engine's
+    prefill holds under ``claim`` (a :class:`VLLMKVRecord`'s), or, with ``lease``, the tensors of the transfer lease
+    ``claim`` (a :class:`Transfer`'s: an embeddings record's, an hf KV record's). The producer answers the first claim
+    with an empty :class:`Reply`, and every other one, from any consumer, and one after the lease, with
+    :class:`~trident.core.errors.ReplayedRecord`: a record is read once, by one consumer, however many hold it."""
 
     id: int
     claim: str
+    lease: bool = False
 
 
 class Stats(msgspec.Struct, array_like=True, tag="stats"):
@@ -439,7 +442,7 @@ def stages_for(modes) -> list[str]:
 
 # -- records ---------------------------------------------------------------------------------------------
 MAX_GRID_SIDE = 1 << 14  # patches along a grid's side (a 16k-frame clip, a 229k-pixel side at patch 14)
-RECORD_VERSION = 12  # 12: embeddings carry each clip's frame count (Qwen3-VL writes its patches' times in the prompt)
+RECORD_VERSION = 13  # 13: a transfer names where its lease is claimed (one consumer reads it, atomically)
 STAMP_BYTES = 16  # a lease id, as the producer's stamp of an open lease holds it
 RELEASE_KEY_BYTES = 16  # a lease's release key: in the record, never in registered memory
 MEMORY_TYPES = ("DRAM", "VRAM")  # where a transfer's regions lie (NIXL's memory types Trident registers)
@@ -485,6 +488,9 @@ class Transfer(msgspec.Struct, array_like=True, frozen=True):
     release_key: bytes = b""
     memory: str = "DRAM"  # NIXL memory type of the regions: DRAM, or VRAM (a producer's GPU memory)
     device: int = 0  # the GPU of VRAM regions, as the producer's process numbers its GPUs
+    # where the consumer claims the lease before its READ (the producer worker's file: its stage socket), so that one
+    # consumer alone reads it ({}: a producer with no stage socket, as in-process tests have; nothing to claim)
+    claim_at: dict[str, Any] = {}
 
     @property
     def nbytes(self) -> int:

@@ -169,9 +169,10 @@ def run_worker(settings: WorkerSettings) -> int:
     request = Bind(stage=settings.stage, tcp=tuple(server.address), instances=engine.calls_at_once,
                    name=None if settings.free_name else settings.model_name, pid=pid,
                    direct=server.path if settings.same_host else None)
-    claims = engine.kv_claims  # a vllm KV producer: its consumers claim at its stage socket
-    if claims is not None:
-        claims.serving_at(request.worker_file(settings.model_name))  # (its name once bound, below)
+    # where its records' consumers claim them (its stage socket): a transfer endpoint's leases, a vllm KV producer's
+    claims = [holder for holder in (engine.kv_claims, getattr(engine, "endpoint", None)) if holder is not None]
+    for holder in claims:
+        holder.serving_at(request.worker_file(settings.model_name))  # (its name once bound, below)
     stop = threading.Event()
 
     def _on_signal(signum, _frame):
@@ -193,8 +194,8 @@ def run_worker(settings: WorkerSettings) -> int:
                 log.error("worker %s: another worker already serves stage model %s; not binding",
                           settings.model_name, settings.model_name)
                 return NAME_TAKEN_EXIT
-            if claims is not None:
-                claims.serving_at(request.worker_file(name))
+            for holder in claims:
+                holder.serving_at(request.worker_file(name))
             if first:  # (its traces and stats file keep the first name it bound as)
                 first = False
                 tracing.start(name)

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from trident.core import tracing
-from trident.core.errors import InvalidRequest, TridentError, Unavailable
+from trident.core.errors import InvalidRequest, ReplayedRecord, TridentError, Unavailable
 from trident.core.media import MODALITIES, MediaItem, check_count
 from trident.core.output import OutputOptions, entry_responses
 from trident.core.processor import SamplingParams
@@ -327,7 +327,7 @@ class StageHandler:
     inbox: Inbox | None = None  # a prefill stage's records delivered by the encode worker
     streams: Streams | None = None  # a streaming stage's streams, by the scheduler's request id
     counters: Callable[[], dict] | None = None  # the engine's (``StageEngine.stats``)
-    claims: Callable[[str], None] | None = None  # a KV producer's that consumers claim its KV at (the vllm engine's)
+    claims: Callable[[str, bool], None] | None = None  # a producer's: consumers claim what its records point to
 
     @contextlib.asynccontextmanager
     async def entry(self, call: Call):
@@ -370,9 +370,25 @@ class StageHandler:
         elif isinstance(message, Withdraw) and self.inbox is not None:
             self.inbox.withdraw(message.token)
         elif isinstance(message, Claim) and self.claims is not None:
-            self.claims(message.claim)
+            self.claims(message.claim, message.lease)
         else:
             raise InvalidRequest(f"the {self.spec.name} stage takes no {type(message).__name__} message")
+
+
+def _claims(engine) -> Callable[[str, bool], None]:
+    """A producer's answer to its consumers' claims (:class:`~trident.core.protocol.Claim`): a transfer lease of its
+    endpoint's, or the vllm engine's KV claim."""
+
+    def take(claim: str, lease: bool) -> None:
+        endpoint = getattr(engine, "endpoint", None)
+        if lease and endpoint is not None:
+            endpoint.sender.take(claim)
+        elif not lease and engine.kv_claims is not None:
+            engine.kv_claims.take(claim)
+        else:
+            raise ReplayedRecord("this worker holds no such record; a record is good for one read")
+
+    return take
 
 
 def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandler:
@@ -447,7 +463,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
             tracing.mark("infer", t0)
             return outputs
 
-        return StageHandler(spec, encode, admit, admission.leave, counters=engine.stats)
+        return StageHandler(spec, encode, admit, admission.leave, counters=engine.stats, claims=_claims(engine))
 
     if spec.hands_on == "kv":
         async def prefill(request):
@@ -459,7 +475,7 @@ def make_handler(spec: StageSpec, engine, max_inflight: int = 64) -> StageHandle
 
         inbox = Inbox(engine.discard) if spec.takes == "embeddings" else None
         return StageHandler(spec, prefill, admit, admission.leave, inbox=inbox, counters=engine.stats,
-                            claims=engine.kv_claims.take if engine.kv_claims is not None else None)
+                            claims=_claims(engine))
 
     streams = Streams()
 

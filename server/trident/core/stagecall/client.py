@@ -285,14 +285,16 @@ class StageClient:
         :class:`~trident.core.protocol.Withdraw` message, not waited for)."""
         return await self._post(instance, lambda id: Withdraw(id, token))
 
-    async def claim(self, producer: dict, claim: str) -> None:
-        """Take the vLLM KV held under ``claim`` at the worker ``producer`` (its worker file, from the record) before
-        reading it (a :class:`~trident.core.protocol.Claim` message): raises its refusal, or :class:`Unavailable` when
-        that worker is not there (its KV went with it)."""
+    async def claim(self, producer: dict, claim: str, lease: bool = False) -> None:
+        """Take what a record points to at the worker ``producer`` that made it (its worker file, from the record)
+        before reading it (a :class:`~trident.core.protocol.Claim` message): the vLLM KV held under ``claim``, or with
+        ``lease`` the transfer lease ``claim``. Raises its refusal, or :class:`Unavailable` when that worker is not
+        there (what it held went with it)."""
         name = str(producer.get("name", "?"))
-        await self._ask(name, lambda id: Claim(id, claim),
-                        f"the worker of {name} that prefilled this request is not there; its KV went with it",
-                        f"the worker of {name} that prefilled this request has gone; its KV went with it", producer)
+        what = "this request's embeddings or KV" if lease else "this request's KV"
+        await self._ask(name, lambda id: Claim(id, claim, lease),
+                        f"the worker of {name} that computed {what} is not there; they went with it",
+                        f"the worker of {name} that computed {what} has gone; they went with it", producer)
 
     async def _ask(self, instance: str, make: Callable[[int], StageMessage], absent: str, gone: str,
                    info: dict | None = None) -> None:

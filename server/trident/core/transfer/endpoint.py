@@ -51,6 +51,7 @@ class _Lease:
     expires_at: float
     stamp: int  # slot in the stamp table
     release_key: bytes  # in the record only: the consumer proves with it that it read the lease
+    claimed: bool = False  # a consumer took it (TransferSender.take): no other one may
 
 
 class StampTable:
@@ -107,10 +108,12 @@ class TransferSender:
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         self.published = self.released = self.expired = 0
+        self.claimed = self.claims_refused = 0  # consumers' claims of its leases granted, refused (TransferSender.take)
         self._stop = threading.Event()
         self._leased = threading.Event()  # set by lease(): wakes the reaper
         self._reachable = _reachable(config.data_address)
         self._read_until = 0.0  # (monotonic) polling every READ_POLL_S until then
+        self.claim_at: dict = {}  # where consumers claim this producer's leases (its worker file, once it binds)
         self._thread = threading.Thread(target=self._reap_loop, name="trident-lease-reaper", daemon=True)
         self._thread.start()
 
@@ -161,6 +164,7 @@ class TransferSender:
             release_key=release_key,
             memory=self.pool.memory[0],
             device=self.pool.memory[1],
+            claim_at=self.claim_at,
         )
 
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
@@ -185,6 +189,20 @@ class TransferSender:
     def active_leases(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    def take(self, lease_id: str) -> None:
+        """A consumer claims lease ``lease_id`` before its READ (a :class:`~trident.core.protocol.Claim` on this
+        worker's stage socket): granted once; refused (:class:`ReplayedRecord`) to every later claim, from whichever
+        consumer, and once the lease has ended. Atomic: of two consumers holding the same record, one reads it."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None and not lease.claimed:
+                lease.claimed = True
+                self.claimed += 1
+                return
+            self.claims_refused += 1
+        raise ReplayedRecord(f"record of lease {lease_id} was already used (claimed by a consumer), or its lease has "
+                             "ended; a record is good for one read")
 
     def release(self, lease_id: str, release_key: bytes) -> bool:
         """End a lease now; False when it is unknown (already released or expired) or ``release_key`` is not the
@@ -386,6 +404,11 @@ class TransferEndpoint:
     def publish(self, tensors: Sequence[torch.Tensor], *, lease_s: float | None = None) -> Transfer:
         return self.sender.publish(tensors, lease_s=lease_s)
 
+    def serving_at(self, worker_file: dict) -> None:
+        """Where this worker's stage socket listens (its worker file, once it binds): the consumers of its records
+        claim their leases there."""
+        self.sender.claim_at = dict(worker_file)
+
     def claim(self, transfer: Transfer) -> None:
         self.receiver.claim(transfer)
 
@@ -407,6 +430,8 @@ class TransferEndpoint:
             "published": s.published,
             "released": s.released,
             "expired": s.expired,
+            "claimed": s.claimed,
+            "claims_refused": s.claims_refused,
             "fetched": self.receiver.fetched,
             "fetched_bytes": self.receiver.fetched_bytes,
             "fetch_seconds": self.receiver.fetch_seconds,

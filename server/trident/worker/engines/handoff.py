@@ -21,7 +21,8 @@ from trident.core import tracing
 from trident.core.errors import MalformedRecord, TransferError, TridentError
 from trident.core.output import RequestOutput, TokenLogprob
 from trident.core.processor import Processor, SamplingParams
-from trident.core.protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, decode_record
+from trident.core.protocol import EmbeddingsRecord, HFKVRecord, TensorSpec, Transfer, decode_record
+from trident.core.stagecall import StageClient
 from trident.core.transfer import TransferEndpoint, TransferSender
 from trident.worker.engines.base import DecodeRequest, Fork, MediaEmbeddings, PrefillResult
 from trident.worker.engines.embedding_cache import CachedEmbedding, EmbeddingCache
@@ -91,6 +92,16 @@ def receive_embeddings(
         raise
     emb, release = read_embeddings(endpoint, record)
     return prompt, emb, record, release
+
+
+async def take(producers: StageClient, transfer: Transfer) -> None:
+    """Claim ``transfer``'s lease at the worker that produced it (its stage socket, named in the record) before
+    anything is read or sent on its account: of every consumer holding the record, the first to claim it alone reads
+    it; the others are refused (:class:`~trident.core.errors.ReplayedRecord`), and send nothing. A record from a
+    producer with no stage socket (``claim_at`` empty: in-process tests) is claimed by its lease's stamp alone."""
+    if transfer.claim_at:
+        with tracing.step("claim"):
+            await producers.claim(transfer.claim_at, transfer.lease_id, lease=True)
 
 
 def read_embeddings(endpoint: TransferEndpoint, record: EmbeddingsRecord) -> tuple[MediaEmbeddings, Callable[[], None]]:

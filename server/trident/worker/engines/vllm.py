@@ -324,6 +324,7 @@ class VLLMStageEngine:
             except BaseException:
                 handoff.discard(self.endpoint, embedding_meta)  # (its producer frees it now)
                 raise
+            await handoff.take(self._producers, record.transfer)  # (refused: another consumer reads it)
             loop = asyncio.get_running_loop()
             emb = await loop.run_in_executor(self._io, tracing.carry(self._read_embeddings), record)
             return rendered, emb, ids, {"ec_transfer_params": outputs_param(ids, emb)}, list(record.stand_ins)

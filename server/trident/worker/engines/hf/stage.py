@@ -35,7 +35,8 @@ from trident.worker.heap import keep_freed_memory
 from trident.core.media import MediaItem, counts
 from trident.core.output import DecodeEvent, Generation, RequestOutput, early_text, interleave
 from trident.core.processor import Processor, SamplingParams
-from trident.core.protocol import HFKVRecord, StageSpec, TensorSpec
+from trident.core.protocol import EmbeddingsRecord, HFKVRecord, StageSpec, TensorSpec, decode_record
+from trident.core.stagecall import StageClient
 from trident.core.structured import Grammars
 from trident.core.transfer import TransferEndpoint
 from trident.core.transfer.tensors import dtype_name
@@ -235,11 +236,11 @@ def _cache_into(kv_into: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCach
 class HFStageEngine:
     """The ``hf`` engine behind :class:`~trident.worker.engines.base.StageEngine` for one stage: its roles, this
     process's transfer endpoint (when the stage hands on or takes a record), and one compute thread for
-    blocking work (encode, prefill, READs) beside the decoder's stream; a one-answer stage computes on its event
-    loop itself."""
+    blocking work (encode, prefill, READs) beside the decoder's stream, so that its event loop answers its stage
+    socket meanwhile."""
 
     calls_at_once = 1  # one compute thread: requests would only queue there instead of in Triton
-    kv_claims = None  # (a READ of its KV is claimed through the transfer lease itself)
+    kv_claims = None  # (a READ of its KV is claimed through the transfer lease: TransferSender.take)
 
     def __init__(
         self, spec: StageSpec, model_path: str, transfer: TransferConfig | None = None, embedding_cache_bytes: int = 0,
@@ -268,22 +269,12 @@ class HFStageEngine:
             if publishes_embeddings else None
         )
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trident-compute")
-        # Triton hands a one-answer stage's instance one request at a time (calls_at_once), so nothing else
-        # waits on this worker's event loop while it computes: its work runs there, not two thread hops away
-        self._inline = spec.hands_on != "tokens"
+        self._producers = StageClient()  # its connections to the workers whose records it reads (to claim them)
 
     def _start(self, fn: Callable, *args) -> asyncio.Future:
-        """``fn(*args)`` as a future: on the compute thread, or done at once on the event loop for a one-answer
-        stage (see ``_inline``)."""
-        loop = asyncio.get_running_loop()
-        if not self._inline:
-            return loop.run_in_executor(self._compute, tracing.carry(fn), *args)
-        done = loop.create_future()
-        try:
-            done.set_result(fn(*args))
-        except Exception as e:
-            done.set_exception(e)
-        return done
+        """``fn(*args)`` on the compute thread, as a future: the worker's event loop stays free meanwhile for its
+        stage socket, where the consumers of its records claim them (a claim waits on no encode or prefill)."""
+        return asyncio.get_running_loop().run_in_executor(self._compute, tracing.carry(fn), *args)
 
     async def _run(self, fn: Callable, *args) -> Any:
         return await self._start(fn, *args)
@@ -312,7 +303,8 @@ class HFStageEngine:
     ) -> bytes:
         if params.structured_outputs is not None:  # (compiled off the event loop and the compute thread)
             await self.model.grammars.prepare(params.structured_outputs)
-        result = await self._run(self._prefill, text, params, list(media), embedding_meta)
+        record = await self._taken_embeddings(embedding_meta)
+        result = await self._run(self._prefill, text, params, list(media), record)
         try:
             first = RequestOutput(self.processor, params).push(  # as the decode's
                 result.first_token, result.prompt_len, result.first_logprobs)
@@ -329,8 +321,19 @@ class HFStageEngine:
             self.endpoint.sender.release(record.transfer.lease_id, record.transfer.release_key)
             raise
 
-    def _prefill(self, text: str, params: SamplingParams, media: list, embedding_meta: bytes | None) -> PrefillResult:
-        """Encode the raw ``media`` here, or READ the embeddings of ``embedding_meta``, then prefill."""
+    async def _taken_embeddings(self, embedding_meta: bytes | None) -> EmbeddingsRecord | None:
+        """The record of ``embedding_meta``, decoded and its lease claimed at its producer (:func:`handoff.take`)."""
+        if embedding_meta is None:
+            return None
+        with tracing.step("record_decode"):
+            record = decode_record(embedding_meta, EmbeddingsRecord)
+        await handoff.take(self._producers, record.transfer)
+        return record
+
+    def _prefill(self, text: str, params: SamplingParams, media: list,
+                 embeddings: EmbeddingsRecord | None) -> PrefillResult:
+        """Encode the raw ``media`` here, or READ the embeddings of the record ``embeddings`` (claimed), then
+        prefill."""
         seed = new_seed(params)
         if media:
             self.processor.check_placeholders(text, counts(media))  # before spending time on the encoders
@@ -339,9 +342,9 @@ class HFStageEngine:
             emb = self.encoder.encode(decoded)
             prompt = handoff.prepare_prompt(self.processor, text, emb.token_counts, emb.kinds, emb)
             return self._prefill_prompt(prompt, emb, params, seed)
-        if embedding_meta is None:
+        if embeddings is None:
             return self._prefill_prompt(handoff.prepare_prompt(self.processor, text, []), None, params, seed)
-        prompt, emb, _, release = handoff.receive_embeddings(self.endpoint, self.processor, text, embedding_meta)
+        prompt, emb, _, release = handoff.receive_embeddings(self.endpoint, self.processor, text, embeddings)
         try:
             return self._prefill_prompt(prompt, emb, params, seed)
         finally:
@@ -379,6 +382,7 @@ class HFStageEngine:
         outputs = [RequestOutput(self.processor, params, i) for i in range(params.n)]
         if kv_meta is not None:
             record = handoff.open_kv(self.endpoint, kv_meta, self.model.check_kv)
+            await handoff.take(self._producers, record.transfer)  # (refused: another consumer reads it; nothing sent)
             prompt_len = record.prompt_len
             try:
                 firsts = await self._record_firsts(record, params)
@@ -394,7 +398,8 @@ class HFStageEngine:
         else:
             if params.structured_outputs is not None:  # (compiled off the event loop and the compute thread)
                 await self.model.grammars.prepare(params.structured_outputs)
-            result = await self._run(self._prefill, text, params, list(media), embedding_meta)
+            record = await self._taken_embeddings(embedding_meta)
+            result = await self._run(self._prefill, text, params, list(media), record)
             prompt_len = result.prompt_len
             firsts = [Fork(result.first_token, result.first_logprobs, result.constraint), *result.forks]
             local = handoff.continue_locally(result, params)
@@ -470,6 +475,7 @@ class HFStageEngine:
         return out
 
     def close(self) -> None:
+        self._producers.close()
         if self.decoder is not None:
             self.decoder.close()
         if self.endpoint is not None:
