@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from trident.supervisor.processes import is_stub_of, kill_left
 
 
 def _stub(store) -> subprocess.Popen:
-    """A process whose command line reads as a python-backend stub of a model in ``store``."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "triton_python_backend_stub",
+    """A process whose command line reads as a python-backend stub of a model in ``store``: once the kernel shows it
+    (Popen returns as the exec closes its pipe, a moment before the new command line can be read)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "triton_python_backend_stub",
                              f"{store}/encode/1/model.py"])
+    deadline = time.monotonic() + 10
+    while b"triton_python_backend_stub" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the process never showed its command line"
+        time.sleep(0.01)
+    return proc
 
 
 def test_only_the_server_s_own_stubs_are_killed(tmp_path):

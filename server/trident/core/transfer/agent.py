@@ -113,19 +113,30 @@ class NixlAgent:
         remote_descs = [(addr, length, remote_dev) for addr, length in remote_regions]
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            self._connect(remote, metadata)
-            try:
-                handle = self._agent.initialize_xfer(
-                    "READ",
-                    self._agent.get_xfer_descs(local, local_type),
-                    self._agent.get_xfer_descs(remote_descs, remote_type),
-                    remote,
-                    notify,
-                )
-                state = self._agent.transfer(handle)
-            except Exception as e:
-                self._forget(remote)
-                raise PeerUnavailable(f"READ from NIXL agent {remote!r} failed: {type(e).__name__}: {e}") from None
+            # A connection to the peer that died meanwhile (its host cut off, and back) fails as the READ is posted,
+            # before anything moved: once, the peer is dropped and the READ posted again on a new connection from its
+            # metadata (a record's consumer may not hand it to another: its lease is claimed)
+            for attempt in (1, 2):
+                self._connect(remote, metadata)
+                handle = None
+                try:
+                    handle = self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(local, local_type),
+                        self._agent.get_xfer_descs(remote_descs, remote_type),
+                        remote,
+                        notify,
+                    )
+                    state = self._agent.transfer(handle)
+                    break
+                except Exception as e:
+                    if handle is not None:
+                        self._release(handle)
+                    self._forget(remote)
+                    if attempt == 2:
+                        raise PeerUnavailable(f"READ from NIXL agent {remote!r} failed: {type(e).__name__}: {e}") \
+                            from None
+                    log.info("READ from NIXL agent %s failed as it was posted (%s); connecting to it again", remote, e)
         released = False
         try:
             while state == "PROC":
