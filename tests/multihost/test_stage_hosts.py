@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +51,9 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
                         "url": f"http://{head}:{server.http_port}", "transfer": {"data_address": host.address},
                         "max_inflight": 1 if stage == "generate" else 64}
             workers[stage] = host.popen([sys.executable, "-m", "trident.cli", "worker", "--settings",
-                                         json.dumps(settings)], env=env, copies=(server.model_path, CHECKOUT))
+                                         json.dumps(settings)], env=env, copies=(server.model_path, CHECKOUT),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            _keep_log(workers[stage])
         admin = httpclient.InferenceServerClient(server.http)
         deadline = time.monotonic() + 180
         while not all(admin.is_model_ready(name) for name in JOINED.values()):
@@ -67,6 +71,30 @@ def cluster(demo_models, tmp_path_factory, shared_servers):
         for proc in running:
             os.killpg(proc.pid, signal.SIGTERM)
         assert [proc.wait(60) for proc in running] == [0] * len(running)
+
+
+def _keep_log(proc) -> None:
+    """Collect ``proc``'s output lines in ``proc.log`` (a test reads what the worker said), passing them on to this
+    process's stderr as they come."""
+    proc.log = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            proc.log.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def _said(proc, words: str, after: int, timeout: float) -> str:
+    """The first line from ``after`` on that the worker ``proc`` wrote with ``words`` in it, within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in proc.log[after:]:
+            if words in line:
+                return line
+        assert time.monotonic() < deadline, f"the worker did not say {words!r} within {timeout:g} s: {proc.log[-5:]}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +243,39 @@ def test_a_host_cut_off_fails_its_calls_within_seconds_and_serves_again_when_its
         time.sleep(0.3)
 
 
+def test_a_worker_cut_off_from_its_server_binds_again_as_the_instance_it_was(cluster, ref):
+    """The decode host's link stays down until its worker has seen that it lost the server (the head, which hears
+    nothing from the host either, keeps decode-2 loaded: the schedulers route around it call by call). With the link
+    back, the worker binds again as decode-2, the instance it was, not as a second instance (decode-3) of the same
+    worker, and serves as it."""
+    import tritonclient.http as httpclient
+
+    proc, host = cluster.joined_workers["decode"], cluster.hosts["decode"]
+    seen = len(proc.log)
+    host.link(False)
+    try:
+        _said(proc, "no longer serves decode-2", seen, 60)
+    finally:
+        host.link(True)
+    assert "worker decode-2 " in _said(proc, "bound into", seen, 120)
+    admin = httpclient.InferenceServerClient(cluster.http)
+    try:
+        assert admin.is_model_ready("decode-2") and not admin.is_model_ready("decode-3")
+    finally:
+        admin.close()
+    t0, before = time.monotonic(), _routed(cluster, "decode-2")
+    while _routed(cluster, "decode-2") == before:
+        assert time.monotonic() - t0 < 30, "decode-2 did not serve within 30 s of its worker binding again"
+        for case in ref.values():
+            assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True,
+                                 timeout=30).text == case["expected"]
+
+
 def test_streams_decoded_on_a_host_cut_off_mid_stream_move_on_with_their_uninterrupted_text(cluster, ref):
     """Migration across hosts: three E/P/D streams at once, decoded on the head's decode worker and the decode host's
     (decode-2); the decode host's link goes down mid-stream. Every stream still ends with the text it gets
     uninterrupted (greedy), the ones on decode-2 moved to the head's decode (counted); with the link back, decode-2
     serves again."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from support.migration import PROMPTS, _grpc_stream, _migrations

@@ -132,6 +132,17 @@ def bind(url: str, request: Bind) -> str | None:
         time.sleep(1.0)
 
 
+def _bind_again(url: str, request: Bind, name: str) -> str | None:
+    """Bind a worker that was bound as ``name`` and lost its server or its stage model: as ``name`` again, so it
+    keeps its instance (its stats and the scheduler's view of it), or, when another worker has taken that name, as
+    a joining worker (``request.name`` None) does."""
+    again = bind(url, msgspec.structs.replace(request, name=name))
+    if again is None and request.name is None:
+        log.warning("worker %s: another worker now serves %s; joining under a new name", name, name)
+        return bind(url, request)
+    return again
+
+
 def unbind(url: str, request: Bind) -> None:
     """Ask the head's bind model to unload the stage model bound for this worker (best effort, 5 s: a head that is
     gone unloads it itself)."""
@@ -184,7 +195,7 @@ def run_worker(settings: WorkerSettings) -> int:
     try:
         while True:
             try:
-                name = bind(settings.url, request)
+                name = _bind_again(settings.url, request, name) if name is not None else bind(settings.url, request)
             except TridentError as e:  # refused, or no answer for BIND_S: one line, exit 1 (a supervisor starts it again)
                 log.error("worker %s: the server at %s did not bind it: %s", settings.model_name, settings.url, e)
                 return 1
