@@ -121,7 +121,7 @@ bench-scheduler: install
 
 # Stages on hosts of their own (Linux namespaces, as root) vs one host; NIXL over TCP vs a plain socket -> docs/benchmarks.md
 bench-hosts: install
-	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hosts.py --report docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(PY) clients/perf/bench_hosts.py --report docs/benchmarks.md $(if $(BASE),--base $(BASE))
 
 # Reliability under load: 1,000 streamed requests at concurrency 64 over every mode, ~10% cancelled, the decode
 # worker killed midway; errors, what is left held, RSS before/after, latency -> docs/reliability.md

@@ -14,7 +14,7 @@ namespaces with a private /tmp and /dev/shm; needs root): nothing crosses betwee
   READs it (``fetch``); the same bytes sent over a plain TCP socket between the same hosts (``sendall`` into
   ``recv_into``). Medians per size.
 
-    make bench-hosts        (as root)
+    make bench-hosts [BASE=<commit>]        (as root; BASE: the same on hosts with that commit's trident too)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -204,25 +205,39 @@ async def _rounds(servers: dict, mode: str, text: str, args, seed: int) -> list[
     return rows
 
 
-def bench_serving(hosts, env, model: str, text: str, args) -> dict:
+def _on_hosts(hosts, env, model: str, mode: str, python: str | None, copies: tuple[str, ...], workers: list):
+    """A head with no worker of its own whose stages of ``mode`` join from a host each, all run by ``python`` (None:
+    this one; else a base commit's venv, which the hosts see at the same path: ``copies``); the head's Serve."""
     from bench_scheduler import Serve
 
+    from trees import env_of
     from trident.core.netutil import free_ports
+
+    ports = free_ports(4)
+    url = f"http://{hosts.head_address}:{ports[0]}"
+    for i, stage in enumerate(STAGES_OF[mode]):  # (each waits for the head, then joins it)
+        host = hosts[f"h{i + 1}"]
+        workers.append(host.popen([python or sys.executable, "-m", "trident.cli", "worker", stage, "--model", model,
+                                   "--join", url],
+                                  env=dict(env, TRIDENT_ACCESS_TOKEN=Serve.TOKEN, PATH=(env_of(python) or env)["PATH"]),
+                                  copies=copies, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    zeros = [f"{stage}=0" for stage in STAGES_OF[mode]]
+    return Serve(model, ["--host", "0.0.0.0", "--instances", *zeros], modes=(mode,), ports=ports, python=python)
+
+
+def bench_serving(hosts, env, model: str, text: str, args, base: tuple[str, Path] | None) -> dict:
+    """Per mode, rounds over the one-host server, the head with its stages on hosts, and (``base``: a base commit's
+    python and its folder) the same on hosts run by the base commit's trident."""
+    from bench_scheduler import Serve
 
     results = {}
     for k, mode in enumerate(args.modes):
         servers, workers = {}, []
         try:
             servers["one host"] = Serve(model, [], modes=(mode,))
-            ports = free_ports(4)
-            url = f"http://{hosts.head_address}:{ports[0]}"
-            for i, stage in enumerate(STAGES_OF[mode]):  # (each waits for the head, then joins it)
-                host = hosts[f"h{i + 1}"]
-                workers.append(host.popen([sys.executable, "-m", "trident.cli", "worker", stage, "--model", model,
-                                           "--join", url], env=dict(env, TRIDENT_ACCESS_TOKEN=Serve.TOKEN),
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            zeros = [f"{stage}=0" for stage in STAGES_OF[mode]]
-            servers["hosts"] = Serve(model, ["--host", "0.0.0.0", "--instances", *zeros], modes=(mode,), ports=ports)
+            servers["hosts"] = _on_hosts(hosts, env, model, mode, None, (), workers)
+            if base is not None:
+                servers["hosts, base"] = _on_hosts(hosts, env, model, mode, base[0], (str(base[1]),), workers)
             results[mode] = asyncio.run(_rounds(servers, mode, text, args, seed=90_000 + 10_000 * k))
         finally:
             for srv in servers.values():
@@ -235,6 +250,8 @@ def bench_serving(hosts, env, model: str, text: str, args) -> dict:
 
 
 def table(serving: dict, transfers: dict, args) -> list[str]:
+    from trees import short
+
     lines = [
         "## Stages on hosts of their own (`make bench-hosts`)", "",
         "`clients/perf/bench_hosts.py`, as root: hosts are Linux namespaces on this machine (own network on a "
@@ -243,17 +260,26 @@ def table(serving: dict, transfers: dict, args) -> list[str]:
         "whose stages join from a host each (`trident worker STAGE --join`, UCX_TLS=tcp), in rounds alternating "
         f"between the two, the same 2 cores under both: {args.requests} requests at concurrency {args.concurrency} "
         f"(tokens/s) and 4 at concurrency 1 (TTFT p50), a new 224 px image each, {args.max_tokens} new tokens, "
-        f"greedy; medians of {args.rounds} rounds. LLaVA demo, hf engine.", "",
-        "| mode | one host tok/s | hosts tok/s | hosts / one host | target | one host TTFT ms | hosts TTFT ms |",
-        "|---|---|---|---|---|---|---|",
+        f"greedy; medians of {args.rounds} rounds. LLaVA demo, hf engine."
+        + (f" With `--base {args.base}` ({short(args.base)}), a third server in the same rounds: that commit's "
+           "head and stage workers on the same hosts, on today's packages (`clients/perf/trees.py`); "
+           "hosts new / base is its ratio to today's." if args.base else ""), "",
+        "| mode | one host tok/s | hosts tok/s | hosts / one host | target | one host TTFT ms | hosts TTFT ms |"
+        + (" base on hosts tok/s | hosts new / base | base TTFT ms |" if args.base else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|" if args.base else ""),
     ]
+    med = statistics.median
     for mode, rounds in serving.items():
-        one = statistics.median(r["one host"]["tok_s"] for r in rounds)
-        many = statistics.median(r["hosts"]["tok_s"] for r in rounds)
-        ratio = statistics.median(r["hosts"]["tok_s"] / r["one host"]["tok_s"] for r in rounds)
-        lines.append(f"| {mode} | {one:.1f} | {many:.1f} | **{ratio:.2f}** | >= 0.9 | "
-                     f"{statistics.median(r['one host']['ttft_ms'] for r in rounds):.0f} | "
-                     f"{statistics.median(r['hosts']['ttft_ms'] for r in rounds):.0f} |")
+        one = med(r["one host"]["tok_s"] for r in rounds)
+        many = med(r["hosts"]["tok_s"] for r in rounds)
+        ratio = med(r["hosts"]["tok_s"] / r["one host"]["tok_s"] for r in rounds)
+        row = (f"| {mode} | {one:.1f} | {many:.1f} | **{ratio:.2f}** | >= 0.9 | "
+               f"{med(r['one host']['ttft_ms'] for r in rounds):.0f} | {med(r['hosts']['ttft_ms'] for r in rounds):.0f} |")
+        if args.base:
+            spread = [r["hosts"]["tok_s"] / r["hosts, base"]["tok_s"] for r in rounds]
+            row += (f" {med(r['hosts, base']['tok_s'] for r in rounds):.1f} | **{med(spread):.2f}** "
+                    f"({min(spread):.2f}-{max(spread):.2f}) | {med(r['hosts, base']['ttft_ms'] for r in rounds):.0f} |")
+        lines.append(row)
     lines += [
         "", "Between two hosts: a NIXL READ (`TransferEndpoint.fetch`, UCX over TCP) of a tensor another host "
         "published, against the same bytes sent over a plain TCP socket between the same hosts (`sendall` into "
@@ -287,6 +313,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--report", type=Path, help="markdown file to put the table into")
+    ap.add_argument("--base", metavar="COMMIT", help="also serve on the hosts with this commit's trident (its tree "
+                    "on today's packages), in the same rounds: hosts new / base")
     args = ap.parse_args()
     if args.producer:
         producer(args.producer, not args.no_read_window)
@@ -301,14 +329,16 @@ def main() -> int:
         raise SystemExit(f"bench-hosts: no hosts can be made here: {why}")
     from bench_scheduler import demo_with_image_prompt
     from report import write_section
+    from trees import base_python
 
     model, text = demo_with_image_prompt("llava")
     # UCX_TLS: the hosts are one machine, which UCX would take for one host (shared memory, cma) unless told
     env = dict(os.environ, HF_HUB_OFFLINE="1", UCX_TLS="tcp", NIXL_LOG_LEVEL="WARN",
                PYTHONPATH=os.pathsep.join(sys.path[:2]))
-    with Hosts(["h1", "h2", "h3"]) as hosts:
+    with tempfile.TemporaryDirectory(prefix="bench-hosts-base-") as work, Hosts(["h1", "h2", "h3"]) as hosts:
+        base = (base_python(args.base, Path(work)), Path(work)) if args.base and not args.transfers_only else None
         transfers = {what: bench_transfers(hosts, dict(env, **more), window) for what, window, more in VARIANTS}
-        serving = {} if args.transfers_only else bench_serving(hosts, env, model, text, args)
+        serving = {} if args.transfers_only else bench_serving(hosts, env, model, text, args, base)
     lines = table(serving, transfers, args)
     print("\n".join(lines))
     if args.report:
