@@ -288,8 +288,8 @@ def test_a_worker_asks_the_bind_model_with_the_url_s_scheme(monkeypatch, url, ss
     """A worker joining through a TLS terminator (``--join https://...``) talks TLS to it: the scheme is kept."""
     import tritonclient.http as httpclient
 
+    from trident.core import bind_call
     from trident.core.protocol import Bind
-    from trident.worker import bind
 
     made = {}
 
@@ -300,7 +300,7 @@ def test_a_worker_asks_the_bind_model_with_the_url_s_scheme(monkeypatch, url, ss
 
     monkeypatch.setattr(httpclient, "InferenceServerClient", Client)
     with pytest.raises(OSError, match="stop here"):
-        bind.ask(url, Bind(stage="prefill", tcp=("10.0.0.2", 4100)), 1.0)
+        bind_call.ask(url, Bind(stage="prefill", tcp=("10.0.0.2", 4100)), 1.0)
     assert made == {"address": url.rpartition("://")[2], "ssl": ssl}
 
 

@@ -90,7 +90,7 @@ def unbind(http_url: str, name: str, worker: dict) -> bool:
 
     from trident.core.errors import NameTaken, from_message
     from trident.core.protocol import Bind, parse_instance
-    from trident.worker.bind import ask
+    from trident.core.bind_call import ask
 
     request = Bind(stage=parse_instance(name)[0], tcp=tuple(worker["tcp"]), name=name, leave=True)
     try:

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
 from trident.core.config import WorkerSettings
 from trident.core.errors import NameTaken, TridentError, Unavailable, from_message
-from trident.core.protocol import BIND_MODEL, NAME_TAKEN_EXIT, STAGES, Bind, seal_bind
+from trident.core.bind_call import ask
+from trident.core.protocol import NAME_TAKEN_EXIT, STAGES, Bind
 from trident.worker.health import Health
 
 log = logging.getLogger("trident.worker")
@@ -83,22 +83,6 @@ def _watch_server(url: str, name: str | None, misses: int = 3) -> None:
 
 BIND_S = 300.0  # how long a worker asks the head's bind model before it gives up binding
 ASK_S = 60.0  # the longest one ask waits for its answer (a bind loads a stage model: seconds); then it asks again
-
-
-def ask(url: str, request: Bind, timeout_s: float) -> str:
-    """One call of the head's bind model: the name it answers."""
-    import tritonclient.http as httpclient
-
-    scheme, _, address = url.rpartition("://")
-    # (https: a TLS terminator before the head's HTTP port; the scheme is kept, and with it the certificate check)
-    client = httpclient.InferenceServerClient(address, ssl=scheme.lower() == "https", network_timeout=timeout_s)
-    try:
-        given = httpclient.InferInput("bind", [1], "BYTES")
-        given.set_data_from_numpy(np.array([seal_bind(request)], dtype=np.object_))
-        answer = client.infer(BIND_MODEL, [given])
-        return answer.as_numpy("name").reshape(-1)[0].decode()
-    finally:
-        client.close()
 
 
 def bind(url: str, request: Bind) -> str | None:
