@@ -14,11 +14,13 @@ import pytest
 import requests
 
 from trident.core.config import MediaLimits, MiB
+from trident.supervisor.grpc_front import CredentialForEntries
 from trident.supervisor.http_front import PIECE, TEXT_ALLOWANCE, HttpFront, Route, max_body_bytes
 from trident.supervisor.startup import StartupError
 from trident.core.netutil import free_ports
 
 LIMIT = 8 * MiB
+CREDENTIAL = "c" * 64
 
 
 class Upstream:
@@ -108,7 +110,8 @@ def served(tmp_path_factory):
     upstream = Upstream(folder / "http.sock")
     port, gone = free_ports(2)
     front = HttpFront([Route("HTTP", "127.0.0.1", port, folder / "http.sock"),
-                       Route("metrics", "127.0.0.1", gone, folder / "nothing.sock")], LIMIT)
+                       Route("metrics", "127.0.0.1", gone, folder / "nothing.sock")], LIMIT,
+                      CredentialForEntries(frozenset({"e_p_d"}), CREDENTIAL, "trident_stage_key"))
     front.start()
     yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gone}", upstream
     front.stop()
@@ -127,6 +130,35 @@ def _raw(url: str, head: bytes, body_parts=(), read_until_close=True) -> bytes:
             if not read_until_close and b"\r\n\r\n" in answer:
                 break
         return answer
+
+
+def test_an_entry_model_s_inference_requests_alone_carry_the_credential(served):
+    """An entry model's inference request reaches Triton with the server's credential as a request parameter (a
+    Triton ensemble forwards it to its steps), in place of the client's: a generate request's top-level key, an
+    infer request's ``parameters`` (before its binary tensors too); every other request passes as it came."""
+    url, _, upstream = served
+    mine = {"trident_stage_key": "mine", "other": 1}
+    for path in ("/v2/models/e_p_d/generate", "/v2/models/e_p_d/generate_stream", "/v2/models/e_p_d/versions/1/generate"):
+        assert requests.post(url + path, json={"text_input": "x", **mine}, timeout=10).status_code == 200
+        assert json.loads(upstream.seen[-1]["body"]) == {"text_input": "x", "trident_stage_key": CREDENTIAL, "other": 1}
+    for path in ("/v2/models/e_p_d/infer", "/v2/models/e_p_d/infer?x=1"):
+        for given in ({"inputs": []}, {"inputs": [], "parameters": mine}):
+            assert requests.post(url + path, json=given, timeout=10).status_code == 200
+            assert json.loads(upstream.seen[-1]["body"])["parameters"] == \
+                {**given.get("parameters", {}), "trident_stage_key": CREDENTIAL}, (path, given)
+    head, tail = json.dumps({"inputs": [{"name": "x", "parameters": {"binary_data_size": 4}}]}).encode(), b"\x00\xff\x01\x02"
+    assert requests.post(url + "/v2/models/e_p_d/infer", data=head + tail, timeout=10,
+                         headers={"Inference-Header-Content-Length": str(len(head))}).status_code == 200
+    seen = upstream.seen[-1]
+    size = int(seen["headers"]["inference-header-content-length"])
+    assert json.loads(seen["body"][:size])["parameters"] == {"trident_stage_key": CREDENTIAL}
+    assert seen["body"][size:] == tail
+    for path, body in (("/v2/models/encode/infer", b'{"inputs": [], "parameters": {"trident_stage_key": "mine"}}'),
+                       ("/v2/models/e_p_d/config", b"{}"), ("/v2/models/e_p_d/infer/extra", b"{}"),
+                       ("/v2/models/e_p_d%2F/infer", b"{}"), ("/v2/models/e_p_d/infer", b"[1, 2]"),
+                       ("/v2/models/e_p_d/generate", b"not json")):
+        assert requests.post(url + path, data=body, timeout=10).status_code == 200
+        assert upstream.seen[-1]["body"] == body, path
 
 
 def test_many_small_chunks_reach_triton_as_a_few_large_ones(served):

@@ -1,6 +1,6 @@
 """The library tritonserver runs with (supervisor/triton_shim.c), tried on a Python process: the token reaches main's
 argv while the command line other users can read keeps the placeholder, and /dev/shm files stay 0600; tried on
-``echo`` named tritonserver: Triton's HTTP and metrics addresses become the front's Unix sockets."""
+``echo`` named tritonserver: Triton's HTTP, metrics and gRPC addresses become the fronts' Unix sockets."""
 
 import os
 import subprocess
@@ -65,14 +65,16 @@ def _as_tritonserver(library, tmp_path, env_extra: dict, *args):
     return subprocess.run([str(program), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_triton_s_http_and_metrics_servers_move_to_the_front_s_sockets(library, tmp_path):
+def test_triton_s_http_metrics_and_grpc_servers_move_to_the_fronts_sockets(library, tmp_path):
     envs = triton_shim.SOCKET_ENVS
-    sockets = {envs["http"]: "/ws/sockets/http.sock", envs["metrics"]: "/ws/sockets/metrics.sock"}
+    sockets = {envs["http"]: "/ws/sockets/http.sock", envs["metrics"]: "/ws/sockets/metrics.sock",
+               envs["grpc"]: "/ws/sockets/grpc"}
     done = _as_tritonserver(library, tmp_path, sockets, "--http-address", "0.0.0.0", "--http-port", "8000",
-                            "--metrics-address=0.0.0.0", "--grpc-address", "0.0.0.0")
+                            "--metrics-address=0.0.0.0", "--grpc-address", "0.0.0.0", "--grpc-port=8001")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["--http-address", "unix:/ws/sockets/http.sock", "--http-port", "8000",
-                                   "--metrics-address=unix:/ws/sockets/metrics.sock", "--grpc-address", "0.0.0.0"]
+                                   "--metrics-address=unix:/ws/sockets/metrics.sock",
+                                   "--grpc-address", "unix:/ws/sockets/grpc", "--grpc-port=8001"]
     # asked for with no address to replace: Triton would listen on the public port itself, so it does not start
     (tmp_path / "b").mkdir()
     missing = _as_tritonserver(library, tmp_path / "b", sockets, "--http-address", "0.0.0.0")

@@ -14,7 +14,11 @@ alone: no other local user reaches them either), and this front listens on the p
   closes its connection to Triton at once (not at Triton's next write), which stops its request; an answer Triton
   breaks off (it died) is cut off for the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
-- a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500).
+- a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500);
+- an inference request to an entry model (``/v2/models/<entry>[/versions/<n>]/infer``, ``generate``,
+  ``generate_stream``) is read whole (within the same bound) and reaches Triton with the stage credential as a
+  request parameter in its JSON, in place of any the client sent (:class:`.CredentialForEntries`). An entry model
+  that is a Triton ensemble forwards it to its steps (:mod:`.grpc_front` does the same for gRPC).
 
 With a Triton that has the fix (``http-max-input-size``), the front is not needed; PyTriton 0.7 brings 2.51.
 """
@@ -24,16 +28,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, UnixConnector, web
 from yarl import URL
 
 from trident.core.config import MediaLimits, MiB
 from trident.supervisor.startup import StartupError
+
+if TYPE_CHECKING:
+    from trident.supervisor.grpc_front import CredentialForEntries
 
 log = logging.getLogger("trident.supervisor")
 
@@ -45,6 +54,9 @@ HOP_BY_HOP = frozenset({
 })  # (not passed on, either way)
 NOT_TO_TRITON = HOP_BY_HOP | {"content-encoding"}  # (the front inflates a compressed body)
 
+
+INFERENCE = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/(infer|generate|generate_stream)$")
+"""Triton's inference paths (the model name, raw as Triton reads it; the endpoint)."""
 
 JSON_ERRORS = (b'{"error":"failed to parse the request JSON', b'{"error":"Unable to parse JSON',
                b'{"error":"attempt to access JSON')
@@ -78,9 +90,10 @@ def _error(status: int, message: str) -> web.Response:
 class _Relay:
     """The handler of one route: each request to Triton's socket, and its answer back."""
 
-    def __init__(self, route: Route, limit: int) -> None:
+    def __init__(self, route: Route, limit: int, entries: CredentialForEntries | None) -> None:
         self.route = route
         self.limit = limit
+        self.entries = entries
         self.session: ClientSession | None = None
 
     async def open(self) -> None:
@@ -126,7 +139,18 @@ class _Relay:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_TO_TRITON}
         over: list[int] = []
         plain = declared is not None and "Content-Encoding" not in request.headers
-        if plain:  # (as it came: a Content-Length body reaches Triton in whatever parts it arrives)
+        path = INFERENCE.match(request.rel_url.raw_path) if self.entries is not None else None
+        if path and path.group(1) in self.entries.entries and request.body_exists:  # (the body, read whole, with
+            try:                                                                   # the credential in it)
+                body = b"".join([piece async for piece in self._pieces(request, over)])
+            except ValueError:
+                return self._too_large()
+            head = headers.pop("Inference-Header-Content-Length", None)
+            body, head = self.entries.into_json(body, path.group(2) != "infer", head)
+            headers["Content-Length"] = str(len(body))
+            if head is not None:
+                headers["Inference-Header-Content-Length"] = str(head)
+        elif plain:  # (as it came: a Content-Length body reaches Triton in whatever parts it arrives)
             headers["Content-Length"] = str(declared)
             body = request.content.iter_any() if declared else None
         else:
@@ -170,9 +194,10 @@ class HttpFront:
     """Listens on each route's public port (bound at :meth:`start`) and relays to Triton's Unix sockets, in a thread
     of its own with its own event loop."""
 
-    def __init__(self, routes: list[Route], limit: int) -> None:
+    def __init__(self, routes: list[Route], limit: int, entries: CredentialForEntries | None = None) -> None:
         self.routes = routes
         self.limit = limit
+        self.entries = entries
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Event | None = None
@@ -225,7 +250,7 @@ class HttpFront:
         relays, runners = [], []
         try:
             for route, sock in zip(self.routes, sockets):
-                relay = _Relay(route, self.limit)
+                relay = _Relay(route, self.limit, self.entries)
                 await relay.open()
                 relays.append(relay)
                 # (client_max_size bounds nothing read here: _Relay counts the body itself; a handler's error is a

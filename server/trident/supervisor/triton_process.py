@@ -1,10 +1,10 @@
 """Triton's process, as the head runs it: its workspace and model store, its start (the shim preloaded, the bounded
-HTTP front before its Unix sockets), its start again after it died (the workers keep their engines), its stop, and a
-client to it.
+HTTP front and the gRPC front before its Unix sockets), its start again after it died (the workers keep their
+engines), its stop, and a client to it.
 
 PyTriton starts and stops it (:mod:`.pytriton_patch` adjusts how); the shim (:mod:`.triton_shim`) keeps its token out
-of its argv and puts its HTTP and metrics servers on Unix sockets of the workspace, which the front
-(:mod:`.http_front`) relays its public ports to.
+of its argv and puts its HTTP, metrics and gRPC servers on Unix sockets of the workspace, which the fronts
+(:mod:`.http_front`, :mod:`.grpc_front`) relay its public ports to.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trident.core import tracing
+from trident.core import auth, tracing
 from trident.core.config import ServeSettings
-from trident.core.protocol import BIND_MODEL
+from trident.core.protocol import BIND_MODEL, MODES
 from trident.core.stagecall import directory
 from trident.supervisor import pytriton_patch, triton_shim
 from trident.supervisor.gate import GATE, close_gate
+from trident.supervisor.grpc_front import CredentialForEntries, GrpcFront
 from trident.supervisor.http_front import HttpFront, Route, max_body_bytes
 from trident.supervisor.processes import descendants, is_stub, is_stub_of, kill_left, remove_shm_regions, stubs_of
 from trident.supervisor.restarts import Restarts
 from trident.supervisor.startup import StartupError
 
 TRITON = "tritonserver"  # its name in its Restarts
-SOCKETS = ("http.sock", "metrics.sock")
+SOCKETS = ("http.sock", "metrics.sock", "grpc")  # (gRPC's socket file is grpc:<port>: gRPC appends the port)
 
 
 class TritonExited(RuntimeError):
@@ -47,6 +48,7 @@ class TritonProcess:
         directory.create(workspace / "stages")  # Triton's stubs enter their workers here, for the schedulers
         self.triton = None
         self._front: HttpFront | None = None
+        self._grpc_front: GrpcFront | None = None
         self._shim: Path | None = None
         self.restarts = Restarts(give_up=True)  # its deaths in a row
 
@@ -128,12 +130,16 @@ class TritonProcess:
             # PyTriton's own calls carry the token; the restriction is the config's above, not PyTriton's (with argv)
             security_config=TritonSecurityConfig(access_token=self.token, restricted_endpoints=[]),
         )
-        # Triton's HTTP and metrics servers on Unix sockets of the workspace, the bounded front on their public ports
+        # Triton's HTTP, metrics and gRPC servers on Unix sockets of the workspace, the fronts on their public ports
         sockets = self._socket_folder()
+        limit = max_body_bytes(self.s.media_limits)
+        entries = CredentialForEntries(frozenset(MODES), auth.credential(), auth.CREDENTIAL)
         self._front = HttpFront([Route("HTTP", self.s.host, self.s.http_port, sockets / "http.sock"),
                                  Route("metrics", self.s.host, self.s.metrics_port, sockets / "metrics.sock")],
-                                max_body_bytes(self.s.media_limits))
+                                limit, entries)
         self._front.start()
+        self._grpc_front = GrpcFront(self.s.host, self.s.grpc_port, f"unix:{self._socket_files()[-1]}", limit, entries)
+        self._grpc_front.start()
         self._shim = triton_shim.build(self.workspace)
         with self._preloaded():
             self.triton.run()
@@ -151,8 +157,8 @@ class TritonProcess:
         self.out("[trident] Triton exited; starting it again (the workers keep their engines; not READY meanwhile)")
         kill_left(stubs_of(self.model_store), grace_s=0)  # (the dead Triton's: orphans now)
         remove_shm_regions(os.getpid())
-        for name in SOCKETS:
-            (self.workspace / "sockets" / name).unlink(missing_ok=True)
+        for path in self._socket_files():
+            path.unlink(missing_ok=True)
         close_gate(self.model_store)
         deadline = time.monotonic() + min(delay - 1.0, 8.0)  # (none after a long life; backoff after quick deaths)
         while time.monotonic() < deadline and not stopping():
@@ -169,17 +175,22 @@ class TritonProcess:
         return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload,
                                      {name.split(".")[0]: sockets / name for name in SOCKETS})
 
+    def _socket_files(self) -> list[Path]:
+        """Triton's Unix sockets as files: HTTP's, metrics', gRPC's (its path and :port)."""
+        folder = self.workspace / "sockets"
+        return [folder / name if name != "grpc" else folder / f"grpc:{self.s.grpc_port}" for name in SOCKETS]
+
     def _socket_folder(self) -> Path:
         """The folder of Triton's Unix sockets: its user's alone, whatever the workspace's mode."""
         folder = self.workspace / "sockets"
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(folder, 0o700)
-        longest = folder / "metrics.sock"
+        longest = max(self._socket_files(), key=lambda path: len(os.fsencode(path)))
         if len(os.fsencode(longest)) >= 108:
             raise StartupError(f"the workspace's path is too long for a Unix socket ({longest}): choose a shorter "
                                "workspace")
-        for name in SOCKETS:  # (a server stopped by SIGKILL leaves its sockets)
-            (folder / name).unlink(missing_ok=True)
+        for path in self._socket_files():  # (a server stopped by SIGKILL leaves its sockets)
+            path.unlink(missing_ok=True)
         return folder
 
     # -- stop --------------------------------------------------------------------------------------------------
@@ -194,6 +205,8 @@ class TritonProcess:
                 self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
         if self._front is not None:
             self._front.stop()
+        if self._grpc_front is not None:
+            self._grpc_front.stop()
 
     def _reap(self, stubs: list[int], grace_s: float = 3.0) -> None:
         """Python-backend stubs that outlive Triton (seen for entry models after dropped streams or a killed

@@ -14,7 +14,7 @@
  * 4. Model-config auto-completion off (below).
  * 5. Freed large buffers go back to the system (below).
  * 6. Triton in a process group of its own (below).
- * 7. Triton's HTTP and metrics servers on Unix sockets, behind the launcher's bounded front (below).
+ * 7. Triton's HTTP, metrics and gRPC servers on Unix sockets, behind the launcher's fronts (below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -209,9 +209,9 @@ __attribute__((constructor)) static void own_process_group(void) {
 }
 
 /* 7. Triton 2.51's HTTP server reads bodies of any size, and a chunked body of many small chunks ends it (one stack
- *    entry per chunk). The launcher's front (supervisor/http_front.py) takes the public HTTP and metrics ports and
- *    relays to Triton over Unix sockets in the server's workspace, its user's alone; PyTriton, which writes
- *    --http-address=HOST and --metrics-address=HOST and calls the public port, is left as it is. This puts
+ *    entry per chunk). The launcher's fronts (supervisor/http_front.py, supervisor/grpc_front.py) take the public
+ *    HTTP, metrics and gRPC ports and relay to Triton over Unix sockets in the server's workspace, its user's alone;
+ *    PyTriton, which writes --http-address=HOST (and the others) and calls the public port, is left as it is. This puts
  *    unix:<path> in place of each HOST (before main, in its argv copy). Asked for and not done is an exit: Triton must
  *    never listen on the public ports itself. */
 static void put_socket(int argc, char **argv, const char *flag, const char *env) {
@@ -241,4 +241,5 @@ __attribute__((constructor)) static void behind_the_front(int argc, char **argv,
     if (strcmp(program_invocation_short_name, "tritonserver") != 0) return;
     put_socket(argc, argv, "--http-address", "TRIDENT_HTTP_SOCKET");
     put_socket(argc, argv, "--metrics-address", "TRIDENT_METRICS_SOCKET");
+    put_socket(argc, argv, "--grpc-address", "TRIDENT_GRPC_SOCKET"); /* (gRPC appends :PORT to the path) */
 }

@@ -20,7 +20,8 @@ from trident.supervisor.startup import StartupError
 PLACEHOLDER = "@TRIDENT_ACCESS_TOKEN@"
 TOKEN_ENV = "TRIDENT_ACCESS_TOKEN"
 UPLOAD_ENV = "TRIDENT_ALLOW_CODE_UPLOAD"
-SOCKET_ENVS = {"http": "TRIDENT_HTTP_SOCKET", "metrics": "TRIDENT_METRICS_SOCKET"}  # Triton's servers on Unix sockets
+SOCKET_ENVS = {"http": "TRIDENT_HTTP_SOCKET", "metrics": "TRIDENT_METRICS_SOCKET",  # Triton's servers on Unix sockets
+               "grpc": "TRIDENT_GRPC_SOCKET"}  # (gRPC's: the path, and :PORT after it)
 SOURCE = Path(__file__).with_name("triton_shim.c")
 
 
@@ -47,7 +48,7 @@ def restriction(endpoints: list[str], header: str) -> str:
 def preloaded(library: Path, token: str, allow_code_upload: bool = False, sockets: dict[str, Path] | None = None):
     """Within it, the processes started (Triton) get the library and the token by environment, with
     ``allow_code_upload`` may load models with files uploaded through the repository API, and with ``sockets``
-    (``http``, ``metrics``: a path each) serve HTTP and metrics on those Unix sockets (the HTTP front's)."""
+    (``http``, ``metrics``, ``grpc``: a path each) serve HTTP, metrics and gRPC on those Unix sockets (the fronts')."""
     saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV, UPLOAD_ENV, *SOCKET_ENVS.values())}
     os.environ["LD_PRELOAD"] = " ".join(filter(None, [str(library), saved["LD_PRELOAD"]]))
     os.environ[TOKEN_ENV] = token

@@ -1,0 +1,211 @@
+"""The front of Triton's gRPC port, in the head process: clients reach Triton's gRPC through it, and Triton itself
+listens on a Unix socket of the workspace (its user's alone; the shim's argv swap, as for HTTP).
+
+It relays every call of Triton's ``inference.GRPCInferenceService`` as it is (bytes and metadata both ways, a stream
+message by message, a client that goes away cancels its call to Triton), with two changes:
+
+- an inference request (``ModelInfer``, each message of ``ModelStreamInfer``) for an entry model carries the stage
+  credential (:data:`trident.core.auth.CREDENTIAL`) as a request parameter, in place of any the client sent. An entry
+  model that is a Triton ensemble forwards its request's parameters to its steps, the stage models, which answer
+  only the deployment's own callers: so an ensemble's clients, the OpenAI frontend and the warm-up hold no
+  deployment credential. The request is parsed and written again (protobuf), so Triton reads the very model name
+  the front read. A BLS entry model ignores the parameter. Requests for any other model pass unchanged: a stage
+  model still needs the credential from its caller.
+- a message larger than the HTTP front's body limit (what the media limits let one request carry) is refused
+  (RESOURCE_EXHAUSTED) before it reaches Triton, which would take 2 GiB.
+
+While Triton does not answer (starting, restarting, stopped), calls fail UNAVAILABLE, as they would at Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+from grpc import aio
+
+from trident.supervisor.startup import StartupError
+
+log = logging.getLogger("trident.supervisor")
+
+SERVICE = "/inference.GRPCInferenceService/"
+INFER = SERVICE + "ModelInfer"
+STREAM_INFER = SERVICE + "ModelStreamInfer"
+NOT_PASSED = ("user-agent", "content-type", "te", "grpc-")  # metadata gRPC sets itself on each hop
+
+
+class CredentialForEntries:
+    """An inference request with the stage credential set as a parameter when its model is an entry model: a gRPC
+    request's bytes (called), an HTTP request's JSON (:meth:`into_json`)."""
+
+    def __init__(self, entries: frozenset[str], credential: str, parameter: str) -> None:
+        from tritonclient.grpc import service_pb2
+
+        self._message = service_pb2.ModelInferRequest
+        self.entries, self.credential, self.parameter = entries, credential, parameter
+
+    def __call__(self, raw: bytes) -> bytes:
+        request = self._message()
+        try:
+            request.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - not a request Triton could read either: it answers the error
+            return raw
+        if request.model_name not in self.entries:
+            return raw
+        request.parameters[self.parameter].string_param = self.credential
+        return request.SerializeToString()
+
+    def into_json(self, body: bytes, generate: bool, head: str | None) -> tuple[bytes, int | None]:
+        """An HTTP inference request's body to an entry model with the credential in it, and the length of its JSON
+        (``head``: the client's ``Inference-Header-Content-Length``, binary tensors after the JSON): ``generate``'s
+        keys that name no input are its parameters, ``infer``'s are in ``parameters``. A body that is not a JSON
+        object passes unchanged (Triton answers it 400), without the credential."""
+        import json
+
+        try:
+            size = int(head) if head is not None else len(body)
+            if not 0 <= size <= len(body):
+                raise ValueError("Inference-Header-Content-Length out of the body")
+            request = json.loads(body[:size])
+            if not isinstance(request, dict):
+                raise ValueError("not a JSON object")
+            into = request if generate else request.setdefault("parameters", {})
+            if not isinstance(into, dict):
+                raise ValueError("parameters is not an object")
+        except (ValueError, UnicodeDecodeError):
+            return body, (int(head) if head is not None and head.isdigit() else None)
+        into[self.parameter] = self.credential
+        json_part = json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode()
+        return json_part + body[size:], (len(json_part) if head is not None else None)
+
+
+def _metadata(context: aio.ServicerContext) -> tuple:
+    return tuple((k, v) for k, v in context.invocation_metadata() or ()
+                 if not k.startswith(":") and not k.startswith(NOT_PASSED))
+
+
+def _left(context: aio.ServicerContext) -> float | None:
+    """The client's deadline, as the time left to the call to Triton (None: it set none)."""
+    left = context.time_remaining()
+    return left if left is not None and left < 1e8 else None
+
+
+class _Relay(grpc.GenericRpcHandler):
+    """Each call to Triton's Unix socket, and its answer back."""
+
+    def __init__(self, channel: aio.Channel, upstream: str, rewrite: CredentialForEntries) -> None:
+        self._channel = channel
+        self._upstream = upstream.removeprefix("unix:")
+        self._rewrite = rewrite
+
+    async def _fail(self, context: aio.ServicerContext, e: aio.AioRpcError) -> None:
+        """End the client's call with the status Triton's ended with; the front's own failure to reach Triton as
+        Triton's absence, naming no path of the host."""
+        details = e.details() or ""
+        if e.code() == grpc.StatusCode.UNAVAILABLE and (self._upstream in details or "failed to connect" in details):
+            details = "Triton is not answering (starting, restarting or stopped); try again"
+        await context.abort(e.code(), details, e.trailing_metadata() or ())
+
+    def service(self, details: grpc.HandlerCallDetails):
+        method = details.method
+        if not method.startswith(SERVICE):
+            return None  # UNIMPLEMENTED, as at Triton
+        if method == STREAM_INFER:
+            return grpc.stream_stream_rpc_method_handler(self._stream)
+
+        async def unary(request: bytes, context: aio.ServicerContext) -> bytes:
+            return await self._unary(method, request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary)
+
+    async def _unary(self, method: str, request: bytes, context: aio.ServicerContext) -> bytes:
+        if method == INFER:
+            request = self._rewrite(request)
+        call = self._channel.unary_unary(method)(request, metadata=_metadata(context), timeout=_left(context))
+        try:
+            return await call
+        except aio.AioRpcError as e:
+            await self._fail(context, e)
+        finally:
+            call.cancel()  # (the client went away: the call to Triton ends with it)
+
+    async def _stream(self, requests, context: aio.ServicerContext):
+        async def rewritten():
+            async for request in requests:
+                yield self._rewrite(request)
+
+        call = self._channel.stream_stream(STREAM_INFER)(rewritten(), metadata=_metadata(context),
+                                                         timeout=_left(context))
+        try:
+            async for response in call:
+                yield response
+        except aio.AioRpcError as e:
+            await self._fail(context, e)
+        finally:
+            call.cancel()
+
+
+class GrpcFront:
+    """Listens on the public gRPC port (bound at :meth:`start`) and relays to Triton's gRPC Unix socket
+    (``upstream``: a ``unix:`` target), in a thread of its own with its own event loop."""
+
+    def __init__(self, host: str, port: int, upstream: str, limit: int, rewrite: CredentialForEntries) -> None:
+        self.host, self.port, self.upstream, self.limit, self.rewrite = host, port, upstream, limit, rewrite
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Event | None = None
+
+    def start(self) -> None:
+        """Bind the public port (a taken one is a :class:`StartupError` naming it) and serve it."""
+        started = threading.Event()
+        failed: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(started, failed), name="grpc-front", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failed:
+            raise StartupError(f"gRPC port {self.host}:{self.port}: {failed[0]}")
+
+    def _run(self, started: threading.Event, failed: list) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve(started))
+        except BaseException as e:  # noqa: BLE001 - told to start() when it happens there
+            failed.append(e)
+            started.set()
+        finally:
+            loop.close()
+
+    async def _serve(self, started: threading.Event) -> None:
+        self._stopped = asyncio.Event()
+        # (to Triton: no message bound, it is the deployment's own; from clients: the front's)
+        channel = aio.insecure_channel(self.upstream, options=[("grpc.max_receive_message_length", -1),
+                                                               ("grpc.max_send_message_length", -1)])
+        server = aio.server(handlers=[_Relay(channel, self.upstream, self.rewrite)], maximum_concurrent_rpcs=None,
+                            options=[("grpc.max_receive_message_length", self.limit),
+                                     ("grpc.max_send_message_length", -1),
+                                     ("grpc.so_reuseport", 0)])
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        try:
+            try:
+                bound = server.add_insecure_port(f"{host}:{self.port}")
+            except RuntimeError:  # (newer gRPC raises where older ones answered 0)
+                bound = 0
+            if bound == 0:
+                raise OSError("could not bind it (in use?)")
+            await server.start()
+            started.set()
+            await self._stopped.wait()
+        finally:
+            await server.stop(grace=1.0)
+            await channel.close()
+
+    def stop(self) -> None:
+        """Close the public port (the calls in flight are cut after a second) and end the thread."""
+        if self._loop is not None and self._stopped is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stopped.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
