@@ -19,14 +19,13 @@ While Triton does not answer (starting, restarting, stopped), calls fail UNAVAIL
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 
 import grpc
 from grpc import aio
 
-from trident.supervisor.startup import StartupError
+from trident.supervisor.loop_thread import LoopThread
 
 log = logging.getLogger("trident.supervisor")
 
@@ -147,40 +146,17 @@ class _Relay(grpc.GenericRpcHandler):
             call.cancel()
 
 
-class GrpcFront:
-    """Listens on the public gRPC port (bound at :meth:`start`) and relays to Triton's gRPC Unix socket
-    (``upstream``: a ``unix:`` target), in a thread of its own with its own event loop."""
+class GrpcFront(LoopThread):
+    """Listens on the public gRPC port (bound at :meth:`start`: a taken one is a :class:`StartupError` naming it) and
+    relays to Triton's gRPC Unix socket (``upstream``: a ``unix:`` target), in a thread of its own with its own
+    event loop."""
 
     def __init__(self, host: str, port: int, upstream: str, limit: int, rewrite: CredentialForEntries) -> None:
+        super().__init__()
         self.host, self.port, self.upstream, self.limit, self.rewrite = host, port, upstream, limit, rewrite
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped: asyncio.Event | None = None
-
-    def start(self) -> None:
-        """Bind the public port (a taken one is a :class:`StartupError` naming it) and serve it."""
-        started = threading.Event()
-        failed: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(started, failed), name="grpc-front", daemon=True)
-        self._thread.start()
-        started.wait()
-        if failed:
-            raise StartupError(f"gRPC port {self.host}:{self.port}: {failed[0]}")
-
-    def _run(self, started: threading.Event, failed: list) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._serve(started))
-        except BaseException as e:  # noqa: BLE001 - told to start() when it happens there
-            failed.append(e)
-            started.set()
-        finally:
-            loop.close()
+        self.what = f"gRPC port {host}:{port}"
 
     async def _serve(self, started: threading.Event) -> None:
-        self._stopped = asyncio.Event()
         # (to Triton: no message bound, it is the deployment's own; from clients: the front's)
         channel = aio.insecure_channel(self.upstream, options=[("grpc.max_receive_message_length", -1),
                                                                ("grpc.max_send_message_length", -1)])
@@ -202,10 +178,3 @@ class GrpcFront:
         finally:
             await server.stop(grace=1.0)
             await channel.close()
-
-    def stop(self) -> None:
-        """Close the public port (the calls in flight are cut after a second) and end the thread."""
-        if self._loop is not None and self._stopped is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stopped.set)
-        if self._thread is not None:
-            self._thread.join(timeout=10)

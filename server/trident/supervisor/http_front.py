@@ -39,6 +39,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, UnixConnector, we
 from yarl import URL
 
 from trident.core.config import MediaLimits, MiB
+from trident.supervisor.loop_thread import LoopThread
 from trident.supervisor.startup import StartupError
 
 if TYPE_CHECKING:
@@ -190,29 +191,22 @@ class _Relay:
             return _error(503, f"Triton is not answering ({type(e).__name__}); try again")
 
 
-class HttpFront:
-    """Listens on each route's public port (bound at :meth:`start`) and relays to Triton's Unix sockets, in a thread
-    of its own with its own event loop."""
+class HttpFront(LoopThread):
+    """Listens on each route's public port (bound at :meth:`start`: a taken one is a :class:`StartupError` naming it)
+    and relays to Triton's Unix sockets, in a thread of its own with its own event loop."""
+
+    what = "the HTTP front"
 
     def __init__(self, routes: list[Route], limit: int, entries: CredentialForEntries | None = None) -> None:
+        super().__init__()
         self.routes = routes
         self.limit = limit
         self.entries = entries
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped: asyncio.Event | None = None
+        self._sockets: list[socket.socket] = []
 
     def start(self) -> None:
-        """Bind every public port (a taken one is a :class:`StartupError` naming it) and serve them."""
-        sockets = [self._bind(route) for route in self.routes]
-        started = threading.Event()
-        failed: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(sockets, started, failed), name="http-front",
-                                        daemon=True)
-        self._thread.start()
-        started.wait()
-        if failed:
-            raise StartupError(f"the HTTP front did not start: {failed[0]}")
+        self._sockets = [self._bind(route) for route in self.routes]
+        super().start()
 
     @staticmethod
     def _bind(route: Route) -> socket.socket:
@@ -228,28 +222,18 @@ class HttpFront:
         sock.setblocking(False)
         return sock
 
-    def _run(self, sockets, started: threading.Event, failed: list) -> None:
+    def _new_loop(self) -> asyncio.AbstractEventLoop:
         try:
             import uvloop
 
-            loop = uvloop.new_event_loop()
+            return uvloop.new_event_loop()
         except ImportError:
-            loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._serve(sockets, started))
-        except BaseException as e:  # noqa: BLE001 - told to start() when it happens there
-            failed.append(e)
-            started.set()
-        finally:
-            loop.close()
+            return asyncio.new_event_loop()
 
-    async def _serve(self, sockets, started: threading.Event) -> None:
-        self._stopped = asyncio.Event()
+    async def _serve(self, started: threading.Event) -> None:
         relays, runners = [], []
         try:
-            for route, sock in zip(self.routes, sockets):
+            for route, sock in zip(self.routes, self._sockets):
                 relay = _Relay(route, self.limit, self.entries)
                 await relay.open()
                 relays.append(relay)
@@ -269,10 +253,3 @@ class HttpFront:
                 await runner.cleanup()
             for relay in relays:
                 await relay.close()
-
-    def stop(self) -> None:
-        """Close the public ports (the answers in flight are cut after a second) and end the thread."""
-        if self._loop is not None and self._stopped is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stopped.set)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
