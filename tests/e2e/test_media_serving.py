@@ -10,6 +10,7 @@ import time
 import pytest
 
 from support import (
+    credential,
     MEDIA_CASES as CASES, MODES, audio_bytes, b64, bad_media, build_media_reference, drain_kv, grpc_generate, http_generate,
     make_frames, make_wave, media_prompt, stage_output, strings,
     shared_media_server, video_bytes, wait_drained,
@@ -110,8 +111,8 @@ def test_ensemble_carries_media(server, reference):
     try:
         server.swap_scheduler("e_p_d", "ensemble")
         for case, c in _cases(server, reference):
-            assert grpc_generate(server.grpc, "e_p_d", c["text"], c["media"], GREEDY, stream=True).text \
-                == c["expected"], case  # (no credential: the gRPC front gives an entry model's requests the server's)
+            assert grpc_generate(server.grpc, "e_p_d", c["text"], c["media"], GREEDY, stream=True,
+                                 parameters=credential()).text == c["expected"], case  # an ensemble's client proves it
     finally:
         server.swap_scheduler("e_p_d", "bls")
 

@@ -159,47 +159,6 @@ def test_a_client_gets_no_record_and_a_leaked_one_opens_nothing(server, ref):
     assert view is None and not released_by_attacker, f"a leaked record opened the producer's memory: {done}"
 
 
-def test_the_fronts_give_the_credential_to_entry_models_alone(server):
-    """The server's fronts add the stage credential to entry models' requests only: a stage model called through
-    the public ports is refused with no credential, with a made-up one (a gRPC parameter; over HTTP also the header
-    Triton forwards as one), and with a gRPC request that names an entry model and then the stage model (protobuf
-    keeps the last: the front reads what Triton reads). (Entry models' clients with none: test_serving.py's
-    ensemble test.)"""
-    import grpc
-    import tritonclient.grpc as grpcclient
-    from tritonclient.grpc import _utils, service_pb2
-
-    from support.clients import _grpc_inputs
-    from trident.core import auth
-
-    refused = "Unauthenticated: stage model encode answers only the deployment's own callers"
-    image = {"image": strings(b64(png_bytes(make_image(64, 64, 11))))}
-    made_up = "0" * 64
-    for headers, body_parameters in (({}, None), ({auth.CREDENTIAL: made_up}, None),
-                                     ({}, {auth.CREDENTIAL: made_up})):
-        body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [image["image"][0][0].decode()]}]}
-        if body_parameters:
-            body["parameters"] = body_parameters
-        r = requests.post(f"http://{server.http}/v2/models/encode/infer", json=body, headers=headers, timeout=30)
-        assert r.status_code != 200 and refused in r.text, (headers, body_parameters, r.status_code, r.text[:300])
-
-    def raw_infer(raw: bytes) -> bytes:
-        with grpc.insecure_channel(server.grpc) as channel:
-            return channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(raw, timeout=60)
-
-    def request(model: str, parameters: dict | None = None) -> service_pb2.ModelInferRequest:
-        return _utils._get_inference_request(model, _grpc_inputs(grpcclient, image), "", "", None, 0, False, False,
-                                             0, None, parameters)
-
-    for raw in (request("encode").SerializeToString(),
-                request("encode", {auth.CREDENTIAL: made_up}).SerializeToString(),
-                service_pb2.ModelInferRequest(model_name="e_p_d").SerializeToString()
-                + request("encode").SerializeToString()):
-        with pytest.raises(grpc.RpcError) as refusal:
-            raw_infer(raw)
-        assert refused in refusal.value.details(), refusal.value.details()
-
-
 def test_a_lease_id_alone_does_not_end_a_lease(server, ref):
     """A party that knows the producer's agent and a lease's id (what the stamp table holds) sends the release
     notification: the lease stays open and the record's consumer reads it as if nothing happened."""
@@ -439,7 +398,7 @@ def test_no_http_request_ends_triton_or_makes_it_read_an_unbounded_body(server):
     """Triton 2.51's HTTP server ended (SIGSEGV) on a chunked body of 2,000,000 one-byte chunks, from anyone, and read
     bodies of any size. Behind the launcher's bounded front (supervisor/http_front.py) the chunked request is the
     client's 400 (it is not JSON), a body declared over the limit is a 413 at once, the server serves on with the
-    same answer, and Triton itself listens (HTTP, metrics, gRPC) only on Unix sockets its user alone can reach."""
+    same answer, and Triton itself listens for HTTP and metrics only on Unix sockets its user alone can reach."""
     params = {"max_tokens": 8, "temperature": 0}
     before = http_generate(server.http, "epd", "USER: Say something. ASSISTANT:", [], params)
     assert before[0] == 200, before
@@ -455,10 +414,10 @@ def test_no_http_request_ends_triton_or_makes_it_read_an_unbounded_body(server):
               if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"]
     assert len(triton) == 1
     ports = {addr.rsplit(":", 1)[1] for addr, _ in _listeners(set(triton))}
-    assert ports == set(), ports  # (HTTP, metrics and gRPC: the head's fronts listen)
+    assert ports == {str(server.grpc_port)}, ports  # (HTTP and metrics: the head's front listens)
     sockets = server.workspace / "sockets"
     assert oct(sockets.stat().st_mode & 0o777) == "0o700" and {p.name for p in sockets.iterdir()} == {
-        "http.sock", "metrics.sock", f"grpc:{server.grpc_port}"}
+        "http.sock", "metrics.sock"}
     assert requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).status_code == 200
 
 

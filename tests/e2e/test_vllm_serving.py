@@ -15,7 +15,7 @@ import pytest
 
 from trident.supervisor.processes import cpu_seconds
 from support import (
-    ADDITIONAL, LOGPROB_FLAGS,
+    ADDITIONAL, LOGPROB_FLAGS, credential,
     MODES, audio_bytes, b64, bad_request, build_reference, cancellable_stream, decode_kv, descendants, drain_kv,
     grpc_generate, http_generate, make_frames, make_wave, media_prompt, quiet_vllm_metrics, settled_vllm_metrics,
     stage_output, strings, video_bytes, vllm_server, wait_drained,
@@ -81,14 +81,15 @@ def test_modes_equal_generate(server, reference, mode, case):
 @pytest.mark.parametrize("mode", MODES)
 def test_ensemble_equals_bls_scheduler(server, reference, mode):
     """Triton's ensemble (swapped in while serving) agrees with model.generate(), over gRPC streaming and HTTP
-    generate, as the BLS scheduler (the default) does, to clients that hold no deployment credential (the server's
-    fronts give an entry model's requests its own); swapped back, the BLS serves again."""
+    generate, as the BLS scheduler (the default) does; swapped back, the BLS serves again."""
     try:
         server.swap_scheduler(mode, "ensemble")
         for case in ("one-image", "text-only"):
             c = reference[case]
-            assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True).text == c["expected"]
-            status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY)
+            extra = credential()  # an ensemble's clients prove the secret
+            assert grpc_generate(server.grpc, mode, c["text"], c["images"], GREEDY, stream=True,
+                                 parameters=extra).text == c["expected"]
+            status, body = http_generate(server.http, mode, c["text"], c["images"], GREEDY, parameters=extra)
             assert status == 200 and body["text_output"] == c["expected"], (case, body)
     finally:
         server.swap_scheduler(mode, "bls")

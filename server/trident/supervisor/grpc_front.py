@@ -1,5 +1,7 @@
-"""The front of Triton's gRPC port, in the head process: clients reach Triton's gRPC through it, and Triton itself
-listens on a Unix socket of the workspace (its user's alone; the shim's argv swap, as for HTTP).
+"""The front of Triton's gRPC port on a ``scheduler: ensemble`` server, in the head process: clients reach Triton's
+gRPC through it, and Triton itself listens on a Unix socket of the workspace (its user's alone; the shim's argv
+swap, as for HTTP). A BLS server has none: its entry models need no credential, and a relayed message costs about
+as much again as Triton's own handling of it (tokens/s 0.89-0.92 in three of eight ``make bench-ab`` rows).
 
 It relays every call of Triton's ``inference.GRPCInferenceService`` as it is (bytes and metadata both ways, a stream
 message by message, a client that goes away cancels its call to Triton), with two changes:
@@ -9,8 +11,8 @@ message by message, a client that goes away cancels its call to Triton), with tw
   model that is a Triton ensemble forwards its request's parameters to its steps, the stage models, which answer
   only the deployment's own callers: so an ensemble's clients, the OpenAI frontend and the warm-up hold no
   deployment credential. The request is parsed and written again (protobuf), so Triton reads the very model name
-  the front read. A BLS entry model ignores the parameter. Requests for any other model pass unchanged: a stage
-  model still needs the credential from its caller.
+  the front read. Requests for any other model pass unchanged: a stage model still needs the credential from its
+  caller.
 - a message larger than the HTTP front's body limit (what the media limits let one request carry) is refused
   (RESOURCE_EXHAUSTED) before it reaches Triton, which would take 2 GiB.
 

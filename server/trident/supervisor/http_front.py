@@ -15,8 +15,8 @@ alone: no other local user reaches them either), and this front listens on the p
   breaks off (it died) is cut off for the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
 - a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500);
-- an inference request to an entry model (``/v2/models/<entry>[/versions/<n>]/infer``, ``generate``,
-  ``generate_stream``) is read whole (within the same bound) and reaches Triton with the stage credential as a
+- with ``scheduler: ensemble``, an inference request to an entry model (``/v2/models/<entry>[/versions/<n>]/infer``,
+  ``generate``, ``generate_stream``) is read whole (within the same bound) and reaches Triton with the stage credential as a
   request parameter in its JSON, in place of any the client sent (:class:`.CredentialForEntries`). An entry model
   that is a Triton ensemble forwards it to its steps (:mod:`.grpc_front` does the same for gRPC).
 

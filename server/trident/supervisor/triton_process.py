@@ -29,7 +29,7 @@ from trident.supervisor.restarts import Restarts
 from trident.supervisor.startup import StartupError
 
 TRITON = "tritonserver"  # its name in its Restarts
-SOCKETS = ("http.sock", "metrics.sock", "grpc")  # (gRPC's socket file is grpc:<port>: gRPC appends the port)
+SOCKETS = ("http.sock", "metrics.sock", "grpc")  # (gRPC's, with the ensemble scheduler, is the file grpc:<port>)
 
 
 class TritonExited(RuntimeError):
@@ -130,16 +130,20 @@ class TritonProcess:
             # PyTriton's own calls carry the token; the restriction is the config's above, not PyTriton's (with argv)
             security_config=TritonSecurityConfig(access_token=self.token, restricted_endpoints=[]),
         )
-        # Triton's HTTP, metrics and gRPC servers on Unix sockets of the workspace, the fronts on their public ports
+        # Triton's HTTP and metrics servers on Unix sockets of the workspace, the bounded front on their public
+        # ports; with the ensemble scheduler its gRPC server too, behind the gRPC front: the fronts give the entry
+        # models' requests the stage credential, which an ensemble forwards to its steps
         sockets = self._socket_folder()
         limit = max_body_bytes(self.s.media_limits)
-        entries = CredentialForEntries(frozenset(MODES), auth.credential(), auth.CREDENTIAL)
+        entries = CredentialForEntries(frozenset(MODES), auth.credential(), auth.CREDENTIAL) if self._ensembles else None
         self._front = HttpFront([Route("HTTP", self.s.host, self.s.http_port, sockets / "http.sock"),
                                  Route("metrics", self.s.host, self.s.metrics_port, sockets / "metrics.sock")],
                                 limit, entries)
         self._front.start()
-        self._grpc_front = GrpcFront(self.s.host, self.s.grpc_port, f"unix:{self._socket_files()[-1]}", limit, entries)
-        self._grpc_front.start()
+        if entries is not None:
+            self._grpc_front = GrpcFront(self.s.host, self.s.grpc_port, f"unix:{self._socket_files()[-1]}", limit,
+                                         entries)
+            self._grpc_front.start()
         self._shim = triton_shim.build(self.workspace)
         with self._preloaded():
             self.triton.run()
@@ -173,12 +177,19 @@ class TritonProcess:
         """What Triton starts with: the shim, the token, the front's sockets."""
         sockets = self.workspace / "sockets"
         return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload,
-                                     {name.split(".")[0]: sockets / name for name in SOCKETS})
+                                     {name.split(".")[0]: sockets / name for name in SOCKETS
+                                      if name != "grpc" or self._ensembles})
+
+    @property
+    def _ensembles(self) -> bool:
+        """Whether the entry models are Triton ensembles (``scheduler: ensemble``): then the gRPC front too."""
+        return self.s.scheduler == "ensemble"
 
     def _socket_files(self) -> list[Path]:
-        """Triton's Unix sockets as files: HTTP's, metrics', gRPC's (its path and :port)."""
+        """Triton's Unix sockets as files: HTTP's, metrics', and with the gRPC front gRPC's (its path and :port)."""
         folder = self.workspace / "sockets"
-        return [folder / name if name != "grpc" else folder / f"grpc:{self.s.grpc_port}" for name in SOCKETS]
+        return [folder / name if name != "grpc" else folder / f"grpc:{self.s.grpc_port}" for name in SOCKETS
+                if name != "grpc" or self._ensembles]
 
     def _socket_folder(self) -> Path:
         """The folder of Triton's Unix sockets: its user's alone, whatever the workspace's mode."""
