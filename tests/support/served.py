@@ -72,10 +72,15 @@ class Server:
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line.rstrip())
-            if line.startswith("[trident] ready"):
-                self._ready.set()
+        """Keep the server's output (Triton's own among it: what it wrote before it died) in :attr:`log` and in
+        ``<workspace>.serve/server.log``, where it stays after the test for a failure to be looked into."""
+        with open(self.workspace.with_name(self.workspace.name + ".serve") / "server.log", "a") as kept:
+            for line in self.proc.stdout:
+                self.log.append(line.rstrip())
+                kept.write(line)
+                kept.flush()
+                if line.startswith("[trident] ready"):
+                    self._ready.set()
 
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
