@@ -179,6 +179,14 @@ def test_a_killed_head_leaves_nothing_and_its_ports_serve_again(demo_models, tmp
         again.stop()
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -223,7 +231,9 @@ def test_triton_killed_during_start_up_is_started_again_and_the_server_gets_read
         while not any(" is ready" in line and "stage model" in line for line in srv.log):
             assert time.monotonic() < deadline and srv.proc.poll() is None, "\n".join(srv.log[-20:])
             time.sleep(0.05)
-        (triton,) = [pid for pid in descendants(srv.proc.pid) if _cmdline(pid).split(" ", 1)[0].endswith("tritonserver")]
+        # (a stub Triton has forked and not yet exec'd has Triton's command line: its parent is Triton)
+        tritons = {pid for pid in descendants(srv.proc.pid) if _cmdline(pid).split(" ", 1)[0].endswith("tritonserver")}
+        (triton,) = [pid for pid in tritons if _parent(pid) not in tritons]
         assert not any(line.startswith("[trident] ready") for line in srv.log)
         os.kill(triton, signal.SIGKILL)
         workers = sorted(srv.worker_pids())
