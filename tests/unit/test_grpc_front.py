@@ -16,7 +16,8 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from trident.core.netutil import free_ports
-from trident.supervisor.grpc_front import CredentialForEntries, GrpcFront
+from trident.supervisor.entry_credential import CredentialForEntries
+from trident.supervisor.grpc_front import GrpcFront
 
 CREDENTIAL = "c" * 64
 LIMIT = 1 << 20
@@ -27,7 +28,7 @@ def _echo(request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferRespo
     seen = {"model": request.model_name,
             "parameters": {k: v.string_param or v.int64_param for k, v in request.parameters.items()}}
     response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
-    out = response.outputs.add(name="seen", datatype="BYTES", shape=[1])
+    response.outputs.add(name="seen", datatype="BYTES", shape=[1])
     raw = json.dumps(seen).encode()
     response.raw_output_contents.append(len(raw).to_bytes(4, "little") + raw)
     return response

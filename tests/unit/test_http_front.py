@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from trident.core.config import MediaLimits, MiB
-from trident.supervisor.grpc_front import CredentialForEntries
+from trident.supervisor.entry_credential import CredentialForEntries
 from trident.supervisor.http_front import PIECE, TEXT_ALLOWANCE, HttpFront, Route, max_body_bytes
 from trident.supervisor.startup import StartupError
 from trident.core.netutil import free_ports

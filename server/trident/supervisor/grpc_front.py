@@ -21,65 +21,18 @@ While Triton does not answer (starting, restarting, stopped), calls fail UNAVAIL
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import grpc
 from grpc import aio
 
+from trident.supervisor.entry_credential import CredentialForEntries
 from trident.supervisor.loop_thread import LoopThread
-
-log = logging.getLogger("trident.supervisor")
 
 SERVICE = "/inference.GRPCInferenceService/"
 INFER = SERVICE + "ModelInfer"
 STREAM_INFER = SERVICE + "ModelStreamInfer"
 NOT_PASSED = ("user-agent", "content-type", "te", "grpc-")  # metadata gRPC sets itself on each hop
-
-
-class CredentialForEntries:
-    """An inference request with the stage credential set as a parameter when its model is an entry model: a gRPC
-    request's bytes (called), an HTTP request's JSON (:meth:`into_json`)."""
-
-    def __init__(self, entries: frozenset[str], credential: str, parameter: str) -> None:
-        from tritonclient.grpc import service_pb2
-
-        self._message = service_pb2.ModelInferRequest
-        self.entries, self.credential, self.parameter = entries, credential, parameter
-
-    def __call__(self, raw: bytes) -> bytes:
-        request = self._message()
-        try:
-            request.ParseFromString(raw)
-        except Exception:  # noqa: BLE001 - not a request Triton could read either: it answers the error
-            return raw
-        if request.model_name not in self.entries:
-            return raw
-        request.parameters[self.parameter].string_param = self.credential
-        return request.SerializeToString()
-
-    def into_json(self, body: bytes, generate: bool, head: str | None) -> tuple[bytes, int | None]:
-        """An HTTP inference request's body to an entry model with the credential in it, and the length of its JSON
-        (``head``: the client's ``Inference-Header-Content-Length``, binary tensors after the JSON): ``generate``'s
-        keys that name no input are its parameters, ``infer``'s are in ``parameters``. A body that is not a JSON
-        object passes unchanged (Triton answers it 400), without the credential."""
-        import json
-
-        try:
-            size = int(head) if head is not None else len(body)
-            if not 0 <= size <= len(body):
-                raise ValueError("Inference-Header-Content-Length out of the body")
-            request = json.loads(body[:size])
-            if not isinstance(request, dict):
-                raise ValueError("not a JSON object")
-            into = request if generate else request.setdefault("parameters", {})
-            if not isinstance(into, dict):
-                raise ValueError("parameters is not an object")
-        except (ValueError, UnicodeDecodeError):
-            return body, (int(head) if head is not None and head.isdigit() else None)
-        into[self.parameter] = self.credential
-        json_part = json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode()
-        return json_part + body[size:], (len(json_part) if head is not None else None)
 
 
 def _metadata(context: aio.ServicerContext) -> tuple:

@@ -16,9 +16,9 @@ alone: no other local user reaches them either), and this front listens on the p
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
 - a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500);
 - with ``scheduler: ensemble``, an inference request to an entry model (``/v2/models/<entry>[/versions/<n>]/infer``,
-  ``generate``, ``generate_stream``) is read whole (within the same bound) and reaches Triton with the stage credential as a
-  request parameter in its JSON, in place of any the client sent (:class:`.CredentialForEntries`). An entry model
-  that is a Triton ensemble forwards it to its steps (:mod:`.grpc_front` does the same for gRPC).
+  ``generate``, ``generate_stream``) is read whole (within the same bound) and reaches Triton with the stage
+  credential as a request parameter in its JSON, in place of any the client sent (:mod:`.entry_credential`). An
+  entry model that is a Triton ensemble forwards it to its steps (:mod:`.grpc_front` does the same for gRPC).
 
 With a Triton that has the fix (``http-max-input-size``), the front is not needed; PyTriton 0.7 brings 2.51.
 """
@@ -43,7 +43,7 @@ from trident.supervisor.loop_thread import LoopThread
 from trident.supervisor.startup import StartupError
 
 if TYPE_CHECKING:
-    from trident.supervisor.grpc_front import CredentialForEntries
+    from trident.supervisor.entry_credential import CredentialForEntries
 
 log = logging.getLogger("trident.supervisor")
 
@@ -150,7 +150,7 @@ class _Relay:
             body, head = self.entries.into_json(body, path.group(2) != "infer", head)
             headers["Content-Length"] = str(len(body))
             if head is not None:
-                headers["Inference-Header-Content-Length"] = str(head)
+                headers["Inference-Header-Content-Length"] = head
         elif plain:  # (as it came: a Content-Length body reaches Triton in whatever parts it arrives)
             headers["Content-Length"] = str(declared)
             body = request.content.iter_any() if declared else None

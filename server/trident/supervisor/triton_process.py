@@ -22,14 +22,14 @@ from trident.core.protocol import BIND_MODEL, MODES
 from trident.core.stagecall import directory
 from trident.supervisor import pytriton_patch, triton_shim
 from trident.supervisor.gate import GATE, close_gate
-from trident.supervisor.grpc_front import CredentialForEntries, GrpcFront
+from trident.supervisor.entry_credential import CredentialForEntries
+from trident.supervisor.grpc_front import GrpcFront
 from trident.supervisor.http_front import HttpFront, Route, max_body_bytes
 from trident.supervisor.processes import descendants, is_stub, is_stub_of, kill_left, remove_shm_regions, stubs_of
 from trident.supervisor.restarts import Restarts
 from trident.supervisor.startup import StartupError
 
 TRITON = "tritonserver"  # its name in its Restarts
-SOCKETS = ("http.sock", "metrics.sock", "grpc")  # (gRPC's, with the ensemble scheduler, is the file grpc:<port>)
 
 
 class TritonExited(RuntimeError):
@@ -136,12 +136,12 @@ class TritonProcess:
         sockets = self._socket_folder()
         limit = max_body_bytes(self.s.media_limits)
         entries = CredentialForEntries(frozenset(MODES), auth.credential(), auth.CREDENTIAL) if self._ensembles else None
-        self._front = HttpFront([Route("HTTP", self.s.host, self.s.http_port, sockets / "http.sock"),
-                                 Route("metrics", self.s.host, self.s.metrics_port, sockets / "metrics.sock")],
+        self._front = HttpFront([Route("HTTP", self.s.host, self.s.http_port, sockets["http"]),
+                                 Route("metrics", self.s.host, self.s.metrics_port, sockets["metrics"])],
                                 limit, entries)
         self._front.start()
         if entries is not None:
-            self._grpc_front = GrpcFront(self.s.host, self.s.grpc_port, f"unix:{self._socket_files()[-1]}", limit,
+            self._grpc_front = GrpcFront(self.s.host, self.s.grpc_port, f"unix:{self._grpc_socket_file()}", limit,
                                          entries)
             self._grpc_front.start()
         self._shim = triton_shim.build(self.workspace)
@@ -175,24 +175,31 @@ class TritonProcess:
 
     def _preloaded(self):
         """What Triton starts with: the shim, the token, the front's sockets."""
-        sockets = self.workspace / "sockets"
-        return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload,
-                                     {name.split(".")[0]: sockets / name for name in SOCKETS
-                                      if name != "grpc" or self._ensembles})
+        return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload, self._sockets())
 
     @property
     def _ensembles(self) -> bool:
         """Whether the entry models are Triton ensembles (``scheduler: ensemble``): then the gRPC front too."""
         return self.s.scheduler == "ensemble"
 
-    def _socket_files(self) -> list[Path]:
-        """Triton's Unix sockets as files: HTTP's, metrics', and with the gRPC front gRPC's (its path and :port)."""
+    def _sockets(self) -> dict[str, Path]:
+        """Triton's servers on Unix sockets (what the shim puts in place of their addresses): HTTP's, metrics', and
+        with the gRPC front gRPC's."""
         folder = self.workspace / "sockets"
-        return [folder / name if name != "grpc" else folder / f"grpc:{self.s.grpc_port}" for name in SOCKETS
-                if name != "grpc" or self._ensembles]
+        paths = {"http": folder / "http.sock", "metrics": folder / "metrics.sock"}
+        if self._ensembles:
+            paths["grpc"] = folder / "grpc"
+        return paths
 
-    def _socket_folder(self) -> Path:
-        """The folder of Triton's Unix sockets: its user's alone, whatever the workspace's mode."""
+    def _grpc_socket_file(self) -> Path:
+        """The file of Triton's gRPC socket: gRPC appends :<port> to the path it is given."""
+        return self._sockets()["grpc"].with_name(f"grpc:{self.s.grpc_port}")
+
+    def _socket_files(self) -> list[Path]:
+        return [path if what != "grpc" else self._grpc_socket_file() for what, path in self._sockets().items()]
+
+    def _socket_folder(self) -> dict[str, Path]:
+        """The folder of Triton's Unix sockets, its user's alone whatever the workspace's mode: :meth:`_sockets`."""
         folder = self.workspace / "sockets"
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(folder, 0o700)
@@ -202,7 +209,7 @@ class TritonProcess:
                                "workspace")
         for path in self._socket_files():  # (a server stopped by SIGKILL leaves its sockets)
             path.unlink(missing_ok=True)
-        return folder
+        return self._sockets()
 
     # -- stop --------------------------------------------------------------------------------------------------
     def stop(self) -> None:
