@@ -52,3 +52,43 @@ def test_the_head_gives_up_on_a_triton_that_keeps_dying(tmp_path, monkeypatch):
     assert launcher._triton_back(lambda: False) is False  # (nothing started again: Triton never ran here)
     assert said == [f"[trident] Triton exited {MAX_QUICK_DEATHS} times in a row within {QUICK_DEATH_S:.0f} s of "
                     "starting; stopping everything (exit code 1)"]
+
+
+def test_a_bind_model_load_that_fails_while_triton_lives_is_asked_again_then_named(tmp_path):
+    """Triton 2.51 fails a python-backend model's load when the stub misses its health checks (a starved host): the
+    head asks again, up to BIND_LOADS tries, each said in one line; then start-up fails naming the bind model and the
+    error, with Triton's log. (Triton exiting during the load: tests/e2e/test_supervision.py.)"""
+    import pytest
+    from trident.core.config import ServeSettings
+    from trident.supervisor import Launcher
+    from trident.supervisor.head import BIND_LOADS
+    from trident.supervisor.startup import StartupError
+
+    class Triton:
+        def __init__(self, failures: int):
+            self.failures, self.loads = failures, 0
+
+        def is_ready(self, name):
+            return False
+
+        def exited(self, within_s):
+            return False
+
+        def load(self, name):
+            assert name == "trident_bind"
+            self.loads += 1
+            if self.loads <= self.failures:
+                raise RuntimeError("[400] Stub process 'trident_bind_0_0' is not healthy.")
+
+    said: list[str] = []
+    launcher = Launcher(ServeSettings(workspace=str(tmp_path)), out=said.append)
+    launcher.triton = Triton(failures=BIND_LOADS - 1)
+    launcher._load_bind_model()
+    assert launcher.triton.loads == BIND_LOADS
+    assert said == ["[trident] the bind model did not load ([400] Stub process 'trident_bind_0_0' is not healthy.); "
+                    "loading it again"] * (BIND_LOADS - 1)
+    launcher.triton = Triton(failures=BIND_LOADS)
+    with pytest.raises(StartupError, match=r"the bind model did not load \(3 tries\): \[400\] Stub process .* "
+                                           r"\(Triton's log: .*triton.log\)"):
+        launcher._load_bind_model()
+    assert launcher.triton.loads == BIND_LOADS

@@ -34,6 +34,9 @@ from trident.supervisor.triton_process import TritonProcess
 from trident.supervisor.warmup import warm_up
 from trident.supervisor.worker_pool import WorkerPool
 
+BIND_LOADS = 3  # tries of the bind model's load at start-up, Triton alive
+TRITON_DEATH_S = 5.0  # how long a step that failed waits to see whether Triton is exiting (its crash report takes time)
+
 
 class Launcher:
     """Owns every process ``trident serve`` starts."""
@@ -112,7 +115,7 @@ class Launcher:
         # the model every worker binds its stage model through (before the workers start); ``names``, the
         # instances of this head's workers, are taken by no joining worker
         install_bind_model(triton.model_store, names)
-        triton.load(BIND_MODEL)
+        self._through_triton_deaths(self._load_bind_model)
         if self.s.openai_port:  # it starts beside the workers and answers 503 until a mode is ready
             workers.start_frontend()
         for name in names:  # as soon as the zygote has imported what they import
@@ -129,16 +132,7 @@ class Launcher:
         load = self.s.load if self.s.load is not None else self.s.modes
         if names:
             self.out(f"[trident] waiting for stage workers: {', '.join(names)}")
-        while True:  # (again after Triton exited meanwhile: started again, the stages bind again)
-            try:
-                self.readiness.bring_up(names, joining, load)
-                break
-            except Exception:
-                if triton.is_alive():
-                    raise
-                if triton.start_again(workers.live_stage_models, lambda: False) is None:
-                    raise StartupError(f"Triton exited {MAX_QUICK_DEATHS} times in a row during start-up (its log: "
-                                       f"{self.workspace / 'triton.log'})") from None
+        self._through_triton_deaths(lambda: self.readiness.bring_up(names, joining, load))
         if self.s.warm_up and load:
             warm_up(self.http_url, str(self.model_path), load, self.s.instances, self.out)
         openai = ""
@@ -150,6 +144,38 @@ class Launcher:
             f"[trident] ready in {time.monotonic() - t0:.1f} s: HTTP {self.http_url}  gRPC {self.grpc_url}  "
             f"metrics http://{self.s.host}:{self.s.metrics_port}/metrics{openai}  entry models: {', '.join(load) or 'none'}"
         )
+
+    def _through_triton_deaths(self, step) -> None:
+        """Run the start-up ``step``; when Triton exited meanwhile (a crash of its python backend, the OOM killer),
+        start it again (after its backoff; the stages bind again) and run ``step`` again, until Triton has exited
+        :data:`MAX_QUICK_DEATHS` times in a row (a :class:`StartupError`)."""
+        while True:
+            try:
+                return step()
+            except Exception as e:
+                if not self.triton.exited(within_s=0.0 if isinstance(e, StartupError) else TRITON_DEATH_S):
+                    raise
+                if self.triton.start_again(self.workers.live_stage_models, lambda: False) is None:
+                    raise StartupError(f"Triton exited {MAX_QUICK_DEATHS} times in a row during start-up (its log: "
+                                       f"{self.workspace / 'triton.log'})") from None
+
+    def _load_bind_model(self) -> None:
+        """Load the bind model (a start after Triton exited loads it too), asking again after a load that fails while
+        Triton lives: its python-backend stub may miss its health checks on a starved host (Triton 2.51 then fails
+        the load); :data:`BIND_LOADS` failures in a row are a :class:`StartupError`."""
+        for attempt in range(1, BIND_LOADS + 1):
+            if self.triton.is_ready(BIND_MODEL):
+                return
+            try:
+                self.triton.load(BIND_MODEL)
+                return
+            except Exception as e:
+                if self.triton.exited(within_s=TRITON_DEATH_S):
+                    raise
+                if attempt == BIND_LOADS:
+                    raise StartupError(f"the bind model did not load ({BIND_LOADS} tries): {e} (Triton's log: "
+                                       f"{self.workspace / 'triton.log'})") from None
+                self.out(f"[trident] the bind model did not load ({e}); loading it again")
 
     @property
     def stats_dir(self) -> Path:

@@ -73,6 +73,16 @@ class TritonProcess:
         if self.triton is not None and not self.triton.is_alive():
             raise TritonExited("Triton exited during start-up")
 
+    def exited(self, within_s: float) -> bool:
+        """Whether Triton has exited, or does within ``within_s`` (a request it broke by crashing fails before the
+        process ends: the crash report is written first)."""
+        deadline = time.monotonic() + within_s
+        while self.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return self.triton is not None
+
     @contextlib.contextmanager
     def client(self, network_timeout: float = 60.0):
         """A Triton HTTP client, closed after use: a connection left open holds a stopping Triton for its whole
