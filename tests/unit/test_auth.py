@@ -229,3 +229,35 @@ def test_every_frame_after_the_handshake_is_sealed_in_order():
         connected.open(connected.seal(b"my own frame, reflected back"))
     for s in pair:
         s.close()
+
+
+def test_a_frame_over_the_deployment_s_media_limits_ends_the_connection_before_its_body(monkeypatch):
+    """A stage frame's size is bounded by what one call may carry: the deployment's media limits
+    (``TRIDENT_MEDIA_LIMITS``, as the head hands them on) plus FRAME_ALLOWANCE. A larger one, even from a peer holding
+    the secret, is refused from its 4-byte header, with nothing of its body read; and the largest request the default
+    limits allow fits (every item at its largest, and the prompt)."""
+    import socket
+    import struct
+
+    from trident.core.config import MEDIA_LIMITS_ENV, MediaLimits
+    from trident.core.errors import MalformedRecord
+    from trident.core.stagecall import frames
+
+    MiB = 1 << 20
+    frames.frame_limit.cache_clear()
+    try:
+        assert frames.frame_limit() == MediaLimits().request_bytes + frames.FRAME_ALLOWANCE > 1 << 30
+        small = MediaLimits(max_images=2, max_bytes=MiB, max_videos=1, video_max_bytes=3 * MiB, max_audios=1,
+                            audio_max_bytes=MiB)
+        monkeypatch.setenv(MEDIA_LIMITS_ENV, small.model_dump_json())
+        frames.frame_limit.cache_clear()
+        limit = frames.frame_limit()
+        assert limit == 6 * MiB + frames.FRAME_ALLOWANCE
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(struct.pack("!I", limit + 1))  # (and no body: a read of it would block)
+            b.settimeout(5)
+            with pytest.raises(MalformedRecord, match=f"a stage frame of {limit + 1} bytes; at most {limit}"):
+                frames.recv_message(b, session=None)
+    finally:
+        frames.frame_limit.cache_clear()

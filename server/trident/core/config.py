@@ -121,6 +121,12 @@ class MediaLimits(_Settings):
         None, gt=0, description="rate audio is resampled to (default: the model's processor's, else 16000)"
     )
 
+    @property
+    def request_bytes(self) -> int:
+        """The most encoded media bytes one request can carry: every item the limits allow, each at its largest."""
+        return (self.max_images * self.max_bytes + self.max_videos * self.video_max_bytes
+                + self.max_audios * self.audio_max_bytes)
+
     @classmethod
     def from_env(cls) -> "MediaLimits":
         import os

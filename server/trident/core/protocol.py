@@ -200,7 +200,6 @@ StageMessage = Union[Call, Reply, Failure, Gone, Cancel, Deliver, Withdraw, Aban
 
 FRAME = struct.Struct("!I")
 """A stage socket's frame: this many bytes of one :data:`StageMessage`, then the message."""
-MAX_FRAME = 1 << 30  # bytes; a larger frame ends the connection
 _ARRAY, _BYTES = 1, 2  # msgpack extension codes: a numeric array (dtype, shape, raw bytes); a BYTES one (shape, items)
 
 

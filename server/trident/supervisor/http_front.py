@@ -68,9 +68,7 @@ are internal ones): the front answers them 400, as the client's error they are."
 def max_body_bytes(media: MediaLimits) -> int:
     """The largest request body the front takes: every media item the limits allow at its largest, base64 (4/3),
     and :data:`TEXT_ALLOWANCE` for the rest."""
-    raw = (media.max_images * media.max_bytes + media.max_videos * media.video_max_bytes
-           + media.max_audios * media.audio_max_bytes)
-    return -(-raw * 4 // 3) + TEXT_ALLOWANCE
+    return -(-media.request_bytes * 4 // 3) + TEXT_ALLOWANCE
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,23 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 
 from trident.core.auth import Session
+from trident.core.config import MediaLimits
 from trident.core.errors import MalformedRecord
-from trident.core.protocol import FRAME, MAX_FRAME, Reply, StageMessage, decode_message
+from trident.core.protocol import FRAME, Reply, StageMessage, decode_message
+
+FRAME_ALLOWANCE = 16 << 20  # a frame's bytes besides its media: the prompt, parameters, outputs, records
+
+
+@functools.cache
+def frame_limit() -> int:
+    """The largest frame a stage socket takes, in bytes: one call's media at this deployment's limits
+    (``TRIDENT_MEDIA_LIMITS``: :meth:`MediaLimits.request_bytes`, as bytes, not base64) and :data:`FRAME_ALLOWANCE`.
+    A larger one ends the connection before its body is read (even from a peer holding the secret)."""
+    return MediaLimits.from_env().request_bytes + FRAME_ALLOWANCE
 
 
 def ends(message: StageMessage) -> bool:
@@ -43,8 +55,9 @@ def recv_exact(conn: socket.socket, n: int) -> bytearray | None:
 
 def _size(head: bytes) -> int:
     (size,) = FRAME.unpack(head)
-    if size > MAX_FRAME:
-        raise MalformedRecord(f"a stage frame of {size} bytes")
+    if size > frame_limit():
+        raise MalformedRecord(f"a stage frame of {size} bytes; at most {frame_limit()} (the media limits' "
+                              "request_bytes and FRAME_ALLOWANCE)")
     return size
 
 
