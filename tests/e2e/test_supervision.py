@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from support import MODES, Server, bridged_llava_server, grpc_generate
+from support import Server, bridged_llava_server, grpc_generate
 from support.soak import soak, table
 
 pytestmark = pytest.mark.slow

@@ -8,12 +8,16 @@ test_vllm_serving.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from support import Server, build_reference, cancellable_stream, grpc_generate, hosted_head, vllm_python
+from support import (Server, build_reference, cancellable_stream, decode_kv, grpc_generate, hosted_head, stage_output,
+                     strings, vllm_python)
 from support.hosts import unavailable, worker_env
 from support.roles import head_settings, worker_argv
 
@@ -30,7 +34,8 @@ CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 @pytest.fixture(scope="module")
 def head(demo_models, tmp_path_factory, shared_servers):
-    """The head (from the pool of shared servers: whatever ran before stops first) and its six stage hosts."""
+    """The head (from the pool of shared servers: whatever ran before stops first), its six stage hosts and a host
+    with no secret (tests/multihost/attacker.py)."""
     model, python = demo_models["llava"], vllm_python()
 
     def start(hosts, made) -> Server:
@@ -47,7 +52,7 @@ def head(demo_models, tmp_path_factory, shared_servers):
         srv.wait_ready(timeout=400)
         return srv
 
-    return hosted_head(shared_servers, ("llava", "vllm-hosts"), list(STAGES), start)
+    return hosted_head(shared_servers, ("llava", "vllm-hosts"), [*STAGES, "attacker"], start)  # (attacker: no worker)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +130,28 @@ def test_a_stream_cancelled_across_hosts_frees_the_decode_host_s_blocks(head, re
     assert not held, gauges
     assert grpc_generate(head.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
         == case["expected"]
+
+
+def test_a_host_without_the_secret_gets_no_kv_agent_metadata_from_the_side_channel(head, ref):
+    """vLLM's NIXL side channel on the prefill host (a KV producer's ZeroMQ listener: its agent metadata gives READ and
+    WRITE on its KV cache) answers nothing to a host on the network that holds no secret: neither vLLM's plain
+    ``get_meta_msg`` nor one sealed with a secret of that host's making (issue 50 item 4, across hosts); the
+    decode host still takes the KV through it."""
+    from trident.core.protocol import decode_record
+
+    case = ref["text"]
+    kv = stage_output(head.grpc, "prefill", {"text_input": strings(case["text"])})
+    params = decode_record(kv).kv_transfer_params  # (the record names the producer's side channel)
+    assert params["remote_host"] == head.hosts["prefill"].address, params
+    env = {k: v for k, v in worker_env().items() if k != "TRIDENT_TRANSFER_SECRET"}
+    env.update(TRIDENT_TRANSFER_SECRET="the attacker's own secret, not the deployment's",
+               PYTHONPATH=os.pathsep.join([str(Path(CHECKOUT) / "server"), str(Path(CHECKOUT) / "tests")]))
+    proc = head.hosts["attacker"].popen(
+        [vllm_python(), str(Path(__file__).with_name("attacker.py")), "side_channel",
+         json.dumps({"host": params["remote_host"], "port": params["remote_port"]})],
+        env=env, copies=(CHECKOUT,), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"plain": None, "sealed with its own secret": None}, out
+    assert decode_kv(head.grpc, kv, case["text"]) is None  # (the deployment's own decode takes it)
+    assert grpc_generate(head.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text == case["expected"]

@@ -158,6 +158,98 @@ def _routing(cluster, routing: str | None) -> None:
         admin.close()
 
 
+def _attacker(server, what: str, args: dict):
+    """tests/multihost/attacker.py ``what`` on the attacker host (no secret: one of its own making), its pipes ours."""
+    env = {k: v for k, v in worker_env().items() if k not in ("TRIDENT_TRANSFER_SECRET", "TRIDENT_ACCESS_TOKEN")}
+    env.update(TRIDENT_TRANSFER_SECRET="the attacker's own secret, not the deployment's",
+               PYTHONPATH=os.pathsep.join([str(Path(CHECKOUT) / "server"), str(Path(CHECKOUT) / "tests")]))
+    return server.hosts["attacker"].popen(
+        [sys.executable, str(Path(__file__).with_name("attacker.py")), what, json.dumps(args)], env=env,
+        copies=(CHECKOUT,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _joined_tcp(server, stage: str) -> list:
+    """The TCP stage address the joined worker of ``stage`` bound with (what its traffic shows on the network)."""
+    worker = server.workspace / "triton" / "model-store" / JOINED[stage] / "1" / "trident_worker.json"
+    return list(json.loads(worker.read_text())["tcp"])
+
+
+def _exact(server, ref) -> None:
+    for mode in MODE_STAGES:
+        for case in ref.values():
+            text = grpc_generate(server.grpc, mode, case["text"], case["images"], GREEDY, stream=True).text
+            assert text == case["expected"], mode
+
+
+def test_a_host_on_the_network_without_the_secret_gets_nothing_behind_the_entry_models(cluster, ref):
+    """A host on the deployment's network (the bridge) that holds no secret, only what the network shows (the
+    head's ports, a joined worker's stage address, the stage models' names) and a secret of its own making
+    (tests/multihost/attacker.py probe). Its client request to an entry model is served (it does reach the head);
+    every stage model refuses it, with or without a credential of its making (Unauthenticated); the repository API
+    refuses its unloads without the access token (403); the bind model refuses its bind (Unauthenticated) and
+    binds nothing; a joined worker's TCP stage socket fails its handshake, and closes on a frame sent with no
+    handshake, answering nothing of it. Afterwards every model is still loaded and the answers are the reference's."""
+    import tritonclient.http as httpclient
+
+    stage_models = ["encode", "prefill", "decode", *JOINED.values()]
+    proc = _attacker(cluster, "probe", {"head": cluster.hosts.head_address, "http_port": cluster.http_port,
+                                        "grpc_port": cluster.grpc_port,
+                                        "stage_models": stage_models, "worker_tcp": _joined_tcp(cluster, "prefill"),
+                                        "own_tcp": [cluster.hosts["attacker"].address, 9]})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["entry"]["status"] == 200 and seen["entry"]["text"], seen["entry"]
+    for name in stage_models:
+        for how in ("", " with a credential of its own"):
+            answer = seen[f"stage {name}{how}"]
+            assert not answer["answered"] and "Unauthenticated" in answer["error"], (name, how, answer)
+    for name in (stage_models[0], "epd"):
+        for how in ("", " with a guessed token"):
+            assert seen[f"unload {name}{how}"]["status"] == 403, (name, how, seen[f"unload {name}{how}"])
+    assert seen["bind"]["status"] != 200 and "Unauthenticated" in seen["bind"]["error"], seen["bind"]
+    socket_seen = seen["stage socket"]
+    assert socket_seen["handshake"].startswith("NotAuthenticated"), socket_seen
+    # (the worker's hello, if it came before the close, and nothing else)
+    assert socket_seen["raw_bytes_back"] <= 64 and socket_seen["raw_end"] in ("closed", "ConnectionResetError"), (
+        socket_seen)
+    admin = httpclient.InferenceServerClient(cluster.http)
+    try:
+        assert all(admin.is_model_ready(name) for name in [*stage_models, *MODE_STAGES])
+        assert not admin.is_model_ready("decode-9")
+    finally:
+        admin.close()
+    _exact(cluster, ref)
+
+
+def test_a_relay_and_a_handshake_flood_from_that_host_fail_while_every_request_gets_its_exact_answer(cluster, ref):
+    """From the host with no secret: (1) a relay to a joined worker's stage socket, which a deployment process
+    told the relay's address connects through: the handshake fails at both ends, as the proofs name the socket the
+    connector meant; (7) 64 connections to that worker's stage socket held without a handshake: the worker closes
+    those past its bound for one peer (16) at once, and meanwhile every request, the worker's share included, gets
+    its exact answer."""
+    from trident.core.auth import NotAuthenticated
+    from trident.core.stagecall.client import open_stage_socket
+
+    worker_tcp, attacker = _joined_tcp(cluster, "prefill"), cluster.hosts["attacker"]
+    relay = _attacker(cluster, "relay", {"address": attacker.address, "worker_tcp": worker_tcp})
+    flood = _attacker(cluster, "flood", {"connections": 64, "worker_tcp": worker_tcp})
+    try:
+        port = json.loads(relay.stdout.readline())["port"]
+        with pytest.raises(NotAuthenticated):
+            open_stage_socket({"tcp": [attacker.address, port]})
+        held = json.loads(flood.stdout.readline())
+        assert held["opened"] == 64 and held["closed_at_once"] >= 64 - 16, held
+        before = _routed(cluster, JOINED["prefill"])
+        _exact(cluster, ref)
+        time.sleep(0.5)  # (the scheduler's metric updates)
+        assert _routed(cluster, JOINED["prefill"]) > before  # (the flooded worker served its share meanwhile)
+    finally:
+        for proc in (relay, flood):
+            proc.stdin.close()
+            proc.wait(30)
+
+
 def test_affinity_sends_a_prompt_back_to_the_host_that_prefilled_it(cluster, ref):
     """With affinity routing, each prompt's first prefill goes to the least-loaded instance (turn by turn when idle:
     the head's or the other host's), and the same prompt again goes back there, to the instance on the other host
@@ -352,3 +444,4 @@ def test_a_joined_worker_killed_has_its_stage_model_unloaded_and_its_stage_is_se
         assert _routed(cluster, "decode") - before == len(ref)
     finally:
         admin.close()
+

@@ -187,7 +187,8 @@ def shared_media_server(pool: OneServerAtATime, model: str, arch: str, tmp_path_
     return pool.get((arch, "media"), start, check_stopped)
 
 
-HOSTS = ("prefill", "decode", "prefill_decode", "generate")  # the hosts the bridged server's bridge has, each for a worker of that stage
+HOSTS = ("prefill", "decode", "prefill_decode", "generate", "attacker")  # the hosts the bridged server's bridge has: one
+# for a worker of each of those stages, and one that holds no secret (tests/multihost/attacker.py)
 
 
 def bridged_llava_server(pool: OneServerAtATime, model: str, tmp_path_factory) -> Server:
