@@ -140,7 +140,7 @@ def test_a_host_without_the_secret_gets_no_kv_agent_metadata_from_the_side_chann
     from trident.core.protocol import decode_record
 
     case = ref["text"]
-    kv = stage_output(head.grpc, "prefill", {"text_input": strings(case["text"])})
+    kv = stage_output(head.grpc, "prefill-2", {"text_input": strings(case["text"])})  # (the hosts' workers join as -2)
     params = decode_record(kv).kv_transfer_params  # (the record names the producer's side channel)
     assert params["remote_host"] == head.hosts["prefill"].address, params
     env = {k: v for k, v in worker_env().items() if k != "TRIDENT_TRANSFER_SECRET"}
@@ -153,5 +153,5 @@ def test_a_host_without_the_secret_gets_no_kv_agent_metadata_from_the_side_chann
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1]) == {"plain": None, "sealed with its own secret": None}, out
-    assert decode_kv(head.grpc, kv, case["text"]) is None  # (the deployment's own decode takes it)
+    assert decode_kv(head.grpc, kv, case["text"], "decode-2") is None  # (the deployment's own decode takes it)
     assert grpc_generate(head.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text == case["expected"]

@@ -178,8 +178,9 @@ def drain_kv(url: str, kv: bytes, text: str | None = None) -> None:
     assert error is None, error
 
 
-def decode_kv(url: str, kv: bytes, text: str | None = None):
-    """Call the decode stage with a ``kv_meta`` for two tokens: its error (tritonclient's), or None once it answers."""
+def decode_kv(url: str, kv: bytes, text: str | None = None, model: str = "decode"):
+    """Call the decode stage model ``model`` with a ``kv_meta`` for two tokens: its error (tritonclient's), or None once
+    it answers."""
     import tritonclient.grpc as grpcclient
 
     q: queue.Queue = queue.Queue()
@@ -189,7 +190,7 @@ def decode_kv(url: str, kv: bytes, text: str | None = None):
     if text is not None:  # the vllm decode stage needs the prompt
         inputs["text_input"] = strings(text)
     try:
-        client.async_stream_infer("decode", _grpc_inputs(grpcclient, inputs), parameters=credential())
+        client.async_stream_infer(model, _grpc_inputs(grpcclient, inputs), parameters=credential())
         return q.get(timeout=60)[1]
     finally:
         client.stop_stream()
