@@ -316,33 +316,13 @@ def test_vllm_s_side_channel_answers_no_stranger(server, reference):
     """vLLM's NIXL side channel (a KV producer's ZeroMQ listener, which hands out its KV cache's agent metadata)
     answers no one without the deployment secret: vLLM's own plain ``get_meta_msg`` to each KV worker's channel gets
     nothing, and the KV still crosses (the deployment's consumers seal theirs: worker/engines/vllm_side_channel.py)."""
-    import msgspec
-    import zmq
-
+    from multihost.attacker import ask_side_channel
     from trident.core.protocol import decode_record
 
     c = reference["text-only"]
     kv = stage_output(server.grpc, "prefill", {"text_input": strings(c["text"])})
     params = decode_record(kv).kv_transfer_params  # (the record names the producer's side channel)
-    ports = {params["remote_port"]}
-
-    def ask(port: int):
-        ctx = zmq.Context()
-        try:
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.RCVTIMEO, 2000)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
-            return sock.recv_multipart()
-        except zmq.Again:
-            return None
-        finally:
-            ctx.destroy(linger=0)
-
-    with ThreadPoolExecutor(len(ports)) as pool:
-        answers = dict(zip(ports, pool.map(ask, sorted(ports))))
-    assert not any(answers.values()), answers
+    assert ask_side_channel("127.0.0.1", params["remote_port"]) is None
     assert decode_kv(server.grpc, kv, c["text"]) is None  # the deployment's decode worker takes it through the channel
 
 

@@ -204,30 +204,35 @@ def relay(args: dict) -> None:
     listener.close()
 
 
-def side_channel(args: dict) -> dict:
+def ask_side_channel(host: str, port: int, sealed: bool = False):
+    """vLLM's ``get_meta_msg`` to the NIXL side channel at ``host:port``, plain or sealed as the deployment's consumers
+    seal theirs (with this process's secret): what came back (hex, cut), or None when nothing did within 3 s. (Also
+    asked from the test's own host: tests/e2e/test_vllm_serving.py.)"""
     import msgspec
     import zmq
 
     from trident.worker.engines.vllm_side_channel import SealedRequester
 
-    def ask(sealed: bool):
-        ctx = zmq.Context()
-        try:
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.RCVTIMEO, 3000)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{args['host']}:{args['port']}")
-            sock = SealedRequester(sock) if sealed else sock
-            sock.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
-            return [part.hex()[:64] for part in sock.recv_multipart()]
-        except zmq.Again:
-            return None
-        except Exception as e:  # noqa: BLE001 - an answer that did not open: what it was is the point
-            return f"{type(e).__name__}: {e}"
-        finally:
-            ctx.destroy(linger=0)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 3000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{host}:{port}")
+        sock = SealedRequester(sock) if sealed else sock
+        sock.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
+        return [part.hex()[:64] for part in sock.recv_multipart()]
+    except zmq.Again:
+        return None
+    except Exception as e:  # noqa: BLE001 - an answer that did not open: what it was is the point
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ctx.destroy(linger=0)
 
-    return {"plain": ask(False), "sealed with its own secret": ask(True)}
+
+def side_channel(args: dict) -> dict:
+    return {"plain": ask_side_channel(args["host"], args["port"]),
+            "sealed with its own secret": ask_side_channel(args["host"], args["port"], sealed=True)}
 
 
 if __name__ == "__main__":
