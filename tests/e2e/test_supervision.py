@@ -262,6 +262,31 @@ def test_triton_killed_during_start_up_is_started_again_and_the_server_gets_read
         srv.stop()
 
 
+def test_a_hung_triton_is_killed_and_started_again(demo_models, tmp_path):
+    """A tritonserver whose process lives but answers nothing (SIGSTOP here; Triton 2.51 was seen to stall that way
+    in its own crash report, for 300 s, after its python backend aborted it): the head kills it once it has been
+    silent for HUNG_S, starts it again with the same workers, and the server serves the same answer."""
+    from support import descendants
+    from trident.supervisor.triton_process import HUNG_S
+
+    srv = Server(demo_models["llava"], tmp_path / "ws", modes=["e_p_d"]).started()
+    try:
+        expected = grpc_generate(srv.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text
+        tritons = {pid for pid in descendants(srv.proc.pid) if _cmdline(pid).split(" ", 1)[0].endswith("tritonserver")}
+        (triton,) = [pid for pid in tritons if _parent(pid) not in tritons]
+        workers = sorted(srv.worker_pids())
+        os.kill(triton, signal.SIGSTOP)
+        t0, said = time.monotonic(), f"[trident] Triton (pid {triton}) has not answered for {HUNG_S:.0f} s; killing it"
+        while not any(line.startswith("[trident] Triton is back") for line in srv.log):
+            assert time.monotonic() - t0 < HUNG_S + 120 and srv.proc.poll() is None, "\n".join(srv.log[-20:])
+            time.sleep(0.2)
+        assert any(line.startswith(said) for line in srv.log), "\n".join(srv.log[-20:])
+        assert sorted(srv.worker_pids()) == workers  # (the same workers: their engines kept)
+        assert grpc_generate(srv.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
+    finally:
+        srv.stop()
+
+
 def test_a_worker_python_without_vllm_is_a_clear_error_and_leaves_nothing(demo_models, tmp_path):
     """--backend vllm with a --worker-python that cannot import vllm: the server says so and exits, and what
     it started meanwhile (Triton, the OpenAI frontend) is stopped."""

@@ -272,6 +272,7 @@ class Launcher:
         signal.signal(signal.SIGINT, _handler)
         signal.signal(signal.SIGTERM, _handler)
         while stop["signal"] is None:
+            self.triton.kill_if_hung()
             if not self.triton.is_alive() and not self._triton_back(lambda: stop["signal"] is not None):
                 return 1
             self.workers.watch(self.triton.is_ready)

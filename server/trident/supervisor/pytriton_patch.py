@@ -87,6 +87,11 @@ def keep_workspace(triton) -> None:
     triton._triton_server.unregister_on_exit(triton._on_tritonserver_exit)
 
 
+def triton_pid(triton) -> int:
+    """The pid of ``triton``'s ``tritonserver`` process."""
+    return triton._triton_server._tritonserver_running_cmd.pid
+
+
 def start_again(triton, load: list[str]) -> None:
     """Start ``triton``'s ``tritonserver`` process again (the same arguments, its workspace as it was), loading only
     the models named in ``load`` at start-up (the rest are the launcher's to load)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,8 @@ from trident.supervisor.restarts import Restarts
 from trident.supervisor.startup import StartupError
 
 TRITON = "tritonserver"  # its name in its Restarts
+HUNG_S = 20.0  # Triton's process alive, its HTTP server silent this long after it had answered: killed (then restarted)
+PROBE_S = 2.0  # how often :meth:`TritonProcess.kill_if_hung` asks it, at most, and how long each ask waits
 
 
 class TritonExited(RuntimeError):
@@ -51,6 +54,7 @@ class TritonProcess:
         self._grpc_front: GrpcFront | None = None
         self._shim: Path | None = None
         self.restarts = Restarts(give_up=True)  # its deaths in a row
+        self._heard()
 
     @property
     def model_store(self) -> Path:
@@ -69,19 +73,61 @@ class TritonProcess:
         return self.triton is not None and self.triton.is_alive()
 
     def check_alive(self) -> None:
-        """:class:`TritonExited` when Triton has exited."""
+        """:class:`TritonExited` when Triton has exited (or hung: :meth:`kill_if_hung`)."""
+        self.kill_if_hung()
         if self.triton is not None and not self.triton.is_alive():
             raise TritonExited("Triton exited during start-up")
 
     def exited(self, within_s: float) -> bool:
         """Whether Triton has exited, or does within ``within_s`` (a request it broke by crashing fails before the
-        process ends: the crash report is written first)."""
+        process ends: the crash report is written first); past ``within_s``, while it does not answer, until
+        :meth:`kill_if_hung` has decided."""
         deadline = time.monotonic() + within_s
         while self.is_alive():
-            if time.monotonic() > deadline:
+            if self.kill_if_hung():
+                break
+            if time.monotonic() > deadline and (self._silent_since is None
+                                                or time.monotonic() > deadline + HUNG_S + PROBE_S):
                 return False
             time.sleep(0.1)
         return self.triton is not None
+
+    def kill_if_hung(self) -> bool:
+        """Kill a Triton whose process lives but whose HTTP server has not answered for :data:`HUNG_S` since it
+        last did (Triton 2.51 was seen to stall in its own crash report, after the python backend aborted it, until
+        it was signalled: 300 s of a server that neither answered nor exited), so that it is started again as an
+        exited one. Asks at most every :data:`PROBE_S`; True when it killed it."""
+        now = time.monotonic()
+        if not self.is_alive() or now < self._next_probe:
+            return False
+        self._next_probe = now + PROBE_S
+        if self._answers():
+            self._silent_since, self._answered = None, True
+            return False
+        if not self._answered:  # (still starting: PyTriton waits for it)
+            return False
+        self._silent_since = self._silent_since or now
+        if now - self._silent_since < HUNG_S:
+            return False
+        pid = pytriton_patch.triton_pid(self.triton)
+        self.out(f"[trident] Triton (pid {pid}) has not answered for {HUNG_S:.0f} s; killing it to start it again")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return True
+
+    def _answers(self) -> bool:
+        try:
+            with self.client(network_timeout=PROBE_S) as client:
+                return bool(client.is_server_live())
+        except Exception:  # noqa: BLE001 - not answering, whatever the way
+            return False
+
+    def _heard(self) -> None:
+        """A Triton just started: not heard from yet, nothing counted against it."""
+        self._answered, self._silent_since, self._next_probe = False, None, 0.0
 
     @contextlib.contextmanager
     def client(self, network_timeout: float = 60.0):
@@ -159,6 +205,7 @@ class TritonProcess:
             self.triton.run()
         pytriton_patch.keep_workspace(self.triton)  # (its exit is the head's to handle: start_again)
         self.restarts.started(TRITON)
+        self._heard()
 
     def start_again(self, own: Callable[[], list[str]], stopping: Callable[[], bool]) -> list[str] | None:
         """Triton exited: its stubs and shared memory cleared, the start-up gate closed (not READY), and Triton
@@ -181,6 +228,7 @@ class TritonProcess:
         with self._preloaded():
             pytriton_patch.start_again(self.triton, [GATE, BIND_MODEL, *load])
         self.restarts.started(TRITON)
+        self._heard()
         return load
 
     def _preloaded(self):
