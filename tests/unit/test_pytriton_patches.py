@@ -61,3 +61,5 @@ def test_triton_s_exit_callback_and_restart_are_what_keep_workspace_and_start_ag
     assert config.to_args_list()[-4:] == ["--load-model", "a", "--load-model", "b"]
     server = TritonServer(path="/bin/true", libs_path=tmp_path, config=config)
     assert server._server_config is config
+    # (triton_pid: kill_if_hung kills the tritonserver process by it)
+    assert "self._tritonserver_running_cmd.pid" in inspect.getsource(TritonServer.start)
