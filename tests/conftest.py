@@ -59,6 +59,10 @@ def admin(server):
 SHARED_HF = ("test_media_serving.py", "test_serving.py", "test_openai.py", "test_bad_input.py", "test_trust.py")
 
 
+# Modules moved to run after another: test_vllm_media.py ends with the vLLM Qwen2-VL server that test_vllm_serving.py
+# starts with, and test_vllm_migration.py's server (LLaVA, two decode instances) would come between them.
+RUN_AFTER = {"test_vllm_migration.py": "test_vllm_serving.py"}
+
 LANES = ("vllm-hosts", "hf-unit-integration")
 
 
@@ -67,7 +71,7 @@ def lane(nodeid: str) -> str:
     the order of :func:`pytest_collection_modifyitems`): the vLLM engine's modules, and the stage hosts with
     test_supervision.py (they go on with one server); the hf engine's servers, then the unit and the integration
     tests. A lane's servers run one at a time and its shared servers are its own. The two lanes take about as long
-    (in a run from a clean clone the vLLM lane, with the unit and integration tests, took 52 min and the hf lane 32),
+    (in a run from a clean clone, 40.5 min each),
     and together they use the 2 cores that one lane left idle a third of the time."""
     path = nodeid.split("::", 1)[0]
     folder, _, name = path.rpartition("/")
@@ -115,6 +119,13 @@ def pytest_collection_modifyitems(session, config, items):
         rest = [i for i in items if i not in hosts]
         at = next(n for n, i in enumerate(rest) if i.path.name == "test_supervision.py")
         items[:] = rest[:at] + hosts + rest[at:]
+    for name, after in RUN_AFTER.items():
+        moved = [i for i in items if i.path.name == name]
+        at = max((n for n, i in enumerate(items) if i.path.name == after), default=None)
+        if moved and at is not None:
+            rest = [i for i in items if i.path.name != name]
+            at = max(n for n, i in enumerate(rest) if i.path.name == after) + 1
+            items[:] = rest[:at] + moved + rest[at:]
     shared = [i for i in items if i.path.name in SHARED_HF]
     if not shared:
         return

@@ -58,8 +58,8 @@ def _worker(folder: str, conn, tcp: bool) -> None:
     now, marks = time.monotonic_ns, []
     handle, write, read = StageServer._handle, StageServer._write, serving.read_message
 
-    async def stamped_read(reader):
-        message = await read(reader)
+    async def stamped_read(*args):
+        message = await read(*args)
         marks.append(("read", now()))
         return message
 
@@ -67,9 +67,9 @@ def _worker(folder: str, conn, tcp: bool) -> None:
         marks.append(("handle", now()))
         return await handle(self, writer, call)
 
-    async def stamped_write(writer, message):
+    async def stamped_write(self, *args):
         marks.append(("write", now()))
-        return await write(writer, message)
+        return await write(self, *args)
 
     async def stage(call):
         marks.append(("infer", now()))
@@ -77,7 +77,7 @@ def _worker(folder: str, conn, tcp: bool) -> None:
 
     serving.read_message = stamped_read
     StageServer._handle = stamped_handle
-    StageServer._write = staticmethod(stamped_write)
+    StageServer._write = stamped_write
     server = StageServer(stage, lambda message: None, "127.0.0.1")
     server.start()
     directory.create(Path(folder))
@@ -127,8 +127,8 @@ def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float
     now, marks = time.monotonic_ns, []
     recv, settle, send = direct.recv_message, direct._settle, direct._Connection.send
 
-    def stamped_recv(sock):
-        message = recv(sock)
+    def stamped_recv(*args):
+        message = recv(*args)
         marks.append(("recv", now()))
         return message
 
@@ -136,8 +136,8 @@ def direct_calls(calls: int, tcp: bool = False) -> tuple[dict[str, float], float
         marks.append(("settle", now()))
         return settle(*args, **kwargs)
 
-    def stamped_send(self, message, target):
-        send(self, message, target)
+    def stamped_send(self, *args):
+        send(self, *args)
         marks.append(("sent", now()))
 
     direct.recv_message, direct._settle, direct._Connection.send = stamped_recv, stamped_settle, stamped_send
