@@ -95,6 +95,10 @@ class Upstream:
                     return
                 if target == "/bad-json":
                     status, answer = b"500 Internal Server Error", b'{"error":"failed to parse the request JSON buffer: x"}'
+                elif target == "/unhealthy-stub":  # (Triton 2.51's generate, when the stub missed its health window)
+                    status, answer = b"400 Bad Request", b'{"error":"Stub process \'epd_0_0\' is not healthy."}'
+                elif target == "/bad-request":
+                    status, answer = b"400 Bad Request", b'{"error":"video 0 could not be decoded as a video"}'
                 else:
                     status, answer = b"200 OK", json.dumps({"bytes": len(body)}).encode()
                 conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
@@ -238,6 +242,16 @@ def test_triton_s_json_errors_are_the_client_s_400(served):
     url, _, _ = served
     answer = requests.post(f"{url}/bad-json", data=b"aaaa", timeout=20)
     assert answer.status_code == 400 and answer.json()["error"].startswith("failed to parse the request JSON")
+
+
+def test_a_stub_that_missed_its_health_window_is_a_503_to_try_again_not_the_client_s_400(served):
+    url, _, _ = served
+    answer = requests.post(f"{url}/unhealthy-stub", data=b"{}", timeout=20)
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+    assert answer.json()["error"] == "Stub process 'epd_0_0' is not healthy."
+    answer = requests.post(f"{url}/bad-request", data=b"{}", timeout=20)  # (the client's own error stays its 400)
+    assert answer.status_code == 400 and "Retry-After" not in answer.headers
+    assert answer.json()["error"] == "video 0 could not be decoded as a video"
 
 
 def test_expect_100_continue_is_answered(served):

@@ -14,7 +14,8 @@ alone: no other local user reaches them either), and this front listens on the p
   closes its connection to Triton at once (not at Triton's next write), which stops its request; an answer Triton
   breaks off (it died) is cut off for the client too, never ended as if it were whole;
 - while Triton does not answer (starting, restarting, stopped) every request gets 503;
-- a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500);
+- a body that is not the JSON Triton expects gets 400 (Triton 2.51 answers its JSON reader's errors 500), and a
+  request whose python-backend stub missed its health window 503 with Retry-After (Triton answers it 400);
 - with ``scheduler: ensemble``, an inference request to an entry model (``/v2/models/<entry>[/versions/<n>]/infer``,
   ``generate``, ``generate_stream``) is read whole (within the same bound) and reaches Triton with the stage
   credential as a request parameter in its JSON, in place of any the client sent (:mod:`.entry_credential`). An
@@ -63,6 +64,21 @@ JSON_ERRORS = (b'{"error":"failed to parse the request JSON', b'{"error":"Unable
                b'{"error":"attempt to access JSON')
 """How Triton 2.51 begins the 500 it answers a body that is not the JSON it expects with (its JSON reader's errors
 are internal ones): the front answers them 400, as the client's error they are."""
+
+
+STUB_UNHEALTHY = (b'{"error":"Stub process \'', b"' is not healthy")
+"""How Triton 2.51 answers a request whose python-backend stub missed the backend's 1 s health window (a starved
+stub, docs/reliability.md): with 400 on ``generate``, as if the client had erred. The server failed, for now: the
+front answers it 503, to be tried again."""
+
+
+def _client_status(status: int, body: bytes) -> int:
+    """The status a client gets for Triton's small error answer ``body`` (``status`` 400 or 500)."""
+    if status == 500 and body.startswith(JSON_ERRORS):
+        return 400
+    if body.startswith(STUB_UNHEALTHY[0]) and STUB_UNHEALTHY[1] in body:
+        return 503
+    return status
 
 
 def max_body_bytes(media: MediaLimits) -> int:
@@ -160,14 +176,15 @@ class _Relay:
             async with self.session.request(request.method, target, headers=headers, data=body,
                                             allow_redirects=False) as answer:
                 status, first = answer.status, b""
-                if status == 500 and answer.content_length is not None and answer.content_length < 4096:
+                if status in (400, 500) and answer.content_length is not None and answer.content_length < 4096:
                     first = await answer.content.read()
-                    if first.startswith(JSON_ERRORS):
-                        status = 400
+                    status = _client_status(status, first)
                 out = web.StreamResponse(status=status)
                 for k, v in answer.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         out.headers.add(k, v)
+                if status == 503:
+                    out.headers["Retry-After"] = "1"
                 if answer.content_length is not None:
                     out.content_length = answer.content_length
                 await out.prepare(request)
