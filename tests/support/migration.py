@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 NAME = "demo"
-LONG = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
+LONG = {"max_tokens": 240, "temperature": 0, "ignore_eos": True}
 # a stream that is still going when its decode worker is killed, however loaded the machine (160 tokens ran out
 # before the kill once, in CI): it ends with the kill
 UNENDING = {**LONG, "max_tokens": 3000}
@@ -44,14 +44,33 @@ def _migrations(server) -> dict:
     return {labels: v for (name, labels), v in server.metrics("trident_migrations").items() if name.endswith("_total")}
 
 
+def _decoding(server, mode: str) -> dict[str, float]:
+    """Each decode instance's streams of ``mode`` in flight, as its stage model last published them (every second)."""
+    out = {}
+    for (_name, labels), value in server.metrics("trident_stage_inflight").items():
+        found = dict(labels)
+        if found.get("mode") == mode and found.get("stage") == "decode":
+            out[found["instance"]] = value
+    return out
+
+
+def _decode_idle(server, mode: str) -> None:
+    """Until no decode instance shows a stream of ``mode`` in flight: the gauge, published every second, no longer
+    shows an earlier pass's streams (a stream's first text comes from the prefill, before its decode starts, so a
+    stale gauge would name an instance that serves none of the next streams)."""
+    deadline = time.monotonic() + 30
+    while any(_decoding(server, mode).values()):
+        assert time.monotonic() < deadline, f"decode streams of {mode} still in flight: {_decoding(server, mode)}"
+        time.sleep(0.05)
+
+
 def _serving_decode(server, mode: str) -> str:
     """A decode instance with streams of ``mode`` in flight."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        for (name, labels), value in server.metrics("trident_stage_inflight").items():
-            found = dict(labels)
-            if found.get("mode") == mode and found.get("stage") == "decode" and value > 0:
-                return found["instance"]
+        for instance, value in _decoding(server, mode).items():
+            if value > 0:
+                return instance
         time.sleep(0.05)
     raise AssertionError("no decode instance has a stream in flight")
 
@@ -111,6 +130,7 @@ def check_no_request_lost(server, mode: str) -> None:
         expected = dict(zip(PROMPTS, pool.map(lambda i: client(i)(server, mode, PROMPTS[i], threading.Event(),
                                                                   _params(i)), range(len(PROMPTS)))))
     before = _migrations(server)
+    _decode_idle(server, mode)
     results: dict = {}
     firsts = [threading.Event() for _ in PROMPTS]
 
@@ -171,6 +191,7 @@ def check_the_limit(server) -> None:
                 outcome["error"] = str(e)
             first.set()
 
+        _decode_idle(server, "e_p_d")
         t = threading.Thread(target=stream)
         t.start()
         assert first.wait(120)
