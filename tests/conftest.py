@@ -120,12 +120,10 @@ def pytest_collection_modifyitems(session, config, items):
         at = next(n for n, i in enumerate(rest) if i.path.name == "test_supervision.py")
         items[:] = rest[:at] + hosts + rest[at:]
     for name, after in RUN_AFTER.items():
-        moved = [i for i in items if i.path.name == name]
-        at = max((n for n, i in enumerate(items) if i.path.name == after), default=None)
-        if moved and at is not None:
-            rest = [i for i in items if i.path.name != name]
-            at = max(n for n, i in enumerate(rest) if i.path.name == after) + 1
-            items[:] = rest[:at] + moved + rest[at:]
+        moved, rest = [i for i in items if i.path.name == name], [i for i in items if i.path.name != name]
+        ends = [n + 1 for n, i in enumerate(rest) if i.path.name == after]
+        if moved and ends:
+            items[:] = rest[:ends[-1]] + moved + rest[ends[-1]:]
     shared = [i for i in items if i.path.name in SHARED_HF]
     if not shared:
         return

@@ -178,12 +178,11 @@ class _Relay:
                 status, first = answer.status, b""
                 if status in (400, 500) and answer.content_length is not None and answer.content_length < 4096:
                     first = await answer.content.read()
-                    status = _client_status(status, first)
-                out = web.StreamResponse(status=status)
+                out = web.StreamResponse(status=_client_status(status, first) if first else status)
                 for k, v in answer.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         out.headers.add(k, v)
-                if status == 503:
+                if out.status == 503 and status != 503:  # (a stub that missed its health window: try again)
                     out.headers["Retry-After"] = "1"
                 if answer.content_length is not None:
                     out.content_length = answer.content_length
