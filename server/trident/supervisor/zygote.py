@@ -11,6 +11,7 @@ The launcher talks to it over a socket pair, a JSON line each way: ``{"argv": [.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -23,7 +24,7 @@ import time
 import warnings
 from pathlib import Path
 
-from trident.supervisor.processes import OWN_GROUP, end_with_head
+from trident.supervisor.processes import OWN_GROUP, end_process, end_with_head
 
 SPAWN_TIMEOUT_S = 300.0  # a first spawn waits for the imports (vLLM's take tens of seconds on a small machine)
 
@@ -176,8 +177,26 @@ def preload(backend: str, model: str) -> None:
     for name in names:
         getattr(transformers, str(name), None)
     if backend == "vllm":
-        from trident.worker.engines import vllm  # noqa: F401
-        from vllm.v1.engine import async_llm  # noqa: F401
+        _preload_vllm(config)
+
+
+def _preload_vllm(config) -> None:
+    """What a vLLM stage worker and the engine-core process it forks import: the engine's client and core, the
+    platform's worker and executor, the model loader and the checkpoint's model class (about 800 modules, which each
+    of a server's six engine cores imported again)."""
+    import importlib
+
+    from trident.worker.engines import vllm  # noqa: F401
+    from vllm.platforms import current_platform
+    from vllm.v1.engine import async_llm, core  # noqa: F401
+    from vllm.v1.executor import uniproc_executor  # noqa: F401
+    from vllm.engine import arg_utils  # noqa: F401
+    from vllm.model_executor import model_loader  # noqa: F401
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    importlib.import_module("vllm.v1.worker." + ("cpu_worker" if current_platform.is_cpu() else "gpu_worker"))
+    for arch in getattr(config, "architectures", None) or ():
+        ModelRegistry._try_load_model_cls(arch)  # (None for an architecture vLLM does not know: the worker says so)
 
 
 _CLASS_KEYS = ("processor_class", "image_processor_type", "video_processor_type", "feature_extractor_type",
@@ -211,8 +230,6 @@ def _become_worker(sock: socket.socket, argv: list[str]) -> None:
 
         traceback.print_exc()
     finally:
-        from trident.supervisor.processes import end_process
-
         end_process(code)  # (its exit handlers run, its output is flushed; never the zygote's teardown)
 
 
@@ -256,6 +273,10 @@ def main(argv: list[str]) -> int:
     # Python warns that a fork with threads may deadlock: the one other thread here is torch's, idle (it holds
     # no lock a worker takes), as in every DataLoader worker forked after `import torch`
     warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
+    # what the preload made lives as long as each worker: out of the collector's sight, a worker's collections
+    # (vLLM's engine core runs several while it starts) no longer walk it, nor write to (and so copy) its pages
+    gc.collect()
+    gc.freeze()
     buf = b""
     while True:
         _reap(sock)
@@ -263,8 +284,8 @@ def main(argv: list[str]) -> int:
         if not ready:
             continue
         data = sock.recv(65536)
-        if not data:  # the launcher closed its end (or died)
-            return 0
+        if not data:  # the launcher closed its end (or died): no teardown of the modules it preloaded
+            end_process(0)
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
