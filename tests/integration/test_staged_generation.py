@@ -4,14 +4,13 @@ equal model.generate() (the same engines and hand-offs a stage worker serves, wi
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
 
 import pytest
 import torch
 
 from support import IMAGE_CASES as CASES
-from support import build_reference, chat_prompt, make_image, png_bytes
+from support import build_reference, chat_prompt, child_processes, make_image, png_bytes
 from trident.core.protocol import HFKVRecord, decode_record
 
 NEW_TOKENS = 24
@@ -88,7 +87,7 @@ def _stage(conn, stage: str, model_path: str, dtype: str = "auto") -> None:
 
 class Stage:
     def __init__(self, stage: str, model_path: str, dtype: str = "auto") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = child_processes()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_stage, args=(child, stage, model_path, dtype), daemon=True)
         self.proc.start()

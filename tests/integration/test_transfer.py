@@ -6,7 +6,6 @@ with ``cuda`` (VRAM), where a producer on the CPU is read into a consumer on the
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
@@ -18,6 +17,8 @@ from trident.core.config import MiB, TransferConfig
 from trident.core.errors import LeaseExpired, PeerUnavailable, PoolExhausted, ReplayedRecord
 from trident.core.protocol import Transfer
 from trident.core.transfer import MemoryPool, TransferEndpoint
+
+from support import child_processes
 
 # (an expired region is freed read_timeout_s + 1 s after its expiry: when no READ of it can still run)
 CONFIG = TransferConfig(send_pool_bytes=64 * MiB, recv_pool_bytes=64 * MiB, poll_interval_s=0.002, read_timeout_s=1.0)
@@ -61,7 +62,7 @@ def _producer(conn, config: TransferConfig, device: str) -> None:
 
 class Producer:
     def __init__(self, config: TransferConfig = CONFIG, device: str = DEVICE) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = child_processes()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_producer, args=(child, config, device), daemon=True)
         self.proc.start()

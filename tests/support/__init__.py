@@ -4,6 +4,7 @@
 - :mod:`.clients`: tritonclient requests to entry and stage models
 - :mod:`.server`: `trident serve` in a subprocess, worker stats checks
 - :mod:`.reference`: transformers' ``generate()`` references
+- :mod:`.children`: child processes forked from a process that imported torch once
 """
 
 from .clients import ADDITIONAL, LOGPROB_FLAGS, Result, cancellable_stream, credential, decode_kv, drain_kv, grpc_generate, http_generate, stage_output, strings
@@ -13,6 +14,7 @@ from .media import (
 )
 from .media import bad_media, media_cases
 from .reference import build_media_reference, build_reference, internvl_inputs
+from .children import child_processes
 
 MEDIA_CASES = media_cases()
 from .server import (
