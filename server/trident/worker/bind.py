@@ -170,6 +170,15 @@ def run_worker(settings: WorkerSettings) -> int:
         holder.serving_at(request.worker_file(settings.model_name))  # (its name once bound, below)
     stop = threading.Event()
 
+    def keep_stats(name: str) -> None:
+        if settings.stats_dir:
+            Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
+            threading.Thread(target=_write_stats, daemon=True,
+                             args=(handler.stats, Path(settings.stats_dir) / f"{name}.json", stop)).start()
+
+    if not settings.free_name:  # its name is known: its stats from now on, not from its first bind (a Triton that
+        keep_stats(settings.model_name)  # died under that bind left a serving worker without them for a minute)
+
     def _on_signal(signum, _frame):
         log.info("worker %s: signal %d, unbinding and stopping", settings.model_name, signum)
         raise KeyboardInterrupt
@@ -191,13 +200,11 @@ def run_worker(settings: WorkerSettings) -> int:
                 return NAME_TAKEN_EXIT
             for holder in claims:
                 holder.serving_at(request.worker_file(name))
-            if first:  # (its traces and stats file keep the first name it bound as)
+            if first:  # (its traces and a joined worker's stats file keep the first name it bound as)
                 first = False
                 tracing.start(name)
-                if settings.stats_dir:
-                    Path(settings.stats_dir).mkdir(parents=True, exist_ok=True)
-                    threading.Thread(target=_write_stats, daemon=True,
-                                     args=(handler.stats, Path(settings.stats_dir) / f"{name}.json", stop)).start()
+                if settings.free_name:
+                    keep_stats(name)
             # a worker `trident serve` started: its server says when the stage model is ready; one joined says it
             (log.warning if settings.free_name else log.info)(
                 "worker %s (%s engine, pid %d) bound into %s", name, settings.backend, os.getpid(), settings.url)
