@@ -1,0 +1,67 @@
+"""vLLM engine cores' one-process gloo groups share one device (trident.worker.engines.gloo_device): one gloo loop
+thread instead of one per group, and the groups still work; a group of several processes keeps its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> str:
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip()
+
+
+GROUPS_OF_ONE = """
+    import os, tempfile, torch, torch.distributed as dist
+    from trident.worker.engines.gloo_device import share_for_groups_of_one
+
+    def loops():
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        return names.count("gloo_tcp_loop")
+
+    if SHARE:
+        share_for_groups_of_one()
+        share_for_groups_of_one()  # (twice: once is what counts)
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    groups = [dist.new_group([0], backend="gloo") for _ in range(6)]
+    x = torch.ones(3)
+    for g in groups:
+        dist.all_reduce(x, group=g)
+        dist.broadcast(x, 0, group=g)
+    print(loops(), x.tolist(), type(groups[0]._get_backend(torch.device("cpu"))).__name__)
+    dist.destroy_process_group()
+"""
+
+
+def test_groups_of_one_share_one_loop_thread_and_still_work():
+    assert _run(GROUPS_OF_ONE.replace("SHARE", "False")) == "7 [1.0, 1.0, 1.0] ProcessGroupGloo"  # torch's own: one each
+    assert _run(GROUPS_OF_ONE.replace("SHARE", "True")) == "1 [1.0, 1.0, 1.0] ProcessGroupGloo"
+
+
+def test_a_group_of_two_processes_keeps_its_own_device():
+    out = _run("""
+        import os, tempfile, torch, torch.multiprocessing as mp, torch.distributed as dist
+
+        def run(rank, path, q):
+            from trident.worker.engines.gloo_device import share_for_groups_of_one
+            share_for_groups_of_one()
+            dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+            pair = dist.new_group([0, 1], backend="gloo")
+            x = torch.tensor([rank + 1.0])
+            dist.all_reduce(x, group=pair)
+            names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+            q.put((rank, x.item(), names.count("gloo_tcp_loop")))
+            dist.destroy_process_group()
+
+        ctx, path = mp.get_context("fork"), tempfile.mktemp()
+        q = ctx.Queue()
+        procs = [ctx.Process(target=run, args=(r, path, q)) for r in range(2)]
+        [p.start() for p in procs]
+        got = sorted(q.get(timeout=60) for _ in procs)
+        [p.join(30) for p in procs]
+        print(got)
+    """)
+    assert out == "[(0, 3.0, 2), (1, 3.0, 2)]", out  # (the world's group and the pair's: a device each)
