@@ -103,9 +103,9 @@ def start_engine(args, cpu: bool, stat_loggers=None):
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from trident.worker.engines.gloo_device import share_for_groups_of_one
+    from trident.worker.engines import vllm_engine_core
 
-    share_for_groups_of_one()  # (an idle engine core's 13 gloo threads: 2% of a core)
+    vllm_engine_core.prepare()  # (an engine core's idle gloo threads, its collections at exit)
     vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     if cpu:
         # vLLM's CPU platform makes its engine-core process a spawned one, which imports vLLM afresh (tens of

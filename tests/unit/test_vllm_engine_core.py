@@ -1,5 +1,7 @@
-"""vLLM engine cores' one-process gloo groups share one device (trident.worker.engines.gloo_device): one gloo loop
-thread instead of one per group, and the groups still work; a group of several processes keeps its own."""
+"""What Trident changes in vLLM's engine-core process (trident.worker.engines.vllm_engine_core): its one-process gloo groups
+share one device (one gloo loop thread instead of one per group, and the groups still work; a group of several
+processes keeps its own). Its exit without full collections is checked by every vLLM server's stop (support.vllm_server:
+exit 0, nothing left behind)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ def _run(code: str) -> str:
 
 GROUPS_OF_ONE = """
     import os, tempfile, torch, torch.distributed as dist
-    from trident.worker.engines.gloo_device import share_for_groups_of_one
+    from trident.worker.engines.vllm_engine_core import share_for_groups_of_one
 
     def loops():
         names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
@@ -46,7 +48,7 @@ def test_a_group_of_two_processes_keeps_its_own_device():
         import os, tempfile, torch, torch.multiprocessing as mp, torch.distributed as dist
 
         def run(rank, path, q):
-            from trident.worker.engines.gloo_device import share_for_groups_of_one
+            from trident.worker.engines.vllm_engine_core import share_for_groups_of_one
             share_for_groups_of_one()
             dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
             pair = dist.new_group([0, 1], backend="gloo")
