@@ -51,7 +51,7 @@ def server(request, demo_models, tmp_path_factory, shared_servers):
     arch = request.param
 
     def start() -> Server:
-        srv = Server(demo_models[arch], tmp_path_factory.mktemp(arch) / "ws").started(240)
+        srv = Server(demo_models[arch], tmp_path_factory.mktemp(arch) / "ws", openai=False).started(240)
         srv.arch = arch
         return srv
 

@@ -30,15 +30,18 @@ class Server:
 
     ``config`` holds settings of its config file (``--config``: keys of docs/configuration.md, nested as dicts),
     ``extra`` more command-line arguments; ``faults``: its workers inject the faults a prompt's markers name
-    (`tests/support/faults`); ``ports``: its HTTP, gRPC, metrics and OpenAI ports (default: free ones). The config
+    (`tests/support/faults`); ``ports``: its HTTP, gRPC, metrics and OpenAI ports (default: free ones); ``openai``:
+    False starts no OpenAI frontend (``openai_port: 0``), for the modules whose tests do not call it. The config
     file and the access-token file are written beside the workspace, in ``<workspace>.serve/``."""
 
     def __init__(
         self, model: str, workspace: Path, modes: list[str] | None = None, load: list[str] | None = None,
         extra: list[str] | None = None, config: dict | None = None, faults: bool = False,
-        ports: tuple[int, int, int, int] | None = None,
+        ports: tuple[int, int, int, int] | None = None, openai: bool = True,
     ) -> None:
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = ports or free_ports(4)
+        if not openai:  # (no OpenAI frontend: 2.5 CPU s of a start saved where a module's tests do not use it)
+            self.openai_port = 0
         self.model_path = model
         self.openai_host = (config or {}).get("openai_host", "127.0.0.1")
         self.workspace = workspace = Path(workspace)

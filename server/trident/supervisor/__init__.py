@@ -13,8 +13,16 @@
   a server leaves behind, the libraries' quiet environment, the start-up error a user can act on.
 """
 
-from trident.supervisor.head import Launcher, serve
-from trident.supervisor.processes import descendants
-from trident.supervisor.worker_pool import own_side_channel
 
-__all__ = ["Launcher", "descendants", "own_side_channel", "serve"]
+import importlib
+
+# (imported when first named: every process of Trident imports this package, through trident.cli and the zygote,
+# and all but the head would otherwise import the head's modules, PyTriton among them: a second of CPU each)
+_FROM = {"Launcher": "head", "serve": "head", "descendants": "processes", "own_side_channel": "worker_pool"}
+__all__ = sorted(_FROM)
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
