@@ -129,13 +129,17 @@ def test_short_soak(server):
 def test_a_hung_triton_is_killed_and_started_again(server):
     """A tritonserver whose process lives but answers nothing (SIGSTOP here; Triton 2.51 was seen to stall that way
     in its own crash report, for 300 s, after its python backend aborted it): the head kills it once it has been
-    silent for HUNG_S, starts it again with the same workers, and the server serves the same answer."""
+    silent for HUNG_S, starts it again with the same workers, and the server serves the same answer. The killed
+    Triton's python-backend folder in /tmp (which a clean exit removes) is removed too."""
     from support import descendants
     from trident.supervisor.triton_process import HUNG_S
 
     expected = grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text
     tritons = {pid for pid in descendants(server.proc.pid) if _cmdline(pid).split(" ", 1)[0].endswith("tritonserver")}
     (triton,) = [pid for pid in tritons if _parent(pid) not in tritons]
+    record = server.workspace / "triton-temp-folders"
+    (folder,) = record.read_text().split()  # (the shim's list: supervisor/triton_shim.c)
+    assert folder.startswith("/tmp/python_env_") and os.path.isdir(folder)
     workers, seen = sorted(server.worker_pids()), len(server.log)
     os.kill(triton, signal.SIGSTOP)
     t0, said = time.monotonic(), f"[trident] Triton (pid {triton}) has not answered for {HUNG_S:.0f} s; killing it"
@@ -145,6 +149,7 @@ def test_a_hung_triton_is_killed_and_started_again(server):
     assert any(line.startswith(said) for line in server.log[seen:]), "\n".join(server.log[-20:])
     assert sorted(server.worker_pids()) == workers  # (the same workers: their engines kept)
     assert grpc_generate(server.grpc, "e_p_d", PROMPT, [], GREEDY, stream=True).text == expected
+    assert not os.path.exists(folder) and record.read_text().split() != [folder]
 
 
 def test_a_triton_that_keeps_dying_stops_everything_and_exits_non_zero(server):

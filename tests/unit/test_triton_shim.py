@@ -83,3 +83,43 @@ def test_triton_s_http_metrics_and_grpc_servers_move_to_the_fronts_sockets(libra
     (tmp_path / "c").mkdir()
     plain = _as_tritonserver(library, tmp_path / "c", {}, "--http-address", "0.0.0.0")
     assert plain.stdout.split() == ["--http-address", "0.0.0.0"]
+
+
+MAKES_A_FOLDER = """
+import ctypes, os, signal
+libc = ctypes.CDLL(None)
+libc.mkdtemp.restype = ctypes.c_char_p
+print(libc.mkdtemp(ctypes.create_string_buffer(b"/tmp/python_env_XXXXXX")).decode(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # (killed, as a Triton killed with SIGKILL: it removes nothing)
+"""
+
+
+def test_a_killed_triton_s_python_backend_folder_is_removed_by_the_launcher(library, tmp_path):
+    """The python backend's /tmp/python_env_* folder, which a killed Triton leaves: the shim lists it in the record,
+    and remove_left_folders removes it; lines naming anything else remove nothing."""
+    program, record = tmp_path / "tritonserver", tmp_path / "record"
+    program.symlink_to(sys.executable)
+    env = dict(os.environ, LD_PRELOAD=str(library), **{triton_shim.TEMP_RECORD_ENV: str(record)})
+    done = subprocess.run([str(program), "-c", MAKES_A_FOLDER], env=env, capture_output=True, text=True, timeout=60)
+    folder = done.stdout.strip()
+    assert done.returncode == -9 and folder.startswith("/tmp/python_env_") and os.path.isdir(folder), done
+    assert record.read_text() == folder + "\n"
+    # lines naming what the python backend does not make: a folder outside /tmp, another name, a link
+    (tmp_path / "python_env_mine").mkdir()
+    other = f"/tmp/trident-test-{uuid.uuid4().hex}"
+    os.mkdir(other)
+    link = f"/tmp/python_env_link-{uuid.uuid4().hex}"
+    os.symlink(tmp_path / "python_env_mine", link)
+    try:
+        record.write_text("\n".join([folder, str(tmp_path / "python_env_mine"), other, link, "/tmp/python_env_gone"]) + "\n")
+        assert triton_shim.remove_left_folders(record) == 1
+        assert not os.path.exists(folder) and not record.exists()
+        assert (tmp_path / "python_env_mine").is_dir() and os.path.isdir(other) and os.path.islink(link)
+        assert triton_shim.remove_left_folders(record) == 0  # (no record: nothing to do)
+    finally:
+        os.rmdir(other)
+        os.unlink(link)
+    # a process not named tritonserver lists nothing
+    plain = subprocess.run([sys.executable, "-c", MAKES_A_FOLDER], env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == -9 and not record.exists()
+    os.rmdir(plain.stdout.strip())

@@ -201,6 +201,7 @@ class TritonProcess:
                                          entries)
             self._grpc_front.start()
         self._shim = triton_shim.build(self.workspace)
+        triton_shim.remove_left_folders(self._temp_record)  # (a Triton of this workspace that died with its head)
         with self._preloaded():
             self.triton.run()
         pytriton_patch.keep_workspace(self.triton)  # (its exit is the head's to handle: start_again)
@@ -218,6 +219,7 @@ class TritonProcess:
         self.out("[trident] Triton exited; starting it again (the workers keep their engines; not READY meanwhile)")
         kill_left(stubs_of(self.model_store), grace_s=0)  # (the dead Triton's: orphans now)
         remove_shm_regions(os.getpid())
+        triton_shim.remove_left_folders(self._temp_record)
         for path in self._socket_files():
             path.unlink(missing_ok=True)
         close_gate(self.model_store)
@@ -233,7 +235,12 @@ class TritonProcess:
 
     def _preloaded(self):
         """What Triton starts with: the shim, the token, the front's sockets."""
-        return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload, self._sockets())
+        return triton_shim.preloaded(self._shim, self.token, self.s.allow_code_upload, self._sockets(), self._temp_record)
+
+    @property
+    def _temp_record(self) -> Path:
+        """The file the shim lists Triton's temporary folders in (:func:`.triton_shim.remove_left_folders`)."""
+        return self.workspace / "triton-temp-folders"
 
     @property
     def _ensembles(self) -> bool:
@@ -277,6 +284,7 @@ class TritonProcess:
             stubs = sorted({*(pid for pid in descendants(os.getpid()) if is_stub(pid)), *stubs_of(self.model_store)})
             pytriton_patch.stop(self.triton)
             self._reap(stubs)
+            triton_shim.remove_left_folders(self._temp_record)
             if regions := remove_shm_regions(os.getpid()):
                 self.out(f"[trident] removed {regions} shared-memory region(s) the python backend left in /dev/shm")
         if self._front is not None:

@@ -15,10 +15,12 @@
  * 5. Freed large buffers go back to the system (below).
  * 6. Triton in a process group of its own (below).
  * 7. Triton's HTTP, metrics and gRPC servers on Unix sockets, behind the launcher's fronts (below).
+ * 8. The python backend's temporary folder named for the launcher, which removes it after a Triton that was killed (below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -242,4 +244,30 @@ __attribute__((constructor)) static void behind_the_front(int argc, char **argv,
     put_socket(argc, argv, "--http-address", "TRIDENT_HTTP_SOCKET");
     put_socket(argc, argv, "--metrics-address", "TRIDENT_METRICS_SOCKET");
     put_socket(argc, argv, "--grpc-address", "TRIDENT_GRPC_SOCKET"); /* (gRPC appends :PORT to the path) */
+}
+
+/* 8. The python backend makes a folder /tmp/python_env_XXXXXX at start (for EXECUTION_ENV_PATH archives, which Trident
+ *    refuses) and removes it at a clean exit; a Triton killed (SIGKILL, a crash) leaves it behind. Each folder Triton
+ *    makes there is appended, a line each, to the file TRIDENT_TEMP_RECORD names (in the server's workspace), from which
+ *    the launcher removes those left once that Triton has exited. */
+char *mkdtemp(char *template) {
+    static char *(*real_mkdtemp)(char *);
+    if (real_mkdtemp == NULL) real_mkdtemp = (char *(*)(char *))dlsym(RTLD_NEXT, "mkdtemp");
+    char *made = real_mkdtemp(template);
+    const char *record = getenv("TRIDENT_TEMP_RECORD");
+    if (made == NULL || record == NULL || strcmp(program_invocation_short_name, "tritonserver") != 0) return made;
+    int fd = open(record, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd >= 0) {
+        size_t n = strlen(made);
+        char *line = malloc(n + 2);
+        if (line != NULL) {
+            memcpy(line, made, n);
+            line[n] = '\n';
+            ssize_t w = write(fd, line, n + 1); /* (one write: whole lines, appended) */
+            (void)w;
+            free(line);
+        }
+        close(fd);
+    }
+    return made;
 }

@@ -22,6 +22,8 @@ TOKEN_ENV = "TRIDENT_ACCESS_TOKEN"
 UPLOAD_ENV = "TRIDENT_ALLOW_CODE_UPLOAD"
 SOCKET_ENVS = {"http": "TRIDENT_HTTP_SOCKET", "metrics": "TRIDENT_METRICS_SOCKET",  # Triton's servers on Unix sockets
                "grpc": "TRIDENT_GRPC_SOCKET"}  # (gRPC's: the path, and :PORT after it)
+TEMP_RECORD_ENV = "TRIDENT_TEMP_RECORD"  # the file Triton lists its temporary folders in (remove_left_folders)
+TEMP_PREFIX = "python_env_"  # (the python backend's: /tmp/python_env_XXXXXX)
 SOURCE = Path(__file__).with_name("triton_shim.c")
 
 
@@ -45,16 +47,21 @@ def restriction(endpoints: list[str], header: str) -> str:
 
 
 @contextlib.contextmanager
-def preloaded(library: Path, token: str, allow_code_upload: bool = False, sockets: dict[str, Path] | None = None):
+def preloaded(library: Path, token: str, allow_code_upload: bool = False, sockets: dict[str, Path] | None = None,
+              temp_record: Path | None = None):
     """Within it, the processes started (Triton) get the library and the token by environment, with
-    ``allow_code_upload`` may load models with files uploaded through the repository API, and with ``sockets``
-    (``http``, ``metrics``, ``grpc``: a path each) serve HTTP, metrics and gRPC on those Unix sockets (the fronts')."""
-    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", TOKEN_ENV, UPLOAD_ENV, *SOCKET_ENVS.values())}
+    ``allow_code_upload`` may load models with files uploaded through the repository API, with ``sockets``
+    (``http``, ``metrics``, ``grpc``: a path each) serve HTTP, metrics and gRPC on those Unix sockets (the fronts'),
+    and with ``temp_record`` list the temporary folders they make in that file (:func:`remove_left_folders`)."""
+    names = ("LD_PRELOAD", TOKEN_ENV, UPLOAD_ENV, TEMP_RECORD_ENV, *SOCKET_ENVS.values())
+    saved = {name: os.environ.get(name) for name in names}
     os.environ["LD_PRELOAD"] = " ".join(filter(None, [str(library), saved["LD_PRELOAD"]]))
     os.environ[TOKEN_ENV] = token
     os.environ[UPLOAD_ENV] = "1" if allow_code_upload else "0"
     for what, path in (sockets or {}).items():
         os.environ[SOCKET_ENVS[what]] = str(path)
+    if temp_record is not None:
+        os.environ[TEMP_RECORD_ENV] = str(temp_record)
     try:
         yield
     finally:
@@ -63,3 +70,27 @@ def preloaded(library: Path, token: str, allow_code_upload: bool = False, socket
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def remove_left_folders(record: Path) -> int:
+    """Remove the temporary folders an exited Triton listed in ``record`` that are still there (a killed Triton's:
+    a clean exit removes its own), then empty the record; how many were removed. Only what the python backend makes:
+    a ``python_env_*`` folder right in /tmp, this user's, not a link (a line naming anything else removes nothing)."""
+    try:
+        lines = record.read_text().splitlines()
+    except OSError:
+        return 0
+    removed = 0
+    for line in lines:
+        path = Path(line)
+        if path.parent != Path("/tmp") or not path.name.startswith(TEMP_PREFIX):
+            continue
+        try:
+            mine = not path.is_symlink() and path.is_dir() and path.lstat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += not path.exists()
+    record.unlink(missing_ok=True)
+    return removed
