@@ -43,7 +43,8 @@ GROUPS_OF_ONE = """
 
 
 def test_groups_of_one_share_one_loop_thread_and_still_work(tmp_path):
-    assert _run(GROUPS_OF_ONE.replace("SHARE", "False"), tmp_path / "a") == "7 [1.0, 1.0, 1.0] ProcessGroupGloo"  # torch's
+    # torch's own: a device, and its loop thread, for each group (the world and six more)
+    assert _run(GROUPS_OF_ONE.replace("SHARE", "False"), tmp_path / "a") == "7 [1.0, 1.0, 1.0] ProcessGroupGloo"
     assert _run(GROUPS_OF_ONE.replace("SHARE", "True"), tmp_path / "b") == "1 [1.0, 1.0, 1.0] ProcessGroupGloo"
 
 
