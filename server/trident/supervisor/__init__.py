@@ -13,11 +13,10 @@
   a server leaves behind, the libraries' quiet environment, the start-up error a user can act on.
 """
 
-
 import importlib
 
 # (imported when first named: every process of Trident imports this package, through trident.cli and the zygote,
-# and all but the head would otherwise import the head's modules, PyTriton among them: a second of CPU each)
+# and all but the head would otherwise import the head's modules, PyTriton among them: about half a CPU second each)
 _FROM = {"Launcher": "head", "serve": "head", "descendants": "processes", "own_side_channel": "worker_pool"}
 __all__ = sorted(_FROM)
 
