@@ -323,8 +323,9 @@ def vllm_server(pool: OneServerAtATime, model: str, arch: str, workspace, modes:
 
     def start() -> Server:
         sockets_before = _ipc_sockets_in_tmp()
+        # (no OpenAI frontend: its modules call Triton's APIs; test_vllm_migration.py's own server streams over OpenAI)
         srv = Server(model, workspace, modes=modes, extra=["--backend", "vllm", "--worker-python", vllm_python()],
-                     openai=False)  # (its modules call Triton's APIs; test_vllm_migration.py's own server streams over OpenAI)
+                     openai=False)
         try:
             srv.wait_ready(timeout=400)
             # quiet by default: from start to ready only the server's own lines (no vLLM, transformers or torch noise)
