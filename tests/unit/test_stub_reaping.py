@@ -1,6 +1,7 @@
 """A stopping server kills the python-backend stubs that outlive its Triton, and only its own: once a stub has
 exited, its pid may already run another server's stub (pids wrap around at 32768 on many hosts), which a kill by
-pid alone would take down mid-request (real processes; no Triton)."""
+pid alone would take down mid-request. And the walk that lists a server's processes goes on past one that ends
+meanwhile (real processes; no Triton)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,39 @@ def test_a_process_is_known_by_its_pid_and_its_start():
         proc.kill()
         proc.wait(timeout=10)
     assert started(proc.pid) is None or started(proc.pid) != birth
+
+
+def test_descendants_go_on_past_a_process_that_ends_while_they_are_listed(monkeypatch):
+    """A process that ends between the check of its ``/proc/PID/task`` folder and its listing (CI saw it while
+    Triton was killed again and again: FileNotFoundError out of the walk) is skipped; the rest are listed."""
+    import os
+
+    from trident.supervisor.processes import descendants
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := descendants(parent.pid)) < 1:
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.01)
+        (child,) = found
+        ending = f"/proc/{child}/task"
+        real_scandir, real_listdir = os.scandir, os.listdir
+
+        def gone(real):
+            def listing(path="."):
+                if os.fspath(path) == ending:
+                    raise FileNotFoundError(2, "No such file or directory", ending)
+                return real(path)
+            return listing
+
+        monkeypatch.setattr(os, "scandir", gone(real_scandir))
+        monkeypatch.setattr(os, "listdir", gone(real_listdir))
+        assert descendants(parent.pid) == [child]
+    finally:
+        monkeypatch.undo()
+        for pid in descendants(parent.pid):
+            os.kill(pid, 9)
+        parent.kill()
+        parent.wait(timeout=10)

@@ -74,9 +74,13 @@ def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
         parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+        try:  # (not Path.glob: it raises when a process ends between its check of the folder and its listing)
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
             try:
-                kids = [int(k) for k in task.read_text().split()]
+                kids = [int(k) for k in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
             except OSError:
                 continue
             out += kids
