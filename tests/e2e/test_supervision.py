@@ -180,9 +180,12 @@ def test_a_triton_that_keeps_dying_stops_everything_and_exits_non_zero(server):
 
 def test_a_killed_head_leaves_nothing_and_its_ports_serve_again(demo_models, tmp_path):
     """`trident serve` killed with SIGKILL (the OOM killer's way): within seconds no process it started is left (the
-    OpenAI frontend and the workers used to live on, holding their ports), and a new server starts on the same
-    ports."""
+    OpenAI frontend and the workers used to live on, holding their ports), nor the workers' socket folders in /tmp,
+    and a new server starts on the same ports."""
+    import json
+
     from support import descendants
+    from trident.core.protocol import WORKER_FILE
 
     srv = Server(demo_models["llava"], tmp_path / "ws", modes=["e_pd"])
     try:
@@ -190,12 +193,15 @@ def test_a_killed_head_leaves_nothing_and_its_ports_serve_again(demo_models, tmp
         tree = descendants(srv.proc.pid)
         names = {pid: _cmdline(pid) for pid in tree}
         assert any(" frontend " in n for n in names.values()) and len(srv.worker_pids()) == 2, names
+        folders = {os.path.dirname(json.loads(f.read_text())["direct"]) for f in srv.workspace.rglob(WORKER_FILE)}
+        assert len(folders) == 2 and all(os.path.isdir(f) for f in folders), folders  # (the workers' sockets)
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
         deadline = time.monotonic() + 10
         while (alive := [p for p in tree if os.path.exists(f"/proc/{p}") and _cmdline(p)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive, {p: names[p][:80] for p in alive}
+        assert not [f for f in folders if os.path.exists(f)]  # (removed by the workers themselves: no head left)
     finally:
         srv.stop()
     again = Server(demo_models["llava"], tmp_path / "ws2", modes=["e_pd"],

@@ -25,7 +25,8 @@ OWN_GROUP = {"process_group": 0}
 
 def end_with_head() -> None:
     """When this process was started by a head (:data:`HEAD_PID_ENV`), a thread that waits on the head's pidfd and
-    kills this process's group the moment the head is gone. Call once the process has its own group."""
+    kills this process's group the moment the head is gone (a worker's own folder removed first: the head that
+    would have removed it is gone). Call once the process has its own group."""
     import select
     import threading
 
@@ -40,6 +41,9 @@ def end_with_head() -> None:
 
     def wait() -> None:
         select.select([head], [], [])
+        calls = sys.modules.get("trident.core.stagecall.server")
+        if calls is not None:  # (a worker: its folder, which no head will remove now)
+            calls.remove_unix_folder()
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="trident-head-watch", daemon=True).start()

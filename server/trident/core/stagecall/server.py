@@ -79,6 +79,12 @@ def unix_folder() -> str:
 _made: dict = {}
 
 
+def remove_unix_folder() -> None:
+    """This process's own folder (:func:`unix_folder`) removed now, where it made one: before it ends by a kill."""
+    if "folder" in _made:
+        shutil.rmtree(_made["folder"], ignore_errors=True)
+
+
 class StageServer:
     """A worker's stage sockets and the loop that serves them. ``infer(call)``: the stage function (a one-answer
     stage's returns its outputs, a streaming stage's is an async iterator of them); ``control(message)``: the

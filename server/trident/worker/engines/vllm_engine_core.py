@@ -1,5 +1,6 @@
 """Two costs of vLLM's engine-core process that buy a Trident worker nothing, taken away before the worker forks it
-(:func:`prepare`, called by :func:`trident.worker.engines.vllm.start_engine`).
+(:func:`prepare`, called by :func:`trident.worker.engines.vllm.start_engine`), and one file it would leave behind
+when killed (:func:`meet_in_own_folder`).
 
 - **Idle: one gloo device for every one-process gloo group.** vLLM's engine core makes a pair of torch.distributed
   groups for each kind of parallelism it knows (world, tensor, pipeline, data, expert, ...): 13 gloo groups on a
@@ -27,6 +28,22 @@ import os
 def prepare() -> None:
     share_for_groups_of_one()
     exit_without_collecting()
+    meet_in_own_folder()
+
+
+def meet_in_own_folder() -> None:
+    """The file in which the engine core's torch.distributed groups meet (vLLM's ``file://`` rendezvous) is made in this
+    worker's own folder (:func:`~trident.core.stagecall.server.unix_folder`), not in the temporary folder: a killed
+    engine cannot remove it, and the folder goes with its worker however the worker ends (at its exit, by the head
+    that started it, or by the worker itself when its head is gone)."""
+    import uuid
+
+    from vllm.v1.executor import uniproc_executor
+
+    from trident.core.stagecall.server import unix_folder
+
+    folder = unix_folder()
+    uniproc_executor.get_file_store_init_method = lambda: f"file://{folder}/vllm_dist_{uuid.uuid4().hex}"
 
 
 def share_for_groups_of_one() -> None:
