@@ -145,3 +145,42 @@ def _unserved(item) -> bool:
         return False
     modes = served.get(params["server"])
     return modes is not None and params["mode"] not in modes
+
+
+_LANES_RUN: set[str] = set()
+
+
+def pytest_runtest_setup(item):
+    _LANES_RUN.add(lane(item.nodeid))
+
+
+def pytest_sessionfinish(session):
+    """A lane's CPU seconds, for the summary: its own process's, and those of the processes it started and reaped
+    (the servers, with what they reaped in turn; a process killed with its parent is not counted)."""
+    import resource
+
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (sorted(_LANES_RUN), own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime)
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:  # (an xdist worker: the controller prints it)
+        output["lane_cpu"] = cpu
+    elif not session.config.pluginmanager.hasplugin("dsession"):  # (one process, no xdist)
+        session.config.stash.setdefault(_LANE_CPU, []).append(cpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    cpu = getattr(node, "workeroutput", {}).get("lane_cpu")
+    if cpu is not None:
+        node.config.stash.setdefault(_LANE_CPU, []).append(cpu)
+
+
+_LANE_CPU = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where the suite's CPU went, lane by lane (the suite is bound by its CPU: README)."""
+    for lanes, own, reaped in config.stash.get(_LANE_CPU, []):
+        if lanes:
+            terminalreporter.write_line(f"CPU of lane {' + '.join(lanes)}: its tests' process {own:.0f} s, the "
+                                        f"processes it started (servers, clients) {reaped:.0f} s")
