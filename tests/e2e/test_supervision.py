@@ -182,10 +182,7 @@ def test_a_killed_head_leaves_nothing_and_its_ports_serve_again(demo_models, tmp
     """`trident serve` killed with SIGKILL (the OOM killer's way): within seconds no process it started is left (the
     OpenAI frontend and the workers used to live on, holding their ports), nor the workers' socket folders in /tmp,
     and a new server starts on the same ports."""
-    import json
-
     from support import descendants
-    from trident.core.protocol import WORKER_FILE
 
     srv = Server(demo_models["llava"], tmp_path / "ws", modes=["e_pd"])
     try:
@@ -193,7 +190,7 @@ def test_a_killed_head_leaves_nothing_and_its_ports_serve_again(demo_models, tmp
         tree = descendants(srv.proc.pid)
         names = {pid: _cmdline(pid) for pid in tree}
         assert any(" frontend " in n for n in names.values()) and len(srv.worker_pids()) == 2, names
-        folders = {os.path.dirname(json.loads(f.read_text())["direct"]) for f in srv.workspace.rglob(WORKER_FILE)}
+        folders = set(srv.socket_folders().values())
         assert len(folders) == 2 and all(os.path.isdir(f) for f in folders), folders  # (the workers' sockets)
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)

@@ -148,7 +148,7 @@ def check_no_request_lost(server, mode: str) -> None:
     for f in firsts:
         assert f.wait(120)
     victim = _serving_decode(server, mode)
-    pid, folder = server.worker_pid(victim), _own_folder(server, victim)
+    pid, folder = server.worker_pid(victim), server.socket_folders()[victim]
     if server.engine == "vllm":  # (its engine core's torch.distributed file: in the worker's folder, not in /tmp)
         assert any(name.startswith("vllm_dist_") for name in os.listdir(folder)), os.listdir(folder)
     os.killpg(os.getpgid(pid), signal.SIGKILL)  # (the worker and, on vllm, its engine's processes)
@@ -163,14 +163,6 @@ def check_no_request_lost(server, mode: str) -> None:
     print(f"{server.engine} {mode}: {moved:.0f} stream(s) moved after {victim} was killed")
     _wait_back(server, victim, pid)
     assert not os.path.exists(folder)  # (removed by the head: the killed worker could not)
-
-
-def _own_folder(server, name: str) -> str:
-    """The folder a worker made for its sockets (its worker file's ``direct`` socket's)."""
-    from trident.core.protocol import WORKER_FILE
-
-    (file,) = [f for f in server.workspace.rglob(WORKER_FILE) if f.parent.parent.name == name]
-    return os.path.dirname(json.loads(file.read_text())["direct"])
 
 
 def _wait_back(server, name: str, pid: int, timeout: float = 300) -> None:

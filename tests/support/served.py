@@ -163,6 +163,13 @@ class Server:
                 return int(line.rsplit("pid ", 1)[1].rstrip(")"))
         raise KeyError(name)
 
+    def socket_folders(self) -> dict[str, str]:
+        """Each bound stage model's worker's own folder (its worker file's ``direct`` socket's), by stage model."""
+        from trident.core.protocol import WORKER_FILE
+
+        return {file.parent.parent.name: os.path.dirname(json.loads(file.read_text())["direct"])
+                for file in self.workspace.rglob(WORKER_FILE)}
+
     def ready(self, model: str) -> bool:
         import tritonclient.http as httpclient
 
