@@ -10,6 +10,13 @@ models' names. What it tries:
   prints how many the worker closed at once, then holds the rest until its stdin closes;
 - ``relay``: listens on this host and relays each connection to a worker's stage socket, byte for byte; prints its
   port, then relays until its stdin closes (a deployment process told this host's address connects through it);
+- ``tamper``: puts itself on the path from one host to another (``from`` -> ``to``) by ARP spoofing, as any host on
+  a shared layer-2 network can: it tells ``from`` that ``to``'s address is at its own MAC, every 0.2 s, and passes on
+  each frame that then comes to it. Of each burst of TCP segments of at least ``min_bytes`` to or from no port in
+  ``spared`` (the stage sockets and Triton's ports: what is left between the hosts is NIXL's UCX traffic, the
+  tensors), it changes one byte of the first segment; prints ``{"on_path": true}`` once a frame has come through it, and at the end
+  (its stdin closed, the right address told again for 2 s while it still passes frames on) how many it passed and
+  changed;
 - ``side_channel``: asks a vLLM KV producer's NIXL side channel for its agent metadata, as vLLM's consumers ask
   (``get_meta_msg``), and sealed as the deployment's consumers seal it but with this host's own secret; prints what
   came back of each (null: nothing within 3 s).
@@ -18,7 +25,9 @@ Nothing here asserts: the test reads the answers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
 import sys
 import time
 
@@ -204,6 +213,123 @@ def relay(args: dict) -> None:
     listener.close()
 
 
+ETH_P_ALL, ETH_P_IP, ETH_P_ARP = 0x0003, 0x0800, 0x0806
+SOL_PACKET, PACKET_VNET_HDR = 263, 15
+VNET = struct.Struct("<BBHHHH")  # virtio_net_hdr: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset
+NEEDS_CSUM = 1
+
+
+def _mac(address: str) -> bytes:
+    """The MAC of ``address`` on this host's link, from its own neighbour table (a connection attempt first fills
+    it: what any host learns by talking)."""
+    import socket
+
+    with contextlib.suppress(OSError):
+        socket.create_connection((address, 9), timeout=1).close()
+    for line in open("/proc/net/arp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[0] == address and fields[3] != "00:00:00:00:00:00":
+            return bytes.fromhex(fields[3].replace(":", ""))
+    raise SystemExit(f"no MAC for {address}")
+
+
+def _arp_reply(to_mac: bytes, to_ip: str, claimed_ip: str, claimed_mac: bytes, own_mac: bytes) -> bytes:
+    import socket
+
+    return (to_mac + own_mac + struct.pack("!H", ETH_P_ARP) + struct.pack("!HHBBH", 1, ETH_P_IP, 6, 4, 2)
+            + claimed_mac + socket.inet_aton(claimed_ip) + to_mac + socket.inet_aton(to_ip))
+
+
+def _tcp_checksum(ip: bytes, tcp: bytearray) -> int:
+    pseudo = ip[12:20] + struct.pack("!BBH", 0, 6, len(tcp))
+    data = pseudo + bytes(tcp[:16]) + b"\0\0" + bytes(tcp[18:])
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def tamper(args: dict) -> None:
+    import socket
+    import threading
+
+    src, dst, spared = args["from"], args["to"], set(args["spared"])
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    sock.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)  # (whole GSO segments, and how their checksums stand)
+    sock.bind(("eth0", 0))
+    own_mac = sock.getsockname()[4]
+    src_mac, dst_mac = _mac(src), _mac(dst)
+    src_ip, dst_ip = socket.inet_aton(src), socket.inet_aton(dst)
+    spoofing, done = threading.Event(), threading.Event()
+    spoofing.set()
+    counts = {"passed": 0, "changed": 0}
+    previous = [0.0]  # when the last segment that could be changed came
+
+    def tell() -> None:
+        spoof = _arp_reply(src_mac, src, dst, own_mac, own_mac)
+        truth = _arp_reply(src_mac, src, dst, dst_mac, own_mac)
+        while not done.is_set():
+            sock.send(VNET.pack(0, 0, 0, 0, 0, 0) + (spoof if spoofing.is_set() else truth))
+            time.sleep(0.2)
+
+    def change(frame: bytearray, flags: int, gso_type: int) -> bool:
+        ip = 14
+        if frame[ip + 9] != 6:  # not TCP
+            return False
+        tcp = ip + (frame[ip] & 0x0F) * 4
+        ports = struct.unpack_from("!HH", frame, tcp)
+        payload = tcp + (frame[tcp + 12] >> 4) * 4
+        if spared & set(ports) or ip + struct.unpack_from("!H", frame, ip + 2)[0] - payload < args["min_bytes"]:
+            return False
+        if not flags & NEEDS_CSUM and gso_type:
+            return False
+        now = time.monotonic()
+        if now - previous[0] < 0.1:  # one segment of each burst (a transfer): its other bytes pass as they were
+            previous[0] = now
+            return False
+        previous[0] = now
+        end = ip + struct.unpack_from("!H", frame, ip + 2)[0]  # (a frame may be padded past its packet)
+        frame[end - 1] ^= 0x01
+        if not flags & NEEDS_CSUM:  # a whole checksum: made again (with NEEDS_CSUM the kernel makes it on the way out)
+            struct.pack_into("!H", frame, tcp + 16, _tcp_checksum(bytes(frame[ip:ip + 20]), frame[tcp:end]))
+        return True
+
+    def forward() -> None:
+        buf = bytearray(VNET.size + 70000)
+        announced = False
+        while not done.is_set():
+            try:
+                n, addr = sock.recvfrom_into(buf)
+            except socket.timeout:
+                continue
+            if addr[2] != socket.PACKET_HOST or n < VNET.size + 34:
+                continue
+            frame = buf[VNET.size:n]
+            if frame[12:14] != b"\x08\x00" or frame[14 + 16:14 + 20] != dst_ip or frame[14 + 12:14 + 16] != src_ip:
+                continue
+            if change(frame, flags=buf[0], gso_type=buf[1]):
+                counts["changed"] += 1
+            frame[0:12] = dst_mac + own_mac
+            sock.send(bytes(buf[:VNET.size]) + frame)
+            counts["passed"] += 1
+            if not announced:
+                print(json.dumps({"on_path": True}), flush=True)
+                announced = True
+
+    sock.settimeout(0.2)
+    threading.Thread(target=tell, daemon=True).start()
+    passing = threading.Thread(target=forward, daemon=True)
+    passing.start()
+    sys.stdin.read()
+    spoofing.clear()  # the truth told again, frames still passed on meanwhile
+    time.sleep(2.0)
+    done.set()
+    passing.join(5)
+    print(json.dumps(counts), flush=True)
+
+
 def ask_side_channel(host: str, port: int, sealed: bool = False):
     """vLLM's ``get_meta_msg`` to the NIXL side channel at ``host:port``, plain or sealed as the deployment's consumers
     seal theirs (with this process's secret): what came back (hex, cut), or None when nothing did within 3 s. (Also
@@ -240,4 +366,4 @@ if __name__ == "__main__":
     if what in ("probe", "side_channel"):
         print(json.dumps({"probe": main, "side_channel": side_channel}[what](given)), flush=True)
     else:
-        {"flood": flood, "relay": relay}[what](given)
+        {"flood": flood, "relay": relay, "tamper": tamper}[what](given)

@@ -250,6 +250,53 @@ def test_a_relay_and_a_handshake_flood_from_that_host_fail_while_every_request_g
             proc.wait(30)
 
 
+def _stage_ports(server) -> set[int]:
+    """The TCP stage ports of every worker bound into the head (its own and the joined ones)."""
+    files = (server.workspace / "triton" / "model-store").glob("*/1/trident_worker.json")
+    return {json.loads(f.read_text())["tcp"][1] for f in files}
+
+
+def test_embeddings_changed_on_the_way_between_hosts_are_refused_and_every_other_answer_is_exact(cluster, ref):
+    """(6) The host with no secret puts itself on the path from the head to the prefill host (ARP spoofing, as any
+    host on a shared network can) and changes one byte of each tensor that crosses there: the UCX traffic, the
+    stage sockets' and Triton's ports spared. E/P/D's requests, turn by turn on the head's prefill and the other
+    host's: each READ on that host finds its embeddings unlike their record's digest and its request ends in a clean
+    error naming it; every other request gets its exact answer. Once the attacker is gone, the same requests are
+    answered exactly there too."""
+    fresh = build_reference(cluster.model_path, {f"fresh-{i}": [(224, 224, 800 + i)] for i in range(4)},
+                            GREEDY["max_tokens"])
+    head = cluster.hosts.head_address
+    spared = sorted(_stage_ports(cluster) | {cluster.http_port, cluster.grpc_port, cluster.metrics_port})
+    proc = _attacker(cluster, "tamper", {"from": head, "to": cluster.hosts["prefill"].address, "spared": spared,
+                                        "min_bytes": 4096})
+    refused = []
+    try:
+        assert json.loads(proc.stdout.readline()) == {"on_path": True}, proc.stderr.read()[-2000:]
+        before = _routed(cluster, JOINED["prefill"])
+        for name, case in fresh.items():
+            try:
+                text = grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text
+            except Exception as e:  # noqa: BLE001 - the error is what is read
+                assert "TransferError" in str(e) and "changed on the way" in str(e), str(e)
+                refused.append(name)
+            else:
+                assert text == case["expected"], name
+        time.sleep(0.5)  # (the scheduler's metric updates)
+        assert len(refused) == _routed(cluster, JOINED["prefill"]) - before == 2, refused
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    counts = json.loads(proc.stdout.read().strip().splitlines()[-1])
+    assert counts["changed"] >= len(refused) and counts["passed"] > counts["changed"], counts
+    before = _routed(cluster, JOINED["prefill"])
+    for name, case in fresh.items():
+        assert grpc_generate(cluster.grpc, "e_p_d", case["text"], case["images"], GREEDY, stream=True).text \
+            == case["expected"], name
+    time.sleep(0.5)
+    assert _routed(cluster, JOINED["prefill"]) - before == 2
+
+
 def test_affinity_sends_a_prompt_back_to_the_host_that_prefilled_it(cluster, ref):
     """With affinity routing, each prompt's first prefill goes to the least-loaded instance (turn by turn when idle:
     the head's or the other host's), and the same prompt again goes back there, to the instance on the other host
