@@ -261,3 +261,24 @@ def test_a_frame_over_the_deployment_s_media_limits_ends_the_connection_before_i
                 frames.recv_message(b, session=None)
     finally:
         frames.frame_limit.cache_clear()
+
+
+def test_a_stage_model_s_stub_takes_the_frame_limit_the_head_hands_on_and_imports_no_settings():
+    """The head hands its frame limit to the processes it starts (``TRIDENT_FRAME_LIMIT``, :func:`frames.limit_for` its
+    media limits): a stage model's stub takes it as given, and imports nothing of the settings (pydantic: a third of
+    a CPU second of each stub's start)."""
+    import os
+    import subprocess
+    import sys
+
+    from trident.core.config import MediaLimits
+    from trident.core.stagecall import frames
+
+    limit = frames.limit_for(MediaLimits(max_images=2))
+    assert limit == 2 * MediaLimits().max_bytes + 4 * (64 << 20) + 8 * (32 << 20) + frames.FRAME_ALLOWANCE
+    code = ("import sys, types; sys.modules['triton_python_backend_utils'] = types.ModuleType('pb_utils'); "
+            "import trident.in_triton.proxy_model; from trident.core.stagecall import frames; "
+            "print(frames.frame_limit(), sorted(k for k in ('pydantic', 'trident.core.config') if k in sys.modules))")
+    env = dict(os.environ, **{frames.FRAME_LIMIT_ENV: str(limit)})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split(maxsplit=1) == [str(limit), "[]\n"]

@@ -26,6 +26,7 @@ from trident.core.device import place, visible_gpus
 from trident.core.netutil import port_taken
 from trident.core.protocol import BIND_MODEL, MODES, instance_name, stages_for
 from trident.core.repository import install_bind_model, install_entry_model
+from trident.core.stagecall import frames
 from trident.supervisor.joined import JoinedWatch, unbind
 from trident.supervisor.readiness import Readiness
 from trident.supervisor.restarts import MAX_QUICK_DEATHS, QUICK_DEATH_S
@@ -245,6 +246,7 @@ class Launcher:
         os.environ[SCHEDULING_ENV] = self.s.scheduling.model_dump_json()  # (nor are the schedulers' settings)
         os.environ[auth.ENV] = self.transfer_secret
         os.environ[MEDIA_LIMITS_ENV] = self.s.media_limits.model_dump_json()  # Triton's stubs, the workers, the frontend
+        os.environ[frames.FRAME_LIMIT_ENV] = str(frames.limit_for(self.s.media_limits))
         tracing_settings = self.s.tracing
         if tracing_settings.exporter is not None:  # Triton's stubs, the workers and the frontend inherit them
             os.environ[tracing.EXPORTER_ENV] = tracing_settings.exporter
