@@ -99,10 +99,10 @@ def _prompt(built: Built, n_images: int, text: str = "What is in this picture?")
     return built.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def _generate(built: Built, prompt, images):
+def _generate(built: Built, prompt, images, tokens: int = 24):
     inputs = built.processor(text=prompt, images=images, return_tensors="pt")
     with torch.inference_mode():
-        out = built.model.generate(**inputs, max_new_tokens=24, do_sample=False)
+        out = built.model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
     return inputs, out[:, inputs["input_ids"].shape[1] :]
 
 
@@ -281,22 +281,23 @@ def test_chat_template_tokenize_with_inline_image(built):
 
 
 def test_generate_is_deterministic_and_batch_consistent(built):
-    """Greedy decode is reproducible; a left-padded batch matches unbatched runs."""
+    """Greedy decode is reproducible; a left-padded batch matches unbatched runs (their first 8 tokens: fp32 and a
+    tiny model, left padding should not change greedy picks, though a later one may diverge; the 8 are all that is
+    generated)."""
     img = gradient_image(224, 224)
     p1 = _prompt(built, 1, "What is this?")
     p2 = _prompt(built, 1, "Please describe the colors in this image in detail.")
-    _, single1 = _generate(built, p1, [img])
-    _, again1 = _generate(built, p1, [img])
-    assert torch.equal(single1, again1)
-    _, single2 = _generate(built, p2, [img])
+    _, single1 = _generate(built, p1, [img], tokens=8)
+    _, again1 = _generate(built, p1, [img], tokens=8)
+    assert torch.equal(single1, again1) and single1.shape == (1, 8)
+    _, single2 = _generate(built, p2, [img], tokens=8)
     images = [[img], [img]] if built.arch == "gemma3" else [img, img]  # (Gemma 3's processor: a list per text)
     inputs = built.processor(text=[p1, p2], images=images, padding=True, return_tensors="pt")
     with torch.inference_mode():
-        out = built.model.generate(**inputs, max_new_tokens=24, do_sample=False)
+        out = built.model.generate(**inputs, max_new_tokens=8, do_sample=False)
     new = out[:, inputs["input_ids"].shape[1] :]
-    # fp32 + tiny model: left padding should not change greedy picks (allow a late divergence)
-    assert new[0, :8].tolist() == single1[0, :8].tolist()
-    assert new[1, :8].tolist() == single2[0, :8].tolist()
+    assert new[0].tolist() == single1[0].tolist()
+    assert new[1].tolist() == single2[0].tolist()
 
 
 def test_audio_demo_builds_the_same_twice_loads_offline_and_generates(tmp_path):
