@@ -74,9 +74,9 @@ def lane(nodeid: str) -> str:
     """Which of the suite's two lanes a test runs in (`make test`: ``pytest -n 2``, one lane per process, each in
     the order of :func:`pytest_collection_modifyitems`): the vLLM engine's modules, and the stage hosts with
     test_supervision.py (they go on with one server); the hf engine's servers, then the unit and the integration
-    tests. A lane's servers run one at a time and its shared servers are its own. In two runs from a clean clone of
-    992243b the first lane's tests took 1876 and 1660 s, the second's 1827 and 1636 s (test_hf_families.py, 130-200 s
-    with servers of its own, runs in the second to even them out). Together they use the 2 cores that one lane left
+    tests. A lane's servers run one at a time and its shared servers are its own. In a run from a clean clone of
+    1e13ab6 the first lane's tests took 1585 s, the second's 1606 s (test_hf_families.py, 140-180 s with servers of
+    its own, runs in the second to even them out). Together they use the 2 cores that one lane left
     idle a third of the time."""
     path = nodeid.split("::", 1)[0]
     folder, _, name = path.rpartition("/")
