@@ -16,7 +16,16 @@ from .media import bad_media, media_cases
 from .reference import build_media_reference, build_reference, internvl_inputs
 from .children import child_processes
 
-MEDIA_CASES = media_cases()
+
+def __getattr__(name: str):
+    """``MEDIA_CASES`` is made on first use: it encodes videos with PyAV, which a test module that sends no media
+    need not have (`make gpu-check` runs test_transfer.py on a GPU host's Python, without PyAV)."""
+    if name == "MEDIA_CASES":
+        global MEDIA_CASES
+        MEDIA_CASES = media_cases()
+        return MEDIA_CASES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 from .server import (
     OneServerAtATime, Server, bridged_llava_server, descendants, hosted_head, quiet_vllm_metrics, serving,
     settled_vllm_metrics, shared_llava_server, shared_media_server, vllm_metrics, vllm_python, vllm_server, wait_drained,
