@@ -281,7 +281,10 @@ def test_embeddings_changed_on_the_way_are_refused_by_their_record_s_digest(cons
     from trident.core.protocol import EmbeddingsRecord, decode_record
 
     record = decode_record(producer.call("cached", 0), EmbeddingsRecord)
-    assert len(record.digests) == 2 and all(len(d) == 32 for d in record.digests)
+    if DEVICE == "cpu":
+        assert len(record.digests) == 2 and all(len(d) == 32 for d in record.digests)
+    else:  # rows on a GPU are not hashed, at either end (docs/security.md)
+        assert record.digests is None
     emb, release = read_embeddings(consumer, record)
     try:
         assert torch.equal(emb.embeddings.cpu().view(2, 196, 512), _tensors(1)["embeddings"][0])
