@@ -234,6 +234,24 @@ def test_a_lease_is_claimed_at_its_producer_once_whichever_consumer_asks():
         ep.close()
 
 
+def test_a_closed_endpoint_s_pools_leave_its_agent(consumer, producer):
+    """An endpoint's close deregisters its pools and stamps from the agent, which may outlive it (the process's):
+    peers can no longer READ them, and the agent's metadata is what it was. (On an H200, after a test that closed a
+    second endpoint on the process's agent when close deregistered nothing, the process's next GPU allocation failed
+    with "resource already mapped".)"""
+    before = consumer.agent.metadata
+    other = TransferEndpoint(CONFIG, agent=consumer.agent, device=DEVICE)
+    assert len(consumer.agent.metadata) > len(before)
+    other.close()
+    other.close()  # (once is enough; twice is harmless)
+    assert consumer.agent.metadata == before
+    del other
+    torch.empty(1 << 20, dtype=torch.uint8, device=DEVICE).fill_(1)
+    record = _read(producer.call("publish", ("kv", None)))
+    with consumer.fetch(record) as got:
+        assert [t.cpu().numpy().tobytes() for t in got.tensors] == [t.numpy().tobytes() for t in _tensors(0)["kv"]]
+
+
 def test_dead_peer_is_a_clear_error(consumer):
     p = Producer()
     data = p.call("publish", ("kv", None))

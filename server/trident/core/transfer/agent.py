@@ -61,14 +61,23 @@ class NixlAgent:
         self.metadata: bytes = self._agent.get_agent_metadata()
         log.info("NIXL agent %s ready (%s backend, metadata %d bytes)", self.name, backend, len(self.metadata))
 
-    def register(self, buffer: torch.Tensor) -> None:
+    def register(self, buffer: torch.Tensor):
         """Register a tensor's memory for transfers (do it once, at start-up): DRAM for a CPU tensor, VRAM for a
-        GPU's (NIXL takes the type and the GPU from the tensor).
+        GPU's (NIXL takes the type and the GPU from the tensor). Returns the registration, for :meth:`deregister`.
 
         The agent's metadata, which peers load to READ from us, covers the memory registered so far.
         """
         with self._lock:
-            self._agent.register_memory(buffer)
+            registration = self._agent.register_memory(buffer)
+            self.metadata = self._agent.get_agent_metadata()
+        return registration
+
+    def deregister(self, registration) -> None:
+        """Undo a :meth:`register`, before the memory is freed: a buffer freed while registered leaves UCX holding
+        a mapping of memory that is gone (on a GPU, the process's next allocation failed with "resource already
+        mapped")."""
+        with self._lock:
+            self._agent.deregister_memory(registration)
             self.metadata = self._agent.get_agent_metadata()
 
     def _connect(self, remote: str, metadata: bytes) -> None:

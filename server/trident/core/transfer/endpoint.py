@@ -64,10 +64,16 @@ class StampTable:
 
     def __init__(self, agent: NixlAgent, slots: int = STAMP_SLOTS) -> None:
         self.buffer = torch.zeros(slots * STAMP_BYTES, dtype=torch.uint8)
-        agent.register(self.buffer)
+        self._agent = agent
+        self._registration = agent.register(self.buffer)
         self.address = self.buffer.data_ptr()
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            self._agent.deregister(registration)
 
     def take(self, lease_id: str) -> int:
         """A slot stamped with ``lease_id``."""
@@ -103,7 +109,7 @@ class TransferSender:
     ) -> None:
         self.agent = agent
         self.config = config
-        self.pool = MemoryPool("send", config.send_pool_bytes + extra_pool_bytes, register=agent.register, device=device)
+        self.pool = MemoryPool("send", config.send_pool_bytes + extra_pool_bytes, agent=agent, device=device)
         self.stamps = StampTable(agent)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
@@ -254,9 +260,12 @@ class TransferSender:
                 log.exception("lease reaper poll failed")
 
     def close(self) -> None:
+        """Stop the reaper and deregister the pool and the stamps: no consumer READs from this producer after it."""
         self._stop.set()
         self._leased.set()
         self._thread.join(timeout=1.0)
+        self.pool.close()
+        self.stamps.close()
 
 
 def _reachable(address: str) -> bool:
@@ -299,7 +308,7 @@ class TransferReceiver:
     def __init__(self, agent: NixlAgent, config: TransferConfig, device: torch.device | str = "cpu") -> None:
         self.agent = agent
         self.config = config
-        self.pool = MemoryPool("recv", config.recv_pool_bytes, register=agent.register, device=device)
+        self.pool = MemoryPool("recv", config.recv_pool_bytes, agent=agent, device=device)
         self.fetched = 0
         self.fetched_bytes = 0  # of the records read (their regions: the stamp aside)
         self.fetch_seconds = 0.0  # spent in their READs
@@ -307,6 +316,9 @@ class TransferReceiver:
         self.by_memory: dict[str, list[float]] = {}
         self.quarantined = 0  # regions a timed-out READ that NIXL could not stop may still write into
         self._used = SingleUse()  # (agent, lease id) of each record read or discarded
+
+    def close(self) -> None:
+        self.pool.close()
 
     def _claim(self, record: Transfer) -> None:
         self._used.claim((record.agent, record.lease_id), record.expires_at,
@@ -442,4 +454,7 @@ class TransferEndpoint:
         }
 
     def close(self) -> None:
+        """Deregister both pools from the agent (the process's, which may live on); the tensors read so far stay
+        valid as tensors."""
         self.sender.close()
+        self.receiver.close()

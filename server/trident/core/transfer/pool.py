@@ -29,18 +29,26 @@ class Region:
 class MemoryPool:
     """Registered memory split into regions; ``in_use`` counts the regions handed out."""
 
-    def __init__(self, name: str, nbytes: int, register=None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, name: str, nbytes: int, agent=None, device: torch.device | str = "cpu") -> None:
+        """``agent``: the :class:`~trident.core.transfer.agent.NixlAgent` that registers the buffer (none: a pool
+        no peer reads, as in unit tests); :meth:`close` deregisters it."""
         self.name = name
         self.capacity = _aligned(nbytes)
         self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self.memory: tuple[str, int] = memory_type(self.buffer)  # NIXL's memory type and device id
-        if register is not None:
-            register(self.buffer)
+        self._agent = agent
+        self._registration = agent.register(self.buffer) if agent is not None else None
         self.address = self.buffer.data_ptr()
         self.typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype (tensors.unpack_tensors)
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size), sorted by offset
         self._used: dict[int, int] = {}  # offset -> aligned size
+
+    def close(self) -> None:
+        """Deregister the buffer (once): no peer can READ it after this."""
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            self._agent.deregister(registration)
 
     def alloc(self, nbytes: int) -> Region:
         """A region of at least ``nbytes``; raises :class:`PoolExhausted` when none is free."""
