@@ -672,6 +672,8 @@ def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref, 
     deadline = time.monotonic() + 10
     while (admin.is_model_ready("prefill") or admin.is_model_ready("prefill-2")) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert not (admin.is_model_ready("prefill") or admin.is_model_ready("prefill-2"))
+    time.sleep(1.0)  # the scheduler looks for instances every 0.5 s (till then it calls their workers' sockets on)
     fallbacks = _metric(server, "trident_fallbacks_total", to="e_pd")
     for case in ("one-image", "two-images"):
         assert _generate(server, ref[case]) == ref[case]["expected"]
@@ -680,6 +682,8 @@ def test_without_prefill_e_p_d_falls_back_then_answers_503_at_once(server, ref, 
         admin.unload_model(stage, headers=headers)
     while (admin.is_model_ready("prefill_decode") or admin.is_model_ready("generate")) and time.monotonic() < deadline + 10:
         time.sleep(0.1)
+    assert not (admin.is_model_ready("prefill_decode") or admin.is_model_ready("generate"))
+    time.sleep(1.0)
     c = ref["one-image"]
     start = time.monotonic()
     with pytest.raises(Exception, match="no live stage instances"):
