@@ -76,7 +76,7 @@ def lane(nodeid: str) -> str:
     test_supervision.py (they go on with one server); the hf engine's servers, then the unit and the integration
     tests. A lane's servers run one at a time and its shared servers are its own. In a run from a clean clone of
     1e13ab6 the first lane's tests took 1585 s, the second's 1606 s (test_hf_families.py, 140-180 s with servers of
-    its own, runs in the second to even them out). Together they use the 2 cores that one lane left
+    its own, runs in the second to even them out); on a faster machine of the same kind (9d207d0), 1053 and 862 s. Together they use the 2 cores that one lane left
     idle a third of the time."""
     path = nodeid.split("::", 1)[0]
     folder, _, name = path.rpartition("/")

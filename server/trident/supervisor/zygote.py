@@ -192,11 +192,26 @@ def _preload_vllm(config) -> None:
     from vllm.v1.executor import uniproc_executor  # noqa: F401
     from vllm.engine import arg_utils  # noqa: F401
     from vllm.model_executor import model_loader  # noqa: F401
-    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.model_executor.models import registry
 
     importlib.import_module("vllm.v1.worker." + ("cpu_worker" if current_platform.is_cpu() else "gpu_worker"))
     for arch in getattr(config, "architectures", None) or ():
-        ModelRegistry._try_load_model_cls(arch)  # (None for an architecture vLLM does not know: the worker says so)
+        # (None for an architecture vLLM does not know: the worker says so)
+        if registry.ModelRegistry._try_load_model_cls(arch) is not None:
+            _inspect_here(registry, arch)
+
+
+def _inspect_here(registry, arch: str) -> None:
+    """vLLM inspects a model class in a subprocess that imports vLLM again (about 8 CPU s) unless the class is in its
+    ``modelinfos`` cache (under ``VLLM_CACHE_ROOT``), as it is not at a machine's first start of that model: each of a
+    server's engines did so, at once. The zygote has the class imported: vLLM's own inspection runs here, once, and
+    writes that cache; the workers it forks have the answer in memory."""
+    in_subprocess = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        registry.ModelRegistry._try_inspect_model_cls(arch)
+    finally:
+        registry._run_in_subprocess = in_subprocess
 
 
 _CLASS_KEYS = ("processor_class", "image_processor_type", "video_processor_type", "feature_extractor_type",
