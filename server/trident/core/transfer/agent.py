@@ -61,23 +61,20 @@ class NixlAgent:
         self.metadata: bytes = self._agent.get_agent_metadata()
         log.info("NIXL agent %s ready (%s backend, metadata %d bytes)", self.name, backend, len(self.metadata))
 
-    def register(self, buffer: torch.Tensor):
+    def register(self, buffer: torch.Tensor) -> "Registration":
         """Register a tensor's memory for transfers (do it once, at start-up): DRAM for a CPU tensor, VRAM for a
-        GPU's (NIXL takes the type and the GPU from the tensor). Returns the registration, for :meth:`deregister`.
+        GPU's (NIXL takes the type and the GPU from the tensor). Close the registration before the memory is freed.
 
         The agent's metadata, which peers load to READ from us, covers the memory registered so far.
         """
         with self._lock:
-            registration = self._agent.register_memory(buffer)
+            descs = self._agent.register_memory(buffer)
             self.metadata = self._agent.get_agent_metadata()
-        return registration
+        return Registration(self, descs)
 
-    def deregister(self, registration) -> None:
-        """Undo a :meth:`register`, before the memory is freed: a buffer freed while registered leaves UCX holding
-        a mapping of memory that is gone (on a GPU, the process's next allocation failed with "resource already
-        mapped")."""
+    def _deregister(self, descs) -> None:
         with self._lock:
-            self._agent.deregister_memory(registration)
+            self._agent.deregister_memory(descs)
             self.metadata = self._agent.get_agent_metadata()
 
     def _connect(self, remote: str, metadata: bytes) -> None:
@@ -216,6 +213,20 @@ class NixlAgent:
         """Notifications received since the last call, by sending agent."""
         with self._lock:
             return self._agent.get_new_notifs()
+
+
+class Registration:
+    """A buffer registered with a :class:`NixlAgent`. :meth:`close` deregisters it, once: a buffer freed while
+    registered leaves UCX holding a mapping of memory that is gone (on a GPU, the process's next allocation failed
+    with "resource already mapped")."""
+
+    def __init__(self, agent: NixlAgent, descs) -> None:
+        self._agent, self._descs = agent, descs
+
+    def close(self) -> None:
+        descs, self._descs = self._descs, None
+        if descs is not None:
+            self._agent._deregister(descs)
 
 
 _process_agent: NixlAgent | None = None

@@ -64,16 +64,10 @@ class StampTable:
 
     def __init__(self, agent: NixlAgent, slots: int = STAMP_SLOTS) -> None:
         self.buffer = torch.zeros(slots * STAMP_BYTES, dtype=torch.uint8)
-        self._agent = agent
-        self._registration = agent.register(self.buffer)
+        self.registration = agent.register(self.buffer)
         self.address = self.buffer.data_ptr()
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()
-
-    def close(self) -> None:
-        registration, self._registration = self._registration, None
-        if registration is not None:
-            self._agent.deregister(registration)
 
     def take(self, lease_id: str) -> int:
         """A slot stamped with ``lease_id``."""
@@ -265,7 +259,7 @@ class TransferSender:
         self._leased.set()
         self._thread.join(timeout=1.0)
         self.pool.close()
-        self.stamps.close()
+        self.stamps.registration.close()
 
 
 def _reachable(address: str) -> bool:

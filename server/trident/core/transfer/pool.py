@@ -36,8 +36,7 @@ class MemoryPool:
         self.capacity = _aligned(nbytes)
         self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self.memory: tuple[str, int] = memory_type(self.buffer)  # NIXL's memory type and device id
-        self._agent = agent
-        self._registration = agent.register(self.buffer) if agent is not None else None
+        self.registration = agent.register(self.buffer) if agent is not None else None  # (closed by close())
         self.address = self.buffer.data_ptr()
         self.typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype (tensors.unpack_tensors)
         self._lock = threading.Lock()
@@ -45,10 +44,9 @@ class MemoryPool:
         self._used: dict[int, int] = {}  # offset -> aligned size
 
     def close(self) -> None:
-        """Deregister the buffer (once): no peer can READ it after this."""
-        registration, self._registration = self._registration, None
-        if registration is not None:
-            self._agent.deregister(registration)
+        """Deregister the buffer: no peer can READ it after this."""
+        if self.registration is not None:
+            self.registration.close()
 
     def alloc(self, nbytes: int) -> Region:
         """A region of at least ``nbytes``; raises :class:`PoolExhausted` when none is free."""
